@@ -1,0 +1,111 @@
+"""The one place attention meets the paged KV cache.
+
+`write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
+tables. Both pick the torch path (CPU, and anywhere Triton is missing) or the Triton kernels (CUDA) here and
+nowhere else. PAGEDCHAT_ATTENTION=torch|triton forces either, for tests and comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens live: a flat batch of B sequences, T tokens, no padding."""
+
+    slot_mapping: torch.Tensor     # [T] int64: page * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32: cumulative query counts
+    context_lens: torch.Tensor     # [B] int32: tokens in the cache per sequence, this step's included
+    block_tables: torch.Tensor     # [B, max_pages] int32, padded with 0
+    query_lens: list[int]          # host copies, for the torch path's loops
+    context_lens_host: list[int]
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def backend(device: torch.device) -> str:
+    forced = os.environ.get("PAGEDCHAT_ATTENTION", "").lower()
+    if forced in ("torch", "triton"):
+        return forced
+    if device.type == "cuda":
+        from pagedchat.kernels import triton_available
+
+        if triton_available():
+            return "triton"
+    return "torch"
+
+
+def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, use_triton: bool) -> None:
+    if use_triton:
+        from pagedchat.kernels import write_kv as triton_write_kv
+
+        triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return
+    # The cache is [pages, block_size, kv_heads, head_dim]: flattening the first two makes slots direct rows.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, use_triton: bool) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim], causal over each sequence's cached context."""
+    if use_triton:
+        from pagedchat.kernels import paged_attention as triton_attention
+
+        return triton_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+                                scale, meta.max_query_len, meta.max_context_len)
+    if meta.decode_only:
+        return _decode_torch(q, k_cache, v_cache, meta, scale)
+    return _varlen_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order."""
+    pages = cache[block_tables]                       # [B, pages, block, kv_heads, head_dim]
+    b, n, bs, h, d = pages.shape
+    return pages.view(b, n * bs, h, d)[:, :length].transpose(1, 2)
+
+
+def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All sequences at once: one query each, keys padded to the longest context and masked."""
+    length = meta.max_context_len
+    tables = meta.block_tables[:, : -(-length // k_cache.shape[1])]
+    k = _gather(k_cache, tables, length)
+    v = _gather(v_cache, tables, length)
+    positions = torch.arange(length, device=q.device)
+    mask = (positions[None, :] < meta.context_lens[:, None].to(positions.dtype))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(2)
+
+
+def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Sequence by sequence: causal inside the chunk, full over the cached prefix."""
+    out = torch.empty_like(q)
+    start = 0
+    block_size = k_cache.shape[1]
+    for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+        table = meta.block_tables[b : b + 1, : -(-ctx // block_size)]
+        k = _gather(k_cache, table, ctx)
+        v = _gather(v_cache, table, ctx)
+        qb = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, head_dim]
+        if qlen == ctx:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=qb.shape[1] != k.shape[1])
+        else:
+            # Query i sits at position ctx - qlen + i and sees keys up to there.
+            rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=qb.shape[1] != k.shape[1])
+        out[start : start + qlen] = o[0].transpose(0, 1)
+        start += qlen
+    return out

@@ -1,0 +1,178 @@
+"""The user's settings: `config.toml` in the config dir, overridden by command-line flags.
+
+Example `config.toml` (every key optional):
+
+    model = "HuggingFaceTB/SmolLM2-360M-Instruct"   # folder, .gguf file or hub id; default: SmolLM2-135M
+    kv_cache_memory = "2GiB"                         # KV cache budget; default: sized from free memory
+    swap_space = "1GiB"                              # CPU tier for swapped-out / offloaded pages
+    block_size = 16                                  # tokens per page
+    device = "cuda"
+    dtype = "bfloat16"
+    system_prompt = "You are a helpful assistant."   # for new chats
+    theme = "pagedchat-dark"                         # used until a theme is picked in the app
+
+    [sampling]                                       # defaults for new chats
+    max_tokens = 1024
+    temperature = 0.7
+    top_p = 0.95
+    top_k = 0
+
+    [keys]                                           # binding id = keys, see F1 in the app
+    new_chat = "ctrl+t"
+    toggle_inspector = "f2,ctrl+m"
+
+This module imports nothing heavy: `pagedchat --help` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from pagedchat.errors import PagedChatError
+
+CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
+DATA_DIR_ENV = "PAGEDCHAT_DATA_DIR"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
+DEFAULT_THEME = "pagedchat-dark"
+
+
+class ConfigError(PagedChatError):
+    """config.toml cannot be read or holds a value of the wrong kind."""
+
+
+def config_dir() -> Path:
+    """Where config.toml and user themes live; PAGEDCHAT_CONFIG_DIR overrides the platform default."""
+    override = os.environ.get(CONFIG_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return platformdirs.user_config_path("pagedchat")
+
+
+def data_dir() -> Path:
+    """Where saved chats and exports live; PAGEDCHAT_DATA_DIR overrides the platform default."""
+    override = os.environ.get(DATA_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return platformdirs.user_data_path("pagedchat")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling settings a new chat starts with; each chat then keeps its own."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything the app needs to start. Build it with load_config(); the CLI passes its flags as overrides."""
+
+    model: str | None = None                 # None: the default model, pulled on first use
+    kv_cache_memory: int | str | None = None
+    swap_space: int | str | None = None
+    block_size: int = 16
+    device: str | None = None
+    dtype: str | None = None
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    theme: str | None = None                 # None: the theme last picked in the app, else DEFAULT_THEME
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    keys: dict[str, str] = field(default_factory=dict)
+    config_dir: Path = field(default_factory=config_dir)
+    data_dir: Path = field(default_factory=data_dir)
+    config_file: Path | None = None          # the file these values came from, if any
+
+    @property
+    def user_theme_dir(self) -> Path:
+        return self.config_dir / "themes"
+
+    def with_overrides(self, **overrides) -> AppConfig:
+        """A copy with the given fields replaced; None values are ignored so unset CLI flags change nothing."""
+        fields = {f.name for f in dataclasses.fields(self)} | set(SamplingDefaults.__dataclass_fields__)
+        unknown = set(overrides) - fields
+        if unknown:
+            raise TypeError(f"unknown config fields: {', '.join(sorted(unknown))}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        sampling = {k: given.pop(k) for k in list(given) if k in SamplingDefaults.__dataclass_fields__}
+        if sampling:
+            given["sampling"] = dataclasses.replace(self.sampling, **sampling)
+        for key in ("config_dir", "data_dir"):
+            if key in given:
+                given[key] = Path(given[key]).expanduser()
+        return dataclasses.replace(self, **given)
+
+
+# The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
+_TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
+        "device": (str,), "dtype": (str,), "system_prompt": (str,), "theme": (str,)}
+_SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
+
+
+def _check(where: str, table: dict, schema: dict) -> dict:
+    out = {}
+    for key, value in table.items():
+        if key not in schema:
+            raise ConfigError(f"{where}: unknown setting {key!r} (known: {', '.join(schema)})")
+        kinds = schema[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            names = " or ".join("number" if k is float else k.__name__ for k in kinds)
+            raise ConfigError(f"{where}: {key} must be a {names}, not {value!r}")
+        out[key] = float(value) if float in kinds and not isinstance(value, str) else value
+    return out
+
+
+def parse_config(text: str, source: str = "config.toml") -> dict:
+    """The overrides a config file's text asks for, validated (raises ConfigError)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML ({exc})") from None
+    sampling = raw.pop("sampling", {})
+    keys = raw.pop("keys", {})
+    if not isinstance(sampling, dict):
+        raise ConfigError(f"{source}: [sampling] must be a table")
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        raise ConfigError(f'{source}: [keys] must map binding ids to key strings, e.g. new_chat = "ctrl+t"')
+    out = _check(source, raw, _TOP)
+    out.update(_check(f"{source} [sampling]", sampling, _SAMPLING))
+    if out.get("block_size", 1) < 1:
+        raise ConfigError(f"{source}: block_size must be at least 1")
+    if keys:
+        out["keys"] = dict(keys)
+    return out
+
+
+def load_config(path: str | Path | None = None, **overrides) -> AppConfig:
+    """Read config.toml (path, or the one in config_dir() if it exists), then apply overrides (CLI flags).
+
+    overrides take AppConfig field names plus the [sampling] keys (max_tokens, temperature, top_p, top_k);
+    None values are ignored. A missing default file is fine; a missing explicit path or a bad file raises
+    ConfigError.
+    """
+    base = AppConfig()
+    if overrides.get("config_dir") is not None:
+        base = base.with_overrides(config_dir=overrides["config_dir"])
+    file = Path(path).expanduser() if path is not None else base.config_dir / "config.toml"
+    from_file: dict = {}
+    if file.exists() or path is not None:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc.strerror or exc}") from None
+        from_file = parse_config(text, str(file))
+        base = dataclasses.replace(base, config_file=file)
+    return base.with_overrides(**from_file).with_overrides(**overrides)

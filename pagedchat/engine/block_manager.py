@@ -1,0 +1,335 @@
+"""Physical KV pages: who maps them, what they hold, and where they live.
+
+A page is USED while some block table maps it (ref count > 0). A full page also carries the chain hash of
+its content, so a later prompt with the same prefix maps it instead of recomputing it. When its last user
+lets go, a hashed page stays CACHED (content intact, reusable) until it is evicted, least recently used
+first; a page without a hash goes straight back to FREE. Evicted cached pages and the pages of preempted
+sequences move to a CPU tier when it has room. No torch here: the block manager plans copies, the model
+runner performs them (see CopyPlan).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from pagedchat.engine.sequence import Sequence
+
+
+def page_hash(parent: int | None, tokens: list[int]) -> int:
+    """Chain hash of a full page: its tokens and, through the parent's hash, every token before them.
+
+    The model, dtype and block size are fixed for an engine, so tokens and position are all that decide a
+    page's K/V here. Python's tuple hash of ints is deterministic across runs (no hash seed applies).
+    """
+    return hash((parent, tuple(tokens)))
+
+
+def chain_hashes(tokens: list[int], block_size: int, num_pages: int, start: list[int] | None = None) -> list[int]:
+    hashes = list(start or [])
+    for i in range(len(hashes), num_pages):
+        parent = hashes[-1] if hashes else None
+        hashes.append(page_hash(parent, tokens[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+@dataclass
+class CopyPlan:
+    """Page copies one step needs, run in this order before the forward pass."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # GPU page -> CPU page
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # CPU page -> GPU page
+    cow: list[tuple[int, int]] = field(default_factory=list)       # GPU page -> GPU page (copy-on-write)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.cow)
+
+
+@dataclass
+class MemoryCounters:
+    prefix_queries: int = 0     # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0        # of those, tokens served from cached pages
+    evictions: int = 0          # cached pages dropped from the GPU pool
+    offloads: int = 0           # cached pages saved to the CPU tier on eviction
+    swap_outs: int = 0          # sequences preempted by swapping to the CPU tier
+    swap_ins: int = 0
+    recomputes: int = 0         # sequences preempted by dropping their pages
+    cow_copies: int = 0
+
+
+class CpuTier:
+    """Pages in host memory: cached pages offloaded from the GPU pool, and pages of swapped-out sequences."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self.cached: dict[int, int] = {}                  # hash -> CPU page
+        self.page_hash: dict[int, int] = {}               # CPU page -> hash
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached CPU pages, oldest first
+        self.held: set[int] = set()                       # pages of swapped-out sequences
+        self.release_after_step: list[int] = []           # read by this step's swap-ins; freed after it
+
+    def available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.popleft()
+        page, _ = self.evictable.popitem(last=False)
+        del self.cached[self.page_hash.pop(page)]
+        return page
+
+    def release_cached(self, page: int) -> None:
+        """A cached CPU page is being copied back to the GPU: stop advertising it, free it after the step."""
+        del self.cached[self.page_hash.pop(page)]
+        self.evictable.pop(page, None)
+        self.release_after_step.append(page)
+
+    def end_step(self) -> None:
+        self.free.extend(self.release_after_step)
+        self.release_after_step.clear()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, block_size: int, num_cpu_pages: int = 0):
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.ref = [0] * num_pages
+        self.page_hash: list[int | None] = [None] * num_pages
+        self.cached: dict[int, int] = {}                   # hash -> GPU page holding that content
+        self.free: deque[int] = deque(range(num_pages))   # pages holding nothing reusable
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; least recently used first
+        self.cpu = CpuTier(num_cpu_pages)
+        self.counters = MemoryCounters()
+        self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=64)  # (queried, hit) per admission
+        self._ops = CopyPlan()
+
+    # ---- page pool -------------------------------------------------------------------------------------
+    def num_available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        """A page for new content: a free one, else the least recently used cached one."""
+        if self.free:
+            page = self.free.popleft()
+        else:
+            page, _ = self.evictable.popitem(last=False)
+            self._evict(page)
+        self.ref[page] = 1
+        return page
+
+    def _evict(self, page: int) -> None:
+        h = self.page_hash[page]
+        del self.cached[h]
+        self.page_hash[page] = None
+        self.counters.evictions += 1
+        if self.cpu.available():
+            cpu_page = self.cpu.take()
+            self._ops.swap_out.append((page, cpu_page))
+            self.cpu.cached[h] = cpu_page
+            self.cpu.page_hash[cpu_page] = h
+            self.cpu.evictable[cpu_page] = None
+            self.counters.offloads += 1
+
+    def _ref(self, page: int) -> None:
+        if self.ref[page] == 0:
+            self.evictable.pop(page)
+        self.ref[page] += 1
+
+    def _unref(self, page: int) -> None:
+        self.ref[page] -= 1
+        if self.ref[page] == 0:
+            if self.page_hash[page] is not None:
+                self.evictable[page] = None  # most recently used end
+            else:
+                self.free.append(page)
+
+    def take_ops(self) -> CopyPlan:
+        ops, self._ops = self._ops, CopyPlan()
+        return ops
+
+    def end_step(self) -> None:
+        self.cpu.end_step()
+
+    # ---- sequences -------------------------------------------------------------------------------------
+    def admit(self, seq: Sequence, token_budget: int) -> int:
+        """Map seq's cached prefix and take pages for its first chunk.
+
+        Returns the number of tokens to compute this step, or 0 (and changes nothing) when there is no room.
+        The last prompt token is always computed: its logits pick the first new token.
+        """
+        bs = self.block_size
+        hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
+        gpu_hits, cpu_hits = [], []
+        for h in hashes:
+            if h in self.cached and not cpu_hits:
+                gpu_hits.append(self.cached[h])
+            elif h in self.cpu.cached:
+                cpu_hits.append(self.cpu.cached[h])
+            else:
+                break
+        hit_pages = len(gpu_hits) + len(cpu_hits)
+        hit_tokens = hit_pages * bs
+        n = min(len(seq.token_ids) - hit_tokens, token_budget)
+        if n <= 0:
+            return 0
+        fresh = self.pages_for(hit_tokens + n) - hit_pages
+        reclaimable = sum(1 for p in gpu_hits if self.ref[p] == 0)
+        if fresh + len(cpu_hits) > self.num_available() - reclaimable:
+            return 0
+        for page in gpu_hits:  # pin the GPU hits first, so taking pages below cannot evict them
+            self._ref(page)
+        table = list(gpu_hits)
+        for cpu_page in cpu_hits:
+            h = hashes[len(table)]
+            self.cpu.release_cached(cpu_page)
+            page = self._take()
+            self._ops.swap_in.append((cpu_page, page))
+            self.cached[h] = page
+            self.page_hash[page] = h
+            table.append(page)
+        seq.block_table = table
+        seq.page_hashes = hashes[:hit_pages]
+        seq.num_computed = hit_tokens
+        self._grow(seq, hit_tokens + n)
+        if not seq.admitted:
+            seq.admitted = True
+            seq.cached_tokens = hit_tokens
+            self.counters.prefix_queries += len(seq.token_ids)
+            self.counters.prefix_hits += hit_tokens
+            self.recent_lookups.append((len(seq.token_ids), hit_tokens))
+        return n
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self._take())
+
+    def prepare_write(self, seq: Sequence, n: int) -> bool:
+        """Make room for seq's next n tokens: new pages past its end, and a private copy of a shared page
+        it is about to write into (copy-on-write). False, with nothing changed, when the pool is short."""
+        offset = seq.num_computed % self.block_size
+        idx = seq.num_computed // self.block_size
+        shared_tail = offset != 0 and self.ref[seq.block_table[idx]] > 1
+        needed = max(0, self.pages_for(seq.num_computed + n) - len(seq.block_table)) + shared_tail
+        if needed > self.num_available():
+            return False
+        if shared_tail:
+            old = seq.block_table[idx]
+            new = self._take()
+            self._ops.cow.append((old, new))
+            self._unref(old)
+            seq.block_table[idx] = new
+            self.counters.cow_copies += 1
+        self._grow(seq, seq.num_computed + n)
+        return True
+
+    def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash the pages that will be full once seq's first num_tokens are computed, and offer them for reuse.
+
+        A page whose content is already cached elsewhere stays private (a duplicate): merging would remap a
+        live block table mid-flight, and such duplicates only live as long as their sequence runs.
+        """
+        full = num_tokens // self.block_size
+        seq.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, seq.page_hashes)
+        for i in range(len(seq.page_hashes)):
+            h, page = seq.page_hashes[i], seq.block_table[i]
+            if self.page_hash[page] is None and h not in self.cached:
+                self.cached[h] = page
+                self.page_hash[page] = h
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Let go of seq's pages. The end of the chain goes first, so it is also evicted first."""
+        for page in reversed(seq.block_table):
+            self._unref(page)
+        seq.block_table = []
+        for cpu_page in seq.cpu_table:
+            self.cpu.held.discard(cpu_page)
+            self.cpu.free.append(cpu_page)
+        seq.cpu_table = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child maps every page of the parent, partial last page included; writes copy first."""
+        for page in parent.block_table:
+            self.ref[page] += 1
+        child.block_table = list(parent.block_table)
+        child.page_hashes = list(parent.page_hashes)
+        child.num_computed = parent.num_computed
+
+    def forget_hashes(self, seq: Sequence) -> None:
+        """Un-advertise seq's pages, e.g. after a failed forward pass left their content undefined."""
+        for page in seq.block_table:
+            h = self.page_hash[page]
+            if h is not None:
+                del self.cached[h]
+                self.page_hash[page] = None
+        seq.page_hashes = []
+
+    # ---- preemption --------------------------------------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room."""
+        if len(seq.block_table) > self.cpu.available():
+            return False
+        for page in seq.block_table:
+            cpu_page = self.cpu.take()
+            self.cpu.held.add(cpu_page)
+            self._ops.swap_out.append((page, cpu_page))
+            seq.cpu_table.append(cpu_page)
+        for page in reversed(seq.block_table):
+            self._unref(page)
+        seq.block_table = []
+        self.counters.swap_outs += 1
+        return True
+
+    def swap_in(self, seq: Sequence, next_tokens: int) -> bool:
+        """Bring a swapped-out sequence back, with room for its next tokens. Full pages still cached on the
+        GPU are mapped again rather than copied."""
+        keep = [i < len(seq.page_hashes) and seq.page_hashes[i] in self.cached for i in range(len(seq.cpu_table))]
+        reclaimable = sum(1 for i, k in enumerate(keep) if k and self.ref[self.cached[seq.page_hashes[i]]] == 0)
+        grow = max(0, self.pages_for(seq.num_computed + next_tokens) - len(seq.cpu_table))
+        if keep.count(False) + grow > self.num_available() - reclaimable:
+            return False
+        for i, cpu_page in enumerate(seq.cpu_table):
+            if keep[i]:
+                page = self.cached[seq.page_hashes[i]]
+                self._ref(page)
+            else:
+                page = None
+            seq.block_table.append(page)
+        for i, cpu_page in enumerate(seq.cpu_table):
+            if not keep[i]:
+                page = self._take()
+                self._ops.swap_in.append((cpu_page, page))
+                seq.block_table[i] = page
+            self.cpu.held.discard(cpu_page)
+            self.cpu.release_after_step.append(cpu_page)
+        seq.cpu_table = []
+        self.register_full_pages(seq, seq.num_computed)
+        self.counters.swap_ins += 1
+        return True
+
+    # ---- views -------------------------------------------------------------------------------------------
+    def page_states(self) -> list[str]:
+        states = ["free"] * self.num_pages
+        for page in range(self.num_pages):
+            if self.ref[page]:
+                states[page] = "used"
+        for page in self.evictable:
+            states[page] = "cached"
+        return states
+
+    def check_invariants(self, tables: list[list[int]]) -> None:
+        """Each page's ref count equals the number of block tables mapping it; no page is free and mapped."""
+        counts = [0] * self.num_pages
+        for table in tables:
+            for page in table:
+                counts[page] += 1
+        assert counts == self.ref, "ref counts differ from block tables"
+        mapped = {p for p in range(self.num_pages) if counts[p]}
+        assert not mapped & set(self.free), "a mapped page is in the free pool"
+        assert not mapped & set(self.evictable), "a mapped page is in the cached pool"
+        assert len(self.free) + len(self.evictable) + len(mapped) == self.num_pages, "a page leaked"
+        for h, page in self.cached.items():
+            assert self.page_hash[page] == h

@@ -1,0 +1,22 @@
+"""Chat prompts as token ids that keep earlier turns byte-identical, so they hit the prefix cache."""
+
+from __future__ import annotations
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None) -> list[int]:
+    """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated).
+
+    Re-tokenising a reply's text need not give back the ids the model generated, and then nothing after the
+    first difference hits the cache. So when the template renders the earlier ids' text unchanged as a
+    prefix, those exact ids are kept and only the new text is tokenised.
+    """
+    text = render_chat(tokenizer, messages)
+    if previous_ids:
+        before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if text.startswith(before):
+            return list(previous_ids) + tokenizer.encode(text[len(before):], add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,107 @@
+"""A request's tokens, its place in the cache, and what it reports back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedchat.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # not admitted yet, or preempted for recompute
+    RUNNING = "running"    # holds GPU pages
+    SWAPPED = "swapped"    # preempted; its pages sit in the CPU tier
+    FINISHED = "finished"
+
+
+@dataclass
+class Completion:
+    """The result of one request. token_ids holds the generated ids only (the EOS id included, as transformers)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop", "length", "cancelled" or "error"
+    cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache
+    prefilled_tokens: int = 0   # prompt tokens this request computed
+    time_to_first_token: float | None = None
+    decode_tokens_per_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a request; handed to on_update callbacks and stream iterators."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    completion: Completion | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                 # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0                # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # chain hash of each full page, in order
+    cpu_table: list[int] = field(default_factory=list)     # CPU-tier pages while SWAPPED
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    text: str = ""
+    # Incremental detokenisation over the output ids (see Detokenizer).
+    prefix_offset: int = 0
+    read_offset: int = 0
+    emitted: int = 0                     # characters of text already streamed
+    admitted: bool = False
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed}, pages={self.block_table})")
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def completion(self) -> Completion:
+        n_out = len(self.output_ids)
+        tps = None
+        if self.first_token_time and self.last_token_time and n_out > 1:
+            span = self.last_token_time - self.first_token_time
+            tps = (n_out - 1) / span if span > 0 else None
+        return Completion(
+            request_id=self.request_id,
+            prompt_token_ids=self.token_ids[:self.num_prompt_tokens],
+            token_ids=list(self.output_ids),
+            text=self.text,
+            finish_reason=self.finish_reason,
+            cached_tokens=self.cached_tokens,
+            prefilled_tokens=self.prefilled_tokens,
+            time_to_first_token=(self.first_token_time - self.arrival) if self.first_token_time else None,
+            decode_tokens_per_s=tps,
+            error=self.error,
+        )

@@ -1,0 +1,89 @@
+"""How big the KV cache is: parsing user sizes and dtypes, and the default budget."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagedchat.model.config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DEFAULT_CPU_SHARE = 0.10       # of available memory, for the KV pool when no size is given
+DEFAULT_CPU_CAP = 2 * 2**30
+DEFAULT_GPU_SHARE = 0.60       # of free GPU memory after the weights
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """256MiB, 1.5GB, 4096 -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size: write bytes or a number with a unit like 256MiB or 2GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {value!r}: use one of float32, bfloat16, float16") from None
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_pages: int
+    num_cpu_pages: int
+    page_bytes: int
+    reason: str  # how the default was chosen; empty when the user gave a size
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+               kv_bytes: int | None, swap_bytes: int | None) -> CachePlan:
+    page_bytes = config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+    reason = ""
+    if kv_bytes is None:
+        # Never more than 16 sequences at full context would use.
+        ceiling = 16 * config.max_position_embeddings * page_bytes // block_size
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_bytes = min(int(free * DEFAULT_GPU_SHARE), ceiling)
+            reason = f"default: {DEFAULT_GPU_SHARE:.0%} of free GPU memory"
+        else:
+            kv_bytes = min(int(_available_host_memory() * DEFAULT_CPU_SHARE), DEFAULT_CPU_CAP, ceiling)
+            reason = f"default: {DEFAULT_CPU_SHARE:.0%} of available memory, at most {DEFAULT_CPU_CAP >> 30} GiB"
+    num_pages = kv_bytes // page_bytes
+    if num_pages < 1:
+        raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no page: one page of {block_size} tokens "
+                         f"takes {page_bytes} bytes for this model")
+    swap = kv_bytes // 4 if swap_bytes is None else swap_bytes
+    return CachePlan(num_pages, swap // page_bytes, page_bytes, reason)

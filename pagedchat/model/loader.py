@@ -1,0 +1,433 @@
+"""Finding a model and reading it: Hugging Face folders, hub ids, and GGUF files converted to Hugging Face form.
+
+The engine only ever reads a Hugging Face folder (config.json, safetensors, tokenizer files). A GGUF is turned
+into one once, with its quantized weights dequantized to float32, so everything downstream has one path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedchat.errors import ModelError
+
+Progress = Callable[[str, "float | None"], None]
+
+# Written last into a converted folder: a folder without it is a leftover and is never used.
+COMPLETE_MARKER = ".pagedchat-complete"
+
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# GGUF tensor name -> Hugging Face name; "{}" is the layer number.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _say(progress: Progress | None, message: str, fraction: float | None = None) -> None:
+    if progress is not None:
+        progress(message, fraction)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF -> Hugging Face folder
+
+
+def _open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except FileNotFoundError:
+        raise ModelError(f"no such GGUF file: {path}") from None
+    except Exception as exc:  # the reader raises whatever numpy does on a bad or cut-off file
+        raise ModelError(f"{path.name}: not a readable GGUF file, corrupt or truncated ({_first_line(exc)})") from None
+
+
+def _field(reader, key: str, default=None):
+    """A scalar or string metadata value, read via parts/data so older gguf versions work too."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    part = field.parts[field.data[0]]
+    if len(field.types) == 1 and field.types[0].name == "STRING":
+        return bytes(part).decode("utf-8")
+    return part[0].item() if hasattr(part[0], "item") else part[0]
+
+
+def _f32(value) -> float:
+    """GGUF stores these as float32; write 1e-05, not its float64 expansion 9.999999747378752e-06."""
+    return float(f"{float(value):.7g}")
+
+
+def _gguf_config(reader, path: Path) -> dict:
+    """config.json contents for a llama or qwen2 GGUF, from its metadata and tensor list."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _HF_ARCH:
+        raise ModelError(f"{path.name}: unsupported GGUF architecture {arch!r}: pagedchat converts llama and qwen2")
+    key = lambda name: f"{arch}.{name}"  # noqa: E731 - metadata keys are prefixed with the architecture
+    if (_field(reader, key("rope.scaling.type")) or "none") != "none":
+        raise ModelError(f"{path.name}: rope scaling {_field(reader, key('rope.scaling.type'))!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.1-style scaling is stored as a frequency table whose parameters a HF config cannot be rebuilt from.
+        raise ModelError(f"{path.name}: Llama 3.1-style rope frequency scaling in GGUF is not supported")
+    try:
+        hidden = int(_field(reader, key("embedding_length")))
+        heads = int(_field(reader, key("attention.head_count")))
+        cfg = {
+            "hidden_size": hidden,
+            "intermediate_size": int(_field(reader, key("feed_forward_length"))),
+            "num_hidden_layers": int(_field(reader, key("block_count"))),
+            "num_attention_heads": heads,
+        }
+    except TypeError:
+        raise ModelError(f"{path.name}: GGUF metadata lacks the model's shape ({arch}.* keys)") from None
+    kv_heads = int(_field(reader, key("attention.head_count_kv"), heads))
+    head_dim = int(_field(reader, key("attention.key_length"), 0) or _field(reader, key("rope.dimension_count"), 0)
+                   or hidden // heads)
+    if "token_embd.weight" not in tensors:
+        raise ModelError(f"{path.name}: GGUF has no token_embd.weight tensor")
+    # The embedding's row count is the true vocabulary size; the metadata key is optional in older files.
+    vocab = int(tensors["token_embd.weight"].shape[-1])
+    theta = _f32(_field(reader, key("rope.freq_base"), 10000.0))
+    bos, eos, pad = (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
+    eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))
+    cfg.update({
+        "architectures": [_HF_ARCH[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(_field(reader, key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        # Flat rope_theta for transformers 4, rope_parameters for transformers 5.
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": int(_field(reader, key("context_length"), 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # Qwen2 always has q/k/v biases (a file without them is then reported as missing tensors).
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+    })
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    else:
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
+def _expected_shapes(cfg: dict, tensors: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (torch shape, GGUF name) for every tensor the model needs, in file order."""
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"token_embd": (cfg["vocab_size"], h), "output_norm": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["output"] = (cfg["vocab_size"], h)
+    layer = {"attn_norm": (h,), "ffn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h),
+             "attn_output": (h, q), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for gname, shape in shapes.items():
+        out[_GLOBAL_NAMES[gname] + ".weight"] = (shape, gname + ".weight")
+    for n in range(cfg["num_hidden_layers"]):
+        for gname, shape in layer.items():
+            out[f"model.layers.{n}.{_LAYER_NAMES[gname]}.weight"] = (shape, f"blk.{n}.{gname}.weight")
+        if cfg["attention_bias"]:
+            for gname, size in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                out[f"model.layers.{n}.{_LAYER_NAMES[gname]}.bias"] = ((size,), f"blk.{n}.{gname}.bias")
+    wanted = {g for _, g in out.values()}
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelError(f"GGUF is missing tensor {missing[0]}{more}")
+    extra = sorted(set(tensors) - wanted)
+    if extra:
+        raise ModelError(f"GGUF has tensor {extra[0]} that a plain {cfg['model_type']} model does not use")
+    return out
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary re-ordering of q/k rows (its convert_hf_to_gguf `permute`, for llama only).
+
+    llama.cpp interleaves each head's two rotary halves; Hugging Face keeps them as halves. This is the inverse,
+    as in transformers' LlamaTensorProcessor._reverse_permute_weights.
+    """
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor, shape: tuple[int, ...]) -> np.ndarray:
+    import gguf
+
+    try:
+        arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelError(f"tensor {tensor.name} uses {tensor.tensor_type.name}, which gguf cannot dequantize") from None
+    except Exception as exc:
+        raise ModelError(f"tensor {tensor.name} could not be read ({_first_line(exc)}); the GGUF is corrupt") from None
+    # GGUF lists dims innermost first; reversed they are torch's order, which the config fixes independently.
+    if tuple(reversed([int(x) for x in tensor.shape])) != shape or arr.size != math.prod(shape):
+        raise ModelError(f"tensor {tensor.name} has shape {tuple(reversed(tensor.shape.tolist()))}, "
+                         f"but the GGUF metadata implies {shape}")
+    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
+
+
+def _write_safetensors(path: Path, specs: dict, produce: Callable[[str], np.ndarray],
+                       progress: Progress | None) -> None:
+    """Write float32 tensors one at a time, so peak memory is one tensor rather than the whole model.
+
+    The format is an 8-byte little-endian header length, a JSON header of dtype/shape/byte ranges, then the data.
+    """
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, _) in specs.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section must start 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for i, name in enumerate(specs):
+            f.write(produce(name).tobytes())
+            _say(progress, f"converting weights: {i + 1}/{len(specs)} tensors", (i + 1) / len(specs))
+
+
+def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
+    """Tokenizer files via transformers' GGUF tokenizer support, checked to keep the eos token and template."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its GGUF path logs informational noise we do not want in a TUI
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if chat_template and not tok.chat_template:
+            tok.chat_template = chat_template
+        tok.model_max_length = cfg["max_position_embeddings"]  # GGUF sets none, which saves as a 1e30 sentinel
+        tok.save_pretrained(out_dir)
+        saved = AutoTokenizer.from_pretrained(out_dir)
+    except Exception as exc:
+        raise ModelError(f"{gguf_path.name}: could not build its tokenizer ({_first_line(exc)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    eos = cfg["eos_token_id"]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and saved.eos_token_id not in eos_ids:
+        raise ModelError(f"{gguf_path.name}: converted tokenizer's eos id {saved.eos_token_id} is not the GGUF's {eos}")
+    if chat_template and saved.chat_template != chat_template:
+        raise ModelError(f"{gguf_path.name}: the chat template did not survive tokenizer conversion")
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: Progress | None = None) -> Path:
+    """Write a Hugging Face folder (config, generation config, float32 safetensors, tokenizer) for a GGUF."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    _say(progress, f"reading {gguf_path.name}")
+    reader = _open_gguf(gguf_path)
+    cfg = _gguf_config(reader, gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    try:
+        specs = _expected_shapes(cfg, tensors)
+    except ModelError as exc:
+        raise ModelError(f"{gguf_path.name}: {exc}") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    def produce(name: str) -> np.ndarray:
+        shape, gname = specs[name]
+        w = _dequantize(tensors[gname], shape)
+        if cfg["model_type"] == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            is_q = gname.split(".")[-2] == "attn_q"
+            w = _unpermute_qk(w, cfg["num_attention_heads"] if is_q else cfg["num_key_value_heads"])
+        return w
+
+    _write_safetensors(out_dir / "model.safetensors", specs, produce, progress)
+    _say(progress, "converting the tokenizer")
+    _convert_tokenizer(gguf_path, out_dir, cfg, _field(reader, "tokenizer.chat_template"))
+    return out_dir
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / COMPLETE_MARKER).is_file()
+
+
+def convert_gguf_into_place(gguf_path: str | os.PathLike, final_dir: str | os.PathLike,
+                            progress: Progress | None = None, replace: bool = False) -> Path:
+    """convert_gguf into a temporary sibling, then rename it to final_dir: a crash never leaves half a model there.
+
+    replace=True swaps out a complete final_dir too (a forced re-pull); otherwise a complete one is kept.
+    """
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    try:
+        convert_gguf(gguf_path, tmp, progress)
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        _move_into_place(tmp, final_dir, replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final_dir
+
+
+def _move_into_place(tmp: Path, final_dir: Path, replace: bool) -> None:
+    if final_dir.exists():
+        if is_complete(final_dir) and not replace:
+            return  # another process finished the same conversion first; theirs is as good as ours
+        # An incomplete leftover (or a forced refresh): move it aside first, so the rename below cannot fail.
+        trash = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-", dir=final_dir.parent))
+        os.replace(final_dir, trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(tmp, final_dir)
+    except OSError:
+        if not is_complete(final_dir):  # lost a race to a finished folder is fine; anything else is not
+            raise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding a model
+
+
+def _gguf_fingerprint(path: Path) -> str:
+    """Identify a GGUF by its size and first and last MiB: cheap on multi-GiB files, and changes if it is replaced."""
+    mib = 1 << 20
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(mib))
+        f.seek(max(0, size - mib))
+        h.update(f.read(mib))
+    return h.hexdigest()
+
+
+def _resolve_gguf(path: Path, progress: Progress | None) -> Path:
+    from pagedchat.model.pull import cache_root
+
+    folder = cache_root() / "models" / f"gguf-{_gguf_fingerprint(path)}"
+    if is_complete(folder):
+        return folder
+    return convert_gguf_into_place(path, folder, progress)
+
+
+def _resolve_hub(repo_id: str, progress: Progress | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        _say(progress, f"downloading {repo_id} from the Hugging Face hub")
+        folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:
+        raise ModelError(f"could not download {repo_id} from the Hugging Face hub: {_first_line(exc)}") from None
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo_id} on the Hugging Face hub has no config.json, so it is not a transformers model")
+    return folder
+
+
+def resolve_model(spec: str | os.PathLike | None, progress: Progress | None = None) -> Path:
+    """A Hugging Face model folder for spec: None (the default model), a folder, a .gguf file, or a hub id."""
+    if spec is None:
+        from pagedchat.model.pull import pull_default_model
+
+        return pull_default_model(progress)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec}: no config.json, so this is not a Hugging Face model folder")
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"{spec}: not a model (give a model folder, a .gguf file, or a hub id)")
+        return _resolve_gguf(path, progress)
+    if isinstance(spec, str) and _HUB_ID.match(spec) and not spec.lower().endswith(".gguf"):
+        return _resolve_hub(spec, progress)
+    raise ModelError(f"no such model: {spec} (give a model folder, a .gguf file, or a hub id)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a Hugging Face folder
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ModelError(f"{index.name}: not a valid safetensors index ({_first_line(exc)})") from None
+        return [folder / name for name in dict.fromkeys(weight_map.values())]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelError(f"{folder}: no model.safetensors (pagedchat reads safetensors weights only)")
+
+
+def load_weights(folder: str | os.PathLike, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors file(s), under its Hugging Face name, in dtype on device."""
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(folder)):
+        if not path.is_file():
+            raise ModelError(f"{path.name}: weight file listed in the index is missing from {folder}")
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    weights[name] = t.to(dtype) if t.is_floating_point() else t
+        except Exception as exc:  # safetensors reports bad headers and short files with its own error type
+            raise ModelError(f"{path.name}: corrupt or truncated safetensors file ({_first_line(exc)})") from None
+    return weights
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """The folder's transformers tokenizer. A missing chat template is left for the engine to fall back on."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelError(f"{folder}: could not load its tokenizer ({_first_line(exc)})") from None
+
+
+def eos_token_ids(folder: str | os.PathLike, config_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+    """Every id that ends a reply: generation_config.json's, config.json's and the tokenizer's, in that order."""
+    ids: list[int] = []
+    gen = Path(folder) / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            value = None  # a broken generation config only loses extra stop ids; config.json still has its own
+        ids += value if isinstance(value, list) else ([value] if value is not None else [])
+    ids += list(config_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.append(tok_eos)
+    return tuple(dict.fromkeys(int(i) for i in ids))

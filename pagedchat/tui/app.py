@@ -1,0 +1,809 @@
+"""The pagedchat app: chat tabs over one Engine, streaming replies, the memory inspector, saved chats.
+
+Threads: the engine steps on its own thread and hands deltas to DeltaInbox, which wakes the UI with one
+DeltasReady message at a time; the model loads on a daemon thread. Everything else, including SQLite writes
+(a few ms, only when a chat changes), runs on Textual's event loop, so no widget is ever touched off-thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from copy import deepcopy
+from pathlib import Path
+from typing import Callable
+
+from textual import on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.content import Content
+from textual.screen import Screen
+from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
+
+from pagedchat.config import DEFAULT_THEME, AppConfig
+from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
+from pagedchat.tui.chat import ChatView, MessageView, PromptInput
+from pagedchat.tui.inspector import ChatPages, InspectorView
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, slug, title_from
+from pagedchat.tui.screens.help import HelpScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
+from pagedchat.tui.session import ChatSession
+from pagedchat.tui.store import Store
+from pagedchat.tui.themes import chat_colours, load_themes
+
+TICK_S = 0.25          # inspector refresh and page-ownership polling
+PANE_PREFIX = "chat-"
+
+EngineFactory = Callable[[Callable[[str, "float | None"], None]], object]
+
+
+def default_engine_factory(config: AppConfig) -> EngineFactory:
+    def make(progress):
+        from pagedchat.engine.engine import Engine  # torch and transformers load here, off the UI thread
+
+        return Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
+                      device=config.device, dtype=config.dtype, swap_space=config.swap_space, progress=progress)
+
+    return make
+
+
+class PagedChatApp(App):
+    CSS_PATH = "pagedchat.tcss"
+    TITLE = "pagedchat"
+
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True, id="quit"),
+        Binding("ctrl+n", "new_chat", "New", priority=True, id="new_chat"),
+        Binding("ctrl+w", "close_chat", "Close", priority=True, id="close_chat"),
+        Binding("f1", "help", "Help", id="help"),
+        Binding("f2", "toggle_inspector", "Memory", id="toggle_inspector"),
+        Binding("f3", "chat_settings", "Settings", id="chat_settings"),
+        Binding("f4", "rename_chat", "Rename", show=False, id="rename_chat"),
+        Binding("ctrl+pagedown", "next_chat", "Next chat", show=False, priority=True, id="next_chat"),
+        Binding("ctrl+pageup", "prev_chat", "Previous chat", show=False, priority=True, id="prev_chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, id="regenerate"),
+        Binding("ctrl+b", "branch", "Branch", show=False, id="branch"),
+        Binding("ctrl+o", "export_chat", "Export", show=False, id="export_chat"),
+    ]
+
+    def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.engine = None
+        self.engine_error: str | None = None
+        self._factory = engine_factory or default_engine_factory(config)
+        self.inbox = DeltaInbox(self)
+        self.sessions: dict[str, ChatSession] = {}
+        self.requests: dict[str, str] = {}           # live request id -> chat id
+        self.store: Store | None = None
+        self._startup_notes: list[tuple[str, str]] = []
+        loaded = load_themes(config.user_theme_dir)
+        for theme in loaded.themes:
+            self.register_theme(theme)
+        for error in loaded.errors:
+            self._startup_notes.append((f"Theme skipped: {error}", "warning"))
+
+    # ---- layout -----------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            yield InspectorView(id="inspector")
+        with Horizontal(id="statusbar"):
+            yield Label("loading the model…", id="status")
+            yield ProgressBar(total=None, show_eta=False, id="load-progress")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.store = self._open_store()
+        self._apply_theme()
+        self.theme_changed_signal.subscribe(self, self._on_theme_changed)
+        self._apply_keymap()
+        await self._restore_chats()
+        for text, severity in self._startup_notes:
+            self.notify(text, severity=severity, timeout=10)
+        start_loading(self, self._factory)
+        self.set_interval(TICK_S, self._tick)
+
+    def _open_store(self) -> Store:
+        try:
+            store = Store.open(self.config.data_dir)
+        except OSError as exc:
+            store = Store.in_memory(f"Cannot write saved chats in {self.config.data_dir} ({exc.strerror or exc}); "
+                                    "chats in this session will not be kept.")
+        if store.notice:
+            self._startup_notes.append((store.notice, "error"))
+        return store
+
+    def _apply_theme(self) -> None:
+        """config/CLI theme if it changed since the user last picked one in the app, else their pick."""
+        wanted, remembered = self.config.theme, self.store.get_state("theme")
+        if wanted and wanted != self.store.get_state("theme_config"):
+            choice = wanted
+        else:
+            choice = remembered or wanted or DEFAULT_THEME
+        if choice not in self.available_themes:
+            if choice != DEFAULT_THEME:
+                self._startup_notes.append((f"No theme named {choice!r}; using {DEFAULT_THEME}.", "warning"))
+            choice = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else "textual-dark"
+        self.theme = choice
+
+    def _on_theme_changed(self, theme) -> None:
+        if self.store is not None:
+            self.store.set_state("theme", theme.name)
+            self.store.set_state("theme_config", self.config.theme or "")
+        for session in self.sessions.values():
+            self._refresh_label(session)
+        self._tick(force=True)
+
+    def _apply_keymap(self) -> None:
+        known = {b.id for b in binding_catalogue() if b.id}
+        unknown = sorted(set(self.config.keys) - known)
+        if unknown:
+            self._startup_notes.append((f"config.toml [keys]: unknown binding id {', '.join(unknown)} "
+                                        "(F1 lists them)", "warning"))
+        self.set_keymap({k: v for k, v in self.config.keys.items() if k in known})
+
+    # ---- chats and tabs -----------------------------------------------------------------------------------
+    @property
+    def tabs(self) -> TabbedContent:
+        return self.query_one("#chats", TabbedContent)
+
+    async def _restore_chats(self) -> None:
+        records = self.store.load_chats(open_only=True)
+        for record in records:
+            await self._open_session(ChatSession(record), activate=False)
+        if not records:
+            await self.action_new_chat()
+            return
+        active = self.store.get_state("active_chat")
+        if active in self.sessions:
+            self.tabs.active = PANE_PREFIX + active
+        await self._activated(self.active_session)
+
+    def _next_colour(self) -> int:
+        used = {s.colour for s in self.sessions.values()}
+        return next(i for i in range(len(used) + 1) if i not in used)
+
+    async def _open_session(self, session: ChatSession, *, after: ChatSession | None = None,
+                            activate: bool = True) -> ChatView:
+        session.colour = self._next_colour()
+        self.sessions[session.id] = session
+        view = ChatView(session.id, session.record.messages)
+        pane = TabPane(self._label(session), view, id=PANE_PREFIX + session.id)
+        await self.tabs.add_pane(pane, after=(PANE_PREFIX + after.id) if after else None)
+        if activate:
+            self.tabs.active = pane.id
+            await self._activated(session)
+        self._save_order()
+        return view
+
+    def _colour_of(self, session: ChatSession) -> str:
+        colours = chat_colours(self.theme_variables)
+        return colours[session.colour % len(colours)]
+
+    def _label(self, session: ChatSession) -> Content:
+        parts: list = [("■", self._colour_of(session)), " ", session.record.title]
+        if session.busy:
+            parts.append((" ●", "$warning"))   # generating: shown in every tab, and visible from the others
+        elif session.unseen:
+            parts.append((" ●", "$success"))   # a reply finished while the tab was not in view
+        return Content.assemble(*parts)
+
+    def _refresh_label(self, session: ChatSession) -> None:
+        try:
+            self.tabs.get_tab(PANE_PREFIX + session.id).label = self._label(session)
+        except Exception:  # the tab is being removed
+            pass
+
+    @property
+    def active_session(self) -> ChatSession | None:
+        pane = self.tabs.active
+        return self.sessions.get(pane[len(PANE_PREFIX):]) if pane else None
+
+    def chat_view(self, session: ChatSession) -> ChatView | None:
+        try:
+            return self.tabs.get_pane(PANE_PREFIX + session.id).query_one(ChatView)
+        except Exception:
+            return None
+
+    def ordered_sessions(self) -> list[ChatSession]:
+        tabs = self.tabs.query("ContentTab")
+        ids = [t.id.removeprefix("--content-tab-").removeprefix(PANE_PREFIX) for t in tabs if t.id]
+        return [self.sessions[i] for i in ids if i in self.sessions]
+
+    @on(TabbedContent.TabActivated, "#chats")
+    async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        await self._activated(self.active_session)
+
+    async def _activated(self, session: ChatSession | None) -> None:
+        if session is None:
+            return
+        session.unseen = False
+        self._refresh_label(session)
+        view = self.chat_view(session)
+        if view is not None:
+            await view.populate()
+            if not isinstance(self.focused, MessageView) or self.focused not in view.views:
+                view.prompt.focus()
+        self.store.set_state("active_chat", session.id)
+        self._tick(force=True)
+
+    def _save_order(self) -> None:
+        sessions = self.ordered_sessions()
+        for i, s in enumerate(sessions):
+            s.record.position = i
+        self.store.save_order([s.id for s in sessions])
+
+    def _save(self, session: ChatSession) -> None:
+        """Write the chat; a reply still streaming is saved with the text it has so far."""
+        record = session.record
+        if session.busy and session.reply_index is not None:
+            record = deepcopy(record)
+            record.messages[session.reply_index].content = session.reply_prefix + session.received_text
+        self.store.save_chat(record)
+
+    # ---- sending and streaming -----------------------------------------------------------------------------
+    def _engine_or_say(self) -> object | None:
+        if self.engine is None:
+            self.notify(self.engine_error or "The model is still loading; your message is kept in the input.",
+                        severity="error" if self.engine_error else "warning")
+        return self.engine
+
+    @on(PromptInput.Submitted)
+    async def _submitted(self, event: PromptInput.Submitted) -> None:
+        view = next((a for a in event.prompt.ancestors if isinstance(a, ChatView)), None)
+        session = self.sessions.get(view.chat_id) if view else None
+        if session is None:
+            return
+        if session.busy:
+            self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
+            return
+        if self._engine_or_say() is None:
+            return
+        event.prompt.clear()
+        record = session.record
+        if not record.messages and record.title == "New chat":
+            record.title = title_from(event.text)
+        await self._append(session, ChatMessage("user", event.text))
+        await self._start_reply(session)
+
+    async def _append(self, session: ChatSession, message: ChatMessage) -> MessageView | None:
+        session.record.messages.append(message)
+        view = self.chat_view(session)
+        return await view.add_message(message, len(session.record.messages) - 1) if view else None
+
+    async def _start_reply(self, session: ChatSession) -> None:
+        """Ask the engine for a reply to the chat as it stands (its last message is the user's)."""
+        from pagedchat.engine.chat import chat_prompt_ids
+
+        engine = self._engine_or_say()
+        if engine is None:
+            return
+        record = session.record
+        try:
+            ids = chat_prompt_ids(engine.tokenizer, record.conversation(),
+                                  session.previous_ids(len(record.messages)))
+            params = record.settings.params()
+        except Exception as exc:  # a template or settings problem: say so, keep the chat as it is
+            self.notify(f"Cannot build the prompt: {exc}", severity="error")
+            return
+        view = await self._append(session, ChatMessage("assistant", ""))
+        index = len(record.messages) - 1
+        try:
+            handle = engine.submit(ids, params, on_update=self.inbox.callback(session.id))
+        except Exception as exc:  # RequestError: too long for the context or the cache
+            session.truncate(index)
+            chat = self.chat_view(session)
+            if chat is not None:
+                await chat.truncate(index)
+            self.notify(str(exc), severity="error", timeout=10)
+            self._save(session)
+            return
+        if view is not None:
+            await view.start_stream()
+        self._track(session, handle, index)
+        self._save(session)
+
+    def _track(self, session: ChatSession, handle, index: int, prefix: str = "") -> None:
+        session.request_id = handle.request_id
+        session.handle = handle
+        session.reply_index = index
+        session.reply_prefix = prefix
+        session.received_text = ""
+        session.received_tokens = 0
+        self.requests[handle.request_id] = session.id
+        self._refresh_label(session)
+        self._update_status()
+        self.refresh_bindings()
+
+    async def on_deltas_ready(self, _: DeltasReady) -> None:
+        batches: dict[str, list] = {}
+        for _chat_id, delta in self.inbox.take():
+            batches.setdefault(delta.request_id, []).append(delta)
+        for request_id, deltas in batches.items():
+            session = self.sessions.get(self.requests.get(request_id, ""))
+            if session is None or session.request_id != request_id:
+                continue  # a closed chat or an abandoned reply: the engine has been told to cancel it
+            view = self._reply_view(session)
+            if session.fork_parent_len is not None:
+                await self._begin_fork_stream(session, view)
+            text = "".join(d.text for d in deltas)
+            tokens = sum(len(d.token_ids) for d in deltas)
+            session.received_text += text
+            session.received_tokens += tokens
+            final = next((d for d in deltas if d.finished), None)
+            if final is not None:
+                await self._finish_reply(session, final.completion)
+            elif view is not None:
+                view.feed(text, tokens)
+
+    def _reply_view(self, session: ChatSession) -> MessageView | None:
+        chat = self.chat_view(session)
+        return chat.view_at(session.reply_index) if chat and session.reply_index is not None else None
+
+    async def _begin_fork_stream(self, session: ChatSession, view: MessageView | None) -> None:
+        """A branch forked from a live reply: its text so far is the parent's tokens up to the fork point."""
+        parent_len, session.fork_parent_len = session.fork_parent_len, None
+        ids = session.handle.prompt_token_ids[parent_len:]
+        session.reply_prefix += self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        if view is not None:
+            await view.start_stream(session.reply_prefix)
+
+    async def _finish_reply(self, session: ChatSession, completion) -> None:
+        request_id = session.request_id
+        self.requests.pop(request_id, None)
+        session.request_id = session.handle = None
+        index = session.reply_index
+        stats = ReplyStats.from_completion(completion)
+        content = session.reply_prefix + completion.text
+        if completion.finish_reason != "error":
+            session.turn_ids[index] = list(completion.prompt_token_ids) + list(completion.token_ids)
+        else:
+            self.notify(f"The reply failed: {completion.error}", severity="error", timeout=10)
+        pages = getattr(completion, "pages", None)  # if the engine reports the pages a request held at the end
+        if pages:
+            session.pages = tuple(pages)
+        session.page_tokens = len(completion.prompt_token_ids) + len(completion.token_ids)
+        view = self._reply_view(session)
+        if not content and completion.finish_reason in ("cancelled", "error"):
+            session.truncate(index)   # nothing came: drop the empty reply rather than keep a blank message
+            chat = self.chat_view(session)
+            if chat is not None:
+                await chat.truncate(index)
+        else:
+            message = session.record.messages[index]
+            message.content, message.stats = content, stats
+            if view is not None:
+                await view.finish(content, stats)
+        session.reply_index = None
+        session.reply_prefix = ""
+        if session is not self.active_session:
+            session.unseen = True
+        self._refresh_label(session)
+        self._update_status()
+        self.refresh_bindings()
+        self._save(session)
+
+    async def _abandon(self, session: ChatSession) -> None:
+        """Stop a reply now, without waiting for the engine's final delta (closing, quitting, editing)."""
+        if not session.busy:
+            return
+        handle = session.handle
+        self.engine.cancel(session.request_id)
+        self.requests.pop(session.request_id, None)
+        stats = ReplyStats(prompt_tokens=len(handle.prompt_token_ids), cached_tokens=handle.cached_tokens,
+                           generated_tokens=session.received_tokens, ttft=handle.time_to_first_token,
+                           tokens_per_s=handle.decode_tokens_per_s, finish_reason="cancelled")
+        content = session.reply_prefix + session.received_text
+        session.request_id = session.handle = None
+        session.fork_parent_len = None
+        index, session.reply_index = session.reply_index, None
+        message = session.record.messages[index]
+        message.content, message.stats = content, stats
+        view = self.chat_view(session)
+        reply = view.view_at(index) if view else None
+        if reply is not None:
+            await reply.finish(content, stats)
+        self._refresh_label(session)
+        self._update_status()
+        self.refresh_bindings()
+
+    @on(ChatView.StopRequested)
+    def _stop(self, event: ChatView.StopRequested) -> None:
+        session = self.sessions.get(event.view.chat_id)
+        if session is not None and session.busy:
+            self.engine.cancel(session.request_id)  # the final delta arrives as "cancelled" with its stats
+        elif isinstance(self.focused, MessageView):
+            event.view.prompt.focus()
+
+    # ---- actions ------------------------------------------------------------------------------------------
+    async def action_new_chat(self) -> None:
+        record = ChatRecord(system_prompt=self.config.system_prompt,
+                            settings=ChatSettings.from_defaults(self.config.sampling))
+        session = ChatSession(record)
+        self.store.save_chat(record)
+        await self._open_session(session, after=self.active_session)
+
+    async def action_close_chat(self) -> None:
+        session = self.active_session
+        if session is None:
+            return
+        await self._abandon(session)
+        session.record.is_open = False
+        self._save(session)
+        del self.sessions[session.id]
+        await self.tabs.remove_pane(PANE_PREFIX + session.id)
+        if not self.sessions:
+            await self.action_new_chat()
+        else:
+            await self._activated(self.active_session)
+        self._save_order()
+        self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
+
+    async def reopen_chat(self, chat_id: str) -> None:
+        record = next((r for r in self.store.load_chats(open_only=False) if r.id == chat_id), None)
+        if record is not None and record.id not in self.sessions:
+            record.is_open = True
+            await self._open_session(ChatSession(record), after=self.active_session)
+            self._save(self.sessions[record.id])
+
+    def _switch(self, step: int) -> None:
+        sessions = self.ordered_sessions()
+        current = self.active_session
+        if current in sessions and len(sessions) > 1:
+            target = sessions[(sessions.index(current) + step) % len(sessions)]
+            self.tabs.active = PANE_PREFIX + target.id
+
+    def action_next_chat(self) -> None:
+        self._switch(1)
+
+    def action_prev_chat(self) -> None:
+        self._switch(-1)
+
+    def action_toggle_inspector(self) -> None:
+        inspector = self.query_one(InspectorView)
+        inspector.display = not inspector.display
+        self._tick(force=True)
+
+    def action_help(self) -> None:
+        rows = []
+        keymap = self.config.keys
+        for b in binding_catalogue():
+            rows.append((keymap.get(b.id, b.key), b.description or b.action, b.id))
+        paths = (f"## Files\n\n* Saved chats: `{self.store.path}`\n* Exports: `{self.config.data_dir / 'exports'}`\n"
+                 f"* Config: `{self.config.config_dir / 'config.toml'}`\n"
+                 f"* Your themes: `{self.config.user_theme_dir}/*.toml`")
+        self.push_screen(HelpScreen(rows, paths))
+
+    def action_rename_chat(self) -> None:
+        session = self.active_session
+        if session is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title and session.id in self.sessions:
+                session.record.title = title
+                self._refresh_label(session)
+                self._save(session)
+
+        self.push_screen(RenameScreen(session.record.title), done)
+
+    def action_chat_settings(self) -> None:
+        session = self.active_session
+        if session is None:
+            return
+
+        def done(result) -> None:
+            if result and session.id in self.sessions:
+                session.record.system_prompt, session.record.settings = result
+                self._save(session)
+                self.notify("Settings saved; they apply from the next reply.", timeout=3)
+
+        self.push_screen(ChatSettingsScreen(session.record.title, session.record.system_prompt,
+                                            session.record.settings), done)
+
+    async def action_regenerate(self, index: int | None = None) -> None:
+        session = self.active_session
+        if session is None or self._engine_or_say() is None:
+            return
+        messages = session.record.messages
+        last = len(messages) - 1
+        if index is not None and index != last:
+            self.notify("Only the last reply can be regenerated; press b on a message to branch from it.",
+                        severity="warning")
+            return
+        if not messages:
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        await self._abandon(session)
+        if messages[-1].role == "assistant":
+            await self._cut(session, last)
+        await self._start_reply(session)
+
+    async def _cut(self, session: ChatSession, count: int) -> None:
+        session.truncate(count)
+        view = self.chat_view(session)
+        if view is not None:
+            await view.truncate(count)
+
+    def edit_message(self, index: int) -> None:
+        session = self.active_session
+        if session is None or index >= len(session.record.messages):
+            return
+        if session.record.messages[index].role != "user":
+            self.notify("Only your own messages can be edited; regenerate or branch a reply instead.",
+                        severity="warning")
+            return
+
+        async def done(text: str | None) -> None:
+            if text is None or session.id not in self.sessions or self._engine_or_say() is None:
+                return
+            await self._abandon(session)
+            await self._cut(session, index)
+            await self._append(session, ChatMessage("user", text))
+            await self._start_reply(session)
+
+        self.push_screen(EditMessageScreen(session.record.messages[index].content), done)
+
+    async def action_branch(self, index: int | None = None) -> None:
+        session = self.active_session
+        if session is None:
+            return
+        if index is None:
+            view = self.chat_view(session)
+            focused = view.focused_message if view else None
+            index = focused.index if focused else len(session.record.messages) - 1
+        if index < 0:
+            self.notify("Nothing to branch yet: send a message first.", severity="warning")
+            return
+        if session.busy and index == session.reply_index:
+            await self._fork_live(session)
+        else:
+            await self._branch_at(session, index)
+
+    def _branch_record(self, session: ChatSession, messages: list[ChatMessage]) -> ChatRecord:
+        src = session.record
+        return ChatRecord(title=f"⑂ {src.title}"[:40], system_prompt=src.system_prompt,
+                          settings=deepcopy(src.settings), messages=messages)
+
+    async def _branch_at(self, session: ChatSession, index: int) -> None:
+        """A new tab with the messages up to `index`; ending on a question, it is answered there."""
+        messages = deepcopy(session.record.messages[:index + 1])
+        branch = ChatSession(self._branch_record(session, messages))
+        branch.turn_ids = {i: ids for i, ids in session.turn_ids.items() if i <= index}
+        if self.engine is not None:
+            block_size = self.engine.block_size
+            branch.pages = session.prefix_pages(branch.previous_ids(index + 1), block_size)
+            branch.page_tokens = len(branch.pages) * block_size
+        await self._open_session(branch, after=session)
+        self._save(branch)
+        if messages[-1].role == "user" and self.engine is not None:
+            await self._start_reply(branch)
+
+    async def _fork_live(self, session: ChatSession) -> None:
+        """Branch at the reply being written: the engine forks the request, sharing its pages copy-on-write."""
+        index = session.reply_index
+        remaining = max(1, session.record.settings.max_tokens - session.received_tokens)
+        try:
+            handle = self.engine.fork(session.request_id, session.record.settings.params(max_tokens=remaining),
+                                      on_update=self.inbox.callback(""))
+        except Exception as exc:
+            self.notify(f"Cannot fork this reply ({exc}); branching from the last finished message.",
+                        severity="warning")
+            await self._branch_at(session, index - 1)
+            return
+        partial = session.reply_prefix + session.received_text
+        messages = deepcopy(session.record.messages[:index]) + [ChatMessage("assistant", partial)]
+        branch = ChatSession(self._branch_record(session, messages))
+        branch.turn_ids = {i: ids for i, ids in session.turn_ids.items() if i < index}
+        branch.fork_parent_len = len(session.handle.prompt_token_ids)
+        self._track(branch, handle, index, prefix=session.reply_prefix)
+        view = await self._open_session(branch, after=session)
+        reply = view.view_at(index)
+        if reply is not None:
+            reply.set_stats("forked: continuing this reply…")
+        self._save(branch)
+
+    def copy_message(self, index: int, code: bool = False) -> None:
+        session = self.active_session
+        if session is None or not 0 <= index < len(session.record.messages):
+            return
+        message = session.record.messages[index]
+        if not code:
+            self._copy(message.content, "message")
+            return
+        blocks = message.code_blocks()
+        if not blocks:
+            self.notify("This message has no code block.", severity="warning")
+        elif len(blocks) == 1:
+            self._copy(blocks[0], "code block")
+        else:
+            options = [(b.strip().splitlines()[0][:60] if b.strip() else "(empty)", b) for b in blocks]
+            self.push_screen(PickScreen("Copy which code block?", options),
+                             lambda b: b is not None and self._copy(b, "code block"))
+
+    def _copy(self, text: str, what: str) -> None:
+        self.copy_to_clipboard(text)
+        self.notify(f"Copied the {what} ({len(text)} characters) to the clipboard via OSC 52.", timeout=3)
+
+    def action_export_chat(self) -> Path | None:
+        session = self.active_session
+        if session is None:
+            return None
+        folder = self.config.data_dir / "exports"
+        path = folder / f"{slug(session.record.title)}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(session.record.to_markdown(), encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"Export failed: {exc}", severity="error")
+            return None
+        self.notify(f"Exported to {path}", timeout=8)
+        return path
+
+    def pick_message(self, title: str, then: Callable[[int], object], role: str | None = None) -> None:
+        session = self.active_session
+        if session is None or not session.record.messages:
+            self.notify("This chat has no messages yet.", severity="warning")
+            return
+        options = [(f"{i + 1}. {'You' if m.role == 'user' else 'Assistant'}: {title_from(m.content, 50)}", i)
+                   for i, m in enumerate(session.record.messages) if role is None or m.role == role]
+        if not options:
+            self.notify("No message to pick.", severity="warning")
+            return
+        self.push_screen(PickScreen(title, options), lambda i: i is not None and then(i))
+
+    @on(MessageView.Action)
+    async def _message_action(self, event: MessageView.Action) -> None:
+        index = event.view.index
+        if event.action == "copy":
+            self.copy_message(index)
+        elif event.action == "copy_code":
+            self.copy_message(index, code=True)
+        elif event.action == "branch":
+            await self.action_branch(index)
+        elif event.action == "edit":
+            self.edit_message(index)
+        elif event.action == "regenerate":
+            await self.action_regenerate(index)
+
+    async def action_quit(self) -> None:
+        await self.save_all()
+        self.exit()
+
+    async def save_all(self) -> None:
+        for session in list(self.sessions.values()):
+            await self._abandon(session)
+            self._save(session)
+        if self.sessions:
+            self._save_order()
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+    # ---- the engine arriving, and the periodic refresh -------------------------------------------------------
+    def on_load_progress(self, event: LoadProgress) -> None:
+        bar = self.query_one("#load-progress", ProgressBar)
+        if event.fraction is None:
+            bar.update(total=None)
+        else:
+            bar.update(total=100, progress=event.fraction * 100)
+        self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"), event.stage))
+
+    def on_engine_ready(self, event: EngineReady) -> None:
+        self.engine = event.engine
+        self.query_one("#load-progress").display = False
+        self._update_status()
+        self._tick(force=True)
+
+    def on_engine_failed(self, event: EngineFailed) -> None:
+        self.engine_error = f"The model could not be loaded: {event.error}"
+        self.query_one("#load-progress").display = False
+        self.query_one("#status", Label).update(Content.styled(self.engine_error, "$error"))
+        self.query_one(InspectorView).show_message(self.engine_error)
+        self.notify(self.engine_error, severity="error", timeout=15)
+
+    def _update_status(self) -> None:
+        if self.engine is None:
+            return
+        busy = sum(1 for s in self.sessions.values() if s.busy)
+        model = Path(str(getattr(self.engine, "model_path", "model"))).name
+        plan = getattr(self.engine, "cache_plan", None)
+        pages = f" · {plan.num_pages} pages" if plan is not None else ""
+        device = getattr(self.engine, "device", "")
+        activity = f" · {busy} generating" if busy else ""
+        self.query_one("#status", Label).update(
+            Content.assemble((model, "bold"), (f" on {device}{pages}{activity}", "$text-muted")))
+
+    def chat_pages(self) -> list[ChatPages]:
+        return [ChatPages(s.id, s.record.title, self._colour_of(s), s.request_id, s.pages, s.page_tokens)
+                for s in self.ordered_sessions()]
+
+    def _tick(self, force: bool = False) -> None:
+        """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
+        if self.engine is None:
+            return
+        inspector = self.query_one(InspectorView)
+        busy = [s for s in self.sessions.values() if s.busy]
+        if not busy and not inspector.display:
+            return
+        snap = self.engine.memory()
+        for session in busy:
+            seq = snap.seqs.get(session.request_id)
+            if seq is not None and seq.pages:
+                session.pages, session.page_tokens = tuple(seq.pages), seq.num_tokens
+        if inspector.display:
+            pages = self.chat_pages()
+            active = self.active_session
+            focused = next((c for c in pages if active and c.chat_id == active.id), None)
+            inspector.update_view(snap, pages, focused, force=force)
+
+    # ---- the command palette -----------------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        if screen is not self.screen or isinstance(screen, (HelpScreen,)):
+            return
+        yield SystemCommand("New chat", "Open a chat in a new tab (ctrl+n)", self.action_new_chat)
+        yield SystemCommand("Close chat", "Close this tab; it stays saved and can be reopened (ctrl+w)",
+                            self.action_close_chat)
+        yield SystemCommand("Next chat", "Switch to the next tab (ctrl+pagedown)", self.action_next_chat)
+        yield SystemCommand("Previous chat", "Switch to the previous tab (ctrl+pageup)", self.action_prev_chat)
+        yield SystemCommand("Rename chat", "Give this chat a new title (F4)", self.action_rename_chat)
+        yield SystemCommand("Chat settings", "System prompt and sampling for this chat (F3)",
+                            self.action_chat_settings)
+        yield SystemCommand("Memory inspector", "Show or hide the KV-cache page inspector (F2)",
+                            self.action_toggle_inspector)
+        yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
+        yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
+        yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
+                            self.action_regenerate)
+        yield SystemCommand("Branch chat at a message…", "Copy the chat up to a message into a new tab",
+                            lambda: self.pick_message("Branch at which message?", self._branch_index))
+        yield SystemCommand("Branch at the last message", "Branch here; a live reply is forked (ctrl+b)",
+                            self.action_branch)
+        yield SystemCommand("Edit a message and resend…", "Change one of your messages and reply again",
+                            lambda: self.pick_message("Edit which message?", self.edit_message, role="user"))
+        yield SystemCommand("Copy last reply", "To the clipboard (OSC 52)", lambda: self._copy_last(False))
+        yield SystemCommand("Copy a code block from the last reply", "To the clipboard (OSC 52)",
+                            lambda: self._copy_last(True))
+        yield SystemCommand("Export chat to Markdown", f"Write it to {self.config.data_dir / 'exports'} (ctrl+o)",
+                            self.action_export_chat)
+        for record in self.store.load_chats(open_only=False)[:20]:
+            yield SystemCommand(f"Reopen chat: {record.title}", f"{len(record.messages)} messages, closed",
+                                lambda cid=record.id: self.reopen_chat(cid), discover=False)
+
+    def _stop_active(self) -> None:
+        session = self.active_session
+        if session is not None and session.busy:
+            self.engine.cancel(session.request_id)
+
+    async def _branch_index(self, index: int) -> None:
+        await self.action_branch(index)
+
+    def _copy_last(self, code: bool) -> None:
+        session = self.active_session
+        if session is None:
+            return
+        last = next((i for i in range(len(session.record.messages) - 1, -1, -1)
+                     if session.record.messages[i].role == "assistant"), None)
+        if last is None:
+            self.notify("No reply to copy yet.", severity="warning")
+        else:
+            self.copy_message(last, code=code)
+
+
+def binding_catalogue() -> list[Binding]:
+    """Every remappable binding, for the keymap check and the help screen."""
+    out = []
+    for cls in (PagedChatApp, ChatView, PromptInput, MessageView):
+        out += [b for b in cls.BINDINGS if isinstance(b, Binding) and b.id]
+    return out
+
+
+def run_app(config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
+    """Run the chat app until the user quits (the CLI's entry point)."""
+    PagedChatApp(config, engine_factory=engine_factory).run()

@@ -1,0 +1,265 @@
+"""The widgets of one chat tab: the scrolling log of messages and the prompt input.
+
+These widgets know nothing about the engine. The app feeds a reply's text in with MessageView.feed() as
+engine deltas arrive; the view batches it (at most one Markdown append per FLUSH_S) so a fast model cannot
+flood the UI with re-renders, and finish() replaces the streamed document with one full parse.
+"""
+
+from __future__ import annotations
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.timer import Timer
+from textual.widgets import Label, Markdown, TextArea
+from textual.widgets.markdown import MarkdownStream
+
+from pagedchat.tui.records import ChatMessage, ReplyStats
+
+FLUSH_S = 0.05
+
+
+class PromptInput(TextArea):
+    """Multi-line input: Enter sends, ctrl+j / alt+enter / shift+enter insert a newline."""
+
+    BINDINGS = [
+        Binding("ctrl+j,alt+enter,shift+enter", "newline", "Newline", show=False, id="newline"),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, prompt: PromptInput, text: str) -> None:
+            super().__init__()
+            self.prompt = prompt
+            self.text = text
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
+                         placeholder="Message  (Enter sends · ctrl+j newline · F1 help)", **kwargs)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # Enter is handled here, before TextArea would insert a newline; other keys behave as in TextArea.
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            if self.text.strip():
+                self.post_message(self.Submitted(self, self.text))
+            return
+        await super()._on_key(event)
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (alt+up from the input, or click) to copy, branch, edit or regenerate."""
+
+    BINDINGS = [
+        Binding("c", "act('copy')", "Copy", id="message.copy"),
+        Binding("k", "act('copy_code')", "Copy code", id="message.copy_code"),
+        Binding("b", "act('branch')", "Branch here", id="message.branch"),
+        Binding("e", "act('edit')", "Edit & resend", id="message.edit"),
+        Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
+        Binding("up", "step(-1)", "Previous", show=False),
+        Binding("down", "step(1)", "Next", show=False),
+        Binding("escape", "back", "Back to input", show=False),
+    ]
+
+    class Action(Message):
+        """The user asked for `action` on message `index` of its chat."""
+
+        def __init__(self, view: MessageView, action: str) -> None:
+            super().__init__()
+            self.view = view
+            self.action = action
+
+    def __init__(self, message: ChatMessage, index: int) -> None:
+        super().__init__(classes=f"message -{message.role}")
+        self.message = message
+        self.index = index
+        self._stream: MarkdownStream | None = None
+        self._pending: list[str] = []
+        self._flush_timer: Timer | None = None
+        self._streamed_tokens = 0
+
+    def compose(self) -> ComposeResult:
+        yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
+        yield Markdown(self.message.content, classes="body")
+        if self.message.role == "assistant":
+            stats = self.message.stats
+            yield Label(stats.line() if stats else "", classes="stats")
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".body", Markdown)
+
+    def set_stats(self, text: str) -> None:
+        for label in self.query(".stats").results(Label):
+            label.update(text)
+
+    # ---- streaming ----------------------------------------------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        return self._stream is not None
+
+    async def start_stream(self, prefix: str = "") -> None:
+        """Begin a reply (prefix: text it already has, as when a branch continues a live reply)."""
+        if prefix:
+            await self.body.update(prefix)
+        self._stream = Markdown.get_stream(self.body)
+        self._streamed_tokens = 0
+        self.set_stats("waiting for the first token…  (Esc stops)")
+
+    def feed(self, text: str, tokens: int) -> None:
+        """Queue text for the next flush; cheap, called once per batch of engine deltas."""
+        self._streamed_tokens += tokens
+        if text:
+            self._pending.append(text)
+        if self._flush_timer is None:
+            self._flush_timer = self.set_timer(FLUSH_S, self._flush)
+
+    async def _flush(self) -> None:
+        self._flush_timer = None
+        if self._stream is None:
+            return
+        text = "".join(self._pending)
+        self._pending.clear()
+        self.set_stats(f"generating · {self._streamed_tokens} tokens  (Esc stops)")
+        if text:
+            await self._stream.write(text)
+
+    async def finish(self, content: str, stats: ReplyStats | None) -> None:
+        """End streaming with one full parse of the final text and the stats line."""
+        if self._flush_timer is not None:
+            self._flush_timer.stop()
+            self._flush_timer = None
+        self._pending.clear()
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
+        self.message.content = content
+        self.message.stats = stats
+        await self.body.update(content)
+        self.set_stats(stats.line() if stats else "")
+
+    def action_act(self, action: str) -> None:
+        self.post_message(self.Action(self, action))
+
+    def _chat(self) -> ChatView | None:
+        return next((a for a in self.ancestors if isinstance(a, ChatView)), None)
+
+    def action_step(self, delta: int) -> None:
+        if (chat := self._chat()) is not None:
+            chat.focus_message(self.index + delta)
+
+    def action_back(self) -> None:
+        """Esc: stop the reply if one is running (as anywhere in the tab), else go back to the input."""
+        if (chat := self._chat()) is None:
+            return
+        if chat.check_action("stop", ()):
+            chat.action_stop()
+        else:
+            chat.prompt.focus()
+
+
+class ChatView(Vertical):
+    """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop reply", id="stop"),
+        Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
+    ]
+
+    class StopRequested(Message):
+        def __init__(self, view: ChatView) -> None:
+            super().__init__()
+            self.view = view
+
+    def __init__(self, chat_id: str, messages: list[ChatMessage], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.chat_id = chat_id
+        self._initial = messages
+        self.populated = False
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(classes="log")
+        yield Label("", classes="chat-state")
+        yield PromptInput(classes="prompt")
+
+    def on_mount(self) -> None:
+        self.log_view.anchor()  # stay at the bottom as replies grow, until the user scrolls up
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".log", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    @property
+    def views(self) -> list[MessageView]:
+        return list(self.log_view.query_children(MessageView))
+
+    async def populate(self) -> None:
+        if self.populated:
+            return
+        self.populated = True
+        views = [MessageView(m, i) for i, m in enumerate(self._initial)]
+        self._initial = []
+        if views:
+            await self.log_view.mount_all(views)
+        self.log_view.scroll_end(animate=False, immediate=True)
+
+    async def add_message(self, message: ChatMessage, index: int) -> MessageView:
+        await self.populate()
+        view = MessageView(message, index)
+        await self.log_view.mount(view)
+        self.log_view.anchor()  # a new message always brings the view back to the bottom
+        return view
+
+    async def truncate(self, count: int) -> None:
+        """Remove the views of messages from index `count` on."""
+        await self.populate()
+        doomed = [v for v in self.views if v.index >= count]
+        if doomed:
+            await self.log_view.remove_children(doomed)
+
+    def view_at(self, index: int) -> MessageView | None:
+        return next((v for v in self.views if v.index == index), None)
+
+    def set_state(self, text: str) -> None:
+        label = self.query_one(".chat-state", Label)
+        label.update(text)
+        label.display = bool(text)
+
+    def focus_message(self, index: int) -> None:
+        views = self.views
+        if not views:
+            return
+        if self.focused_message is None:  # from the input: alt+up goes to the last message
+            views[-1].focus()
+        elif index >= len(views):
+            self.prompt.focus()
+        else:
+            views[max(0, index)].focus()
+
+    def action_focus_message(self, delta: int) -> None:
+        current = self.focused_message
+        self.focus_message(len(self.views) - 1 if current is None else current.index + delta)
+
+    @property
+    def focused_message(self) -> MessageView | None:
+        focused = self.app.focused
+        return focused if isinstance(focused, MessageView) and focused in self.views else None
+
+    def action_stop(self) -> None:
+        self.post_message(self.StopRequested(self))
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # Esc shows as "Stop reply" only while this chat is replying (dimmed otherwise).
+        if action == "stop":
+            session = getattr(self.app, "sessions", {}).get(self.chat_id)
+            return True if session is not None and session.busy else None
+        return True

@@ -1,0 +1,291 @@
+"""The memory inspector: the engine's paged KV cache, drawn from a MemorySnapshot a few times a second.
+
+Rendering is a pure function of (snapshot, chats, width), so it is testable and deterministic; the widget only
+decides when to call it (when shown, on a timer) and skips the work when nothing changed. Colours come from the
+active theme: chat colours from themes.chat_colours(), the rest as $variables resolved at render time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.widgets import Static
+
+FREE, USED, CACHED = "free", "used", "cached"
+GLYPH_USED, GLYPH_SHARED, GLYPH_CACHED, GLYPH_FREE = "█", "◆", "░", "·"
+MAX_CELLS = 2048           # above this, one map cell stands for several pages
+MAX_TABLE_ROWS = 48        # block-table rows shown before eliding the middle
+MUTED = "$foreground-muted"
+
+
+@dataclass(frozen=True)
+class ChatPages:
+    """What the inspector needs to know about one chat."""
+
+    chat_id: str
+    title: str
+    colour: str
+    request_id: str | None = None   # its live request, if generating
+    pages: tuple[int, ...] = ()     # pages its last request held, for idle chats (now cached or reused)
+    tokens: int = 0                 # tokens its last request held
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _heading(text: str) -> Content:
+    return Content.styled(text, "bold $primary")
+
+
+def _kv(key: str, value: str | Content, note: str = "") -> Content:
+    parts: list = [Content.styled(f"{key:<11} ", MUTED), value]
+    if note:
+        parts.append(Content.styled(f"  {note}", MUTED))
+    return Content.assemble(*parts)
+
+
+def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[int, ChatPages]]:
+    """Page -> chat for live pages, and for cached pages idle chats remember."""
+    by_request = {c.request_id: c for c in chats if c.request_id}
+    live: dict[int, ChatPages] = {}
+    for rid, pages in snap.sequences.items():
+        chat = by_request.get(rid)
+        if chat is not None:
+            for p in pages:
+                live.setdefault(p, chat)
+    idle: dict[int, ChatPages] = {}
+    for chat in chats:
+        for p in chat.pages:
+            if p < len(snap.page_states) and snap.page_states[p] == CACHED:
+                idle[p] = chat
+    return live, idle
+
+
+def render_summary(snap) -> Content:
+    used = snap.used_blocks
+    pct = used / snap.total_blocks if snap.total_blocks else 0.0
+    bar_w = 24
+    filled = round(pct * bar_w)
+    bar = Content.assemble(Content.styled("█" * filled, "$accent"),
+                           Content.styled("░" * (bar_w - filled), MUTED),
+                           f" {pct:4.0%} used")
+    lines = [
+        _heading("KV cache"),
+        _kv("free pages", Content.styled(f"{snap.free_blocks} / {snap.total_blocks}", "bold"),
+            f"{snap.cached_blocks} cached"),
+        bar,
+        _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes)),
+        _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes)),
+    ]
+    if snap.cpu_total:
+        lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
+                         f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached"))
+    return Content("\n").join(lines)
+
+
+def render_map(snap, chats: list[ChatPages], width: int) -> Content:
+    """One cell per page (or per group of pages when there are very many), coloured by owner."""
+    live, idle = _owners(snap, chats)
+    n = len(snap.page_states)
+    group = max(1, -(-n // MAX_CELLS))
+    width = max(8, width)
+    cells: list[tuple[str, str]] = []
+    for start in range(0, n, group):
+        pages = range(start, min(n, start + group))
+        cells.append(_cell(snap, pages, live, idle))
+    rows = []
+    for r in range(0, len(cells), width):
+        rows.append(_join_runs(cells[r:r + width]))
+    title = "Page map" + (f"  (1 cell = {group} pages)" if group > 1 else "")
+    legend = Content.assemble(
+        (GLYPH_USED, "$foreground"), " used  ", (GLYPH_SHARED, "$foreground"), " shared  ",
+        (GLYPH_CACHED, "$foreground"), " cached  ", (GLYPH_FREE, MUTED), " free")
+    out = [_heading(title), *rows, legend]
+    if snap.cpu_total:
+        cpu = ([(GLYPH_USED, "$warning")] * snap.cpu_swapped + [(GLYPH_CACHED, "$warning")] * snap.cpu_cached
+               + [(GLYPH_FREE, MUTED)] * max(0, snap.cpu_total - snap.cpu_used))
+        cpu = cpu[:width * 4]
+        out.append(Content.styled("CPU tier (swapped █, offloaded ░)", MUTED))
+        out += [_join_runs(cpu[r:r + width]) for r in range(0, len(cpu), width)]
+    return Content("\n").join(out)
+
+
+def _cell(snap, pages: range, live: dict, idle: dict) -> tuple[str, str]:
+    """The glyph and style of one map cell; a group shows its busiest page."""
+    states = snap.page_states
+    best = None
+    for p in pages:
+        if states[p] == USED:
+            best = p
+            if snap.ref_counts.get(p, 0) > 1:
+                break
+        elif states[p] == CACHED and (best is None or states[best] == FREE):
+            best = p
+        elif best is None:
+            best = p
+    p = best
+    state = states[p]
+    if state == USED:
+        owner = live.get(p)
+        colour = owner.colour if owner else "$foreground"
+        shared = snap.ref_counts.get(p, 0) > 1
+        return (GLYPH_SHARED if shared else GLYPH_USED), (f"bold {colour}" if shared else colour)
+    if state == CACHED:
+        owner = idle.get(p)
+        return GLYPH_CACHED, (owner.colour if owner else MUTED)
+    return GLYPH_FREE, MUTED
+
+
+def _join_runs(cells: list[tuple[str, str]]) -> Content:
+    """Cells to one Content line, merging runs of one style so a big map stays a handful of spans."""
+    parts: list[tuple[str, str]] = []
+    for glyph, style in cells:
+        if parts and parts[-1][1] == style:
+            parts[-1] = (parts[-1][0] + glyph, style)
+        else:
+            parts.append((glyph, style))
+    return Content.assemble(*parts)
+
+
+def chat_status(snap, chat: ChatPages) -> tuple[str, list[int], int]:
+    """(status, pages, tokens) of a chat: its live sequence if it has one, else what it last held."""
+    seq = snap.seqs.get(chat.request_id) if chat.request_id else None
+    if seq is not None:
+        return seq.status, list(seq.pages), seq.num_tokens
+    if chat.request_id:
+        return "queued", [], 0
+    return "idle", list(chat.pages), chat.tokens
+
+
+def render_chats(snap, chats: list[ChatPages]) -> Content:
+    lines = [_heading("Chats")]
+    if not chats:
+        lines.append(Content.styled("no chats", MUTED))
+    for chat in chats:
+        status, pages, tokens = chat_status(snap, chat)
+        notes = []
+        shared = sum(1 for p in pages if snap.ref_counts.get(p, 0) > 1)
+        if shared and status != "idle":
+            notes.append(f"{shared} shared")
+        seq = snap.seqs.get(chat.request_id) if chat.request_id else None
+        if seq is not None and seq.cpu_pages:
+            notes.append(f"{seq.cpu_pages} on CPU")
+        style = "$warning" if status in ("swapped", "waiting", "queued") else (
+            "$success" if status == "running" else MUTED)
+        lines.append(Content.assemble(
+            (GLYPH_USED, chat.colour), " ", (f"{_clip(chat.title, 13):<13}", "bold"), " ", (f"{status:<7}", style),
+            f" {tokens:>5} tok {len(pages):>3} pg", Content.styled("".join(f" · {n}" for n in notes), MUTED)))
+    return Content("\n").join(lines)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def render_sharing(snap) -> Content:
+    c = snap.counters
+    saved = snap.pages_saved_by_sharing
+    live = len(snap.seqs)
+    lines = [_heading("Sharing and waste"),
+             _kv("shared", f"{len(snap.shared_pages)} pages", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})")]
+    if live:
+        slack = sum(len(s.pages) * snap.block_size - s.num_tokens for s in snap.seqs.values() if s.pages)
+        live_pages = {p for s in snap.seqs.values() for p in s.pages}
+        paged = len(live_pages) * snap.page_bytes
+        avoided = 1 - paged / snap.contiguous_bytes if snap.contiguous_bytes else 0.0
+        lines += [_kv("contiguous", fmt_bytes(snap.contiguous_bytes), f"{live} × full context"),
+                  _kv("paged", fmt_bytes(paged), f"{avoided:.0%} less"),
+                  _kv("slack", f"{max(0, slack)} slots", "in last pages")]
+    else:
+        lines.append(_kv("contiguous", "—", "no live requests"))
+    lines += [
+        _kv("prefix hits", f"{snap.hit_rate:.0%}",
+            f"recent {snap.recent_hit_rate:.0%} · {c.get('prefix_hits', 0)}/{c.get('prefix_queries', 0)}"),
+        _kv("swaps", f"out {c.get('swap_outs', 0)} · in {c.get('swap_ins', 0)}",
+            f"recompute {c.get('recomputes', 0)}"),
+        _kv("evictions", str(c.get("evictions", 0)),
+            f"offload {c.get('offloads', 0)} · CoW {c.get('cow_copies', 0)}"),
+    ]
+    return Content("\n").join(lines)
+
+
+def render_block_table(snap, chat: ChatPages | None) -> Content:
+    if chat is None:
+        return Content.assemble(_heading("Block table"), "\n", Content.styled("no chat in focus", MUTED))
+    status, pages, tokens = chat_status(snap, chat)
+    head = Content.assemble(_heading("Block table  "), (GLYPH_USED, chat.colour), " ", (_clip(chat.title, 22), "bold"),
+                            "\n", Content.styled(f"{status} · {tokens} tokens · {len(pages)} pages", MUTED))
+    if not pages:
+        note = "no pages yet" if status != "idle" else "no pages: send a message"
+        return Content.assemble(head, "\n", Content.styled(note, MUTED))
+    rows = [head, Content.styled(" blk   page  fill   ref", MUTED)]
+    bs = snap.block_size
+    shown = list(range(len(pages)))
+    if len(shown) > MAX_TABLE_ROWS:
+        half = MAX_TABLE_ROWS // 2
+        shown = shown[:half] + [-1] + shown[-half:]
+    for i in shown:
+        if i < 0:
+            rows.append(Content.styled(f"  … {len(pages) - 2 * (MAX_TABLE_ROWS // 2)} more blocks …", MUTED))
+            continue
+        page = pages[i]
+        fill = max(0, min(bs, tokens - i * bs))
+        ref = snap.ref_counts.get(page, 0)
+        state = snap.page_states[page] if page < len(snap.page_states) else FREE
+        mark: tuple[str, str] = ("", "")
+        if ref > 1:
+            mark = ("◆ CoW" if fill < bs else "◆ shared", "$accent")
+        elif status == "idle":
+            mark = {CACHED: ("░ cached", MUTED), USED: ("reused", "$warning"),
+                    FREE: ("evicted", "$warning")}[state]
+        rows.append(Content.assemble(f"{i:>4} → ", (f"{page:>5}", chat.colour), f"  {fill:>2}/{bs:<3}",
+                                     f" {ref:>2} ", mark))
+    return Content("\n").join(rows)
+
+
+class InspectorView(VerticalScroll):
+    """The F2 side panel. update_view() re-renders only when the picture changed."""
+
+    DEFAULT_CSS = """
+    InspectorView > Static { margin-bottom: 1; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._last_key = None
+        self.last_snapshot = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(Content.styled("loading the model…", MUTED), id="insp-summary")
+        yield Static(id="insp-map")
+        yield Static(id="insp-sharing")
+        yield Static(id="insp-chats")
+        yield Static(id="insp-table")
+
+    def map_width(self) -> int:
+        return max(8, self.scrollable_content_region.width)
+
+    def update_view(self, snap, chats: list[ChatPages], focused: ChatPages | None, force: bool = False) -> None:
+        width = self.map_width()
+        key = (snap, tuple(chats), focused, width)
+        if not force and key == self._last_key:
+            return
+        self._last_key = key
+        self.last_snapshot = snap
+        self.query_one("#insp-summary", Static).update(render_summary(snap))
+        self.query_one("#insp-map", Static).update(render_map(snap, chats, width))
+        self.query_one("#insp-sharing", Static).update(render_sharing(snap))
+        self.query_one("#insp-chats", Static).update(render_chats(snap, chats))
+        self.query_one("#insp-table", Static).update(render_block_table(snap, focused))
+
+    def show_message(self, text: str) -> None:
+        self._last_key = None
+        self.query_one("#insp-summary", Static).update(Content.styled(text, MUTED))

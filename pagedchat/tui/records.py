@@ -1,0 +1,140 @@
+"""What a chat is, independent of widgets and of the engine: what the store saves and the tabs show."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+
+from pagedchat.config import SamplingDefaults
+
+FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+@dataclass
+class ChatSettings:
+    """Sampling settings of one chat. seed None: a fresh seed per reply."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    seed: int | None = None
+
+    @classmethod
+    def from_defaults(cls, d: SamplingDefaults) -> ChatSettings:
+        return cls(max_tokens=d.max_tokens, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ChatSettings:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def params(self, **overrides):
+        from pagedchat.engine.sampling import SamplingParams  # imports torch: only once a reply is asked for
+
+        values = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, seed=self.seed)
+        values.update(overrides)
+        return SamplingParams(**values)
+
+
+@dataclass
+class ReplyStats:
+    """The quiet line under a reply."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_completion(cls, c) -> ReplyStats:
+        return cls(prompt_tokens=len(c.prompt_token_ids), cached_tokens=c.cached_tokens,
+                   generated_tokens=len(c.token_ids), ttft=c.time_to_first_token,
+                   tokens_per_s=c.decode_tokens_per_s, finish_reason=c.finish_reason, error=c.error)
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> ReplyStats | None:
+        if not raw:
+            return None
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def line(self) -> str:
+        parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
+                 f"generated {self.generated_tokens}"]
+        if self.ttft is not None:
+            parts.append(f"TTFT {self.ttft * 1000:.0f} ms" if self.ttft < 1 else f"TTFT {self.ttft:.2f} s")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        ending = {"length": "hit max tokens", "cancelled": "stopped", "error": f"error: {self.error}"}
+        if self.finish_reason in ending:
+            parts.append(ending[self.finish_reason])
+        return " · ".join(parts)
+
+
+@dataclass
+class ChatMessage:
+    role: str                      # "user" or "assistant"
+    content: str
+    stats: ReplyStats | None = None
+
+    def code_blocks(self) -> list[str]:
+        return [m.group(2).rstrip("\n") for m in FENCE.finditer(self.content)]
+
+
+def new_chat_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class ChatRecord:
+    """A saved chat. position orders the open tabs; closed chats stay in the store and can be reopened."""
+
+    id: str = field(default_factory=new_chat_id)
+    title: str = "New chat"
+    system_prompt: str = ""
+    settings: ChatSettings = field(default_factory=ChatSettings)
+    messages: list[ChatMessage] = field(default_factory=list)
+    position: int = 0
+    is_open: bool = True
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+
+    def conversation(self, upto: int | None = None) -> list[dict]:
+        """The messages (up to index `upto`, exclusive) in chat-template form, system prompt first."""
+        msgs = self.messages if upto is None else self.messages[:upto]
+        head = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
+        return head + [{"role": m.role, "content": m.content} for m in msgs]
+
+    def to_markdown(self) -> str:
+        lines = [f"# {self.title}", ""]
+        if self.system_prompt.strip():
+            lines += ["> **System:** " + self.system_prompt.strip().replace("\n", "\n> "), ""]
+        for m in self.messages:
+            lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", m.content.rstrip(), ""]
+            if m.stats is not None:
+                lines += [f"*{m.stats.line()}*", ""]
+        return "\n".join(lines)
+
+
+def title_from(text: str, limit: int = 24) -> str:
+    """A tab title from the first message: its first line, shortened at a word boundary."""
+    line = " ".join(text.strip().split())
+    if len(line) <= limit:
+        return line or "New chat"
+    head = line[:limit + 1]  # +1: a word that ends exactly at the limit stays whole
+    cut = head.rsplit(" ", 1)[0] if " " in head else line[:limit]
+    return cut.rstrip(",.;:") + "…"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "chat"

@@ -1,0 +1,167 @@
+"""Small modal dialogs. Each dismisses with its result, or None when cancelled (Esc)."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, TextArea
+from textual.widgets.option_list import Option
+
+from pagedchat.tui.records import ChatSettings
+
+
+class _Modal(ModalScreen):
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="modal.cancel")]
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class RenameScreen(_Modal):
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        self._title = title
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Rename chat", classes="dialog-title")
+            yield Input(self._title, id="title", select_on_focus=True)
+            yield Label("Enter saves · Esc cancels", classes="dialog-hint")
+
+    @on(Input.Submitted)
+    def save(self, event: Input.Submitted) -> None:
+        title = event.value.strip()
+        self.dismiss(title or None)
+
+
+class EditMessageScreen(_Modal):
+    """Edit a sent message; saving truncates the chat there and sends the new text."""
+
+    BINDINGS = [Binding("ctrl+s", "save", "Resend", id="modal.save")]
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self._text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label("Edit message — later messages are replaced by a new reply", classes="dialog-title")
+            yield TextArea(self._text, id="text", soft_wrap=True, tab_behavior="focus")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Resend", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+            yield Label("ctrl+s resends · Esc cancels", classes="dialog-hint")
+
+    def action_save(self) -> None:
+        text = self.query_one("#text", TextArea).text
+        self.dismiss(text if text.strip() else None)
+
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ChatSettingsScreen(_Modal):
+    """A chat's system prompt and sampling settings. Dismisses with (system_prompt, ChatSettings)."""
+
+    BINDINGS = [Binding("ctrl+s", "save", "Save", id="modal.save")]
+
+    def __init__(self, title: str, system_prompt: str, settings: ChatSettings) -> None:
+        super().__init__()
+        self._title = title
+        self._system = system_prompt
+        self._settings = settings
+
+    def compose(self) -> ComposeResult:
+        s = self._settings
+        with Vertical(classes="dialog -wide"):
+            yield Label(f"Settings — {self._title}", classes="dialog-title")
+            yield Label("System prompt")
+            yield TextArea(self._system, id="system", soft_wrap=True, tab_behavior="focus")
+            with Grid(classes="settings-grid"):
+                yield Label("Max tokens")
+                yield Input(str(s.max_tokens), id="max_tokens", type="integer")
+                yield Label("Temperature (0 = greedy)")
+                yield Input(str(s.temperature), id="temperature", type="number")
+                yield Label("Top p")
+                yield Input(str(s.top_p), id="top_p", type="number")
+                yield Label("Top k (0 = off)")
+                yield Input(str(s.top_k), id="top_k", type="integer")
+                yield Label("Seed (empty = random)")
+                yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
+            yield Label("", id="error", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+            yield Label("ctrl+s saves · Esc cancels", classes="dialog-hint")
+
+    def _read(self) -> ChatSettings:
+        def val(name: str) -> str:
+            return self.query_one(f"#{name}", Input).value.strip()
+
+        try:
+            seed = val("seed")
+            settings = ChatSettings(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
+                                    top_p=float(val("top_p")), top_k=int(val("top_k")),
+                                    seed=int(seed) if seed else None)
+        except ValueError:
+            raise ValueError("every field needs a number") from None
+        if settings.max_tokens < 1:
+            raise ValueError("max tokens must be at least 1")
+        if settings.temperature < 0:
+            raise ValueError("temperature must be 0 or more")
+        if not 0 < settings.top_p <= 1:
+            raise ValueError("top p must be in (0, 1]")
+        if settings.top_k < 0:
+            raise ValueError("top k must be 0 or more")
+        return settings
+
+    def action_save(self) -> None:
+        try:
+            settings = self._read()
+        except ValueError as exc:
+            self.query_one("#error", Label).update(str(exc))
+            return
+        self.dismiss((self.query_one("#system", TextArea).text, settings))
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+class PickScreen(_Modal):
+    """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen)."""
+
+    def __init__(self, title: str, options: list[tuple[str, object]], initial: int = -1) -> None:
+        super().__init__()
+        self._title = title
+        self._initial = initial
+        self._values = [value for _, value in options]
+        self._labels = [label for label, _ in options]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label(self._title, classes="dialog-title")
+            yield OptionList(*[Option(label, id=str(i)) for i, label in enumerate(self._labels)], id="options")
+            yield Label("Enter picks · Esc cancels", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        options = self.query_one(OptionList)
+        if self._labels:
+            options.highlighted = self._initial % len(self._labels)
+
+    @on(OptionList.OptionSelected)
+    def pick(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self._values[int(event.option.id)])

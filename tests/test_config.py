@@ -1,0 +1,57 @@
+"""config.toml parsing and CLI overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from pagedchat.config import AppConfig, ConfigError, load_config, parse_config
+
+
+def test_defaults_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    config = load_config()
+    assert config.model is None and config.theme is None and config.config_file is None
+    assert config.config_dir == tmp_path / "cfg" and config.data_dir == tmp_path / "data"
+    assert config.user_theme_dir == tmp_path / "cfg" / "themes"
+
+
+def test_file_then_cli_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "config.toml").write_text(
+        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\n'
+        'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
+        '[keys]\nnew_chat = "ctrl+t"\n')
+    config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
+    assert config.model == "other/model"                 # the flag wins
+    assert config.kv_cache_memory == "2GiB"               # None flags change nothing
+    assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
+    assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
+    assert isinstance(config.sampling.temperature, float)
+    assert config.keys == {"new_chat": "ctrl+t"}
+    assert config.config_file == tmp_path / "config.toml"
+
+
+def test_explicit_path_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model = ", "not valid TOML"),
+    ("modle = 'x'", "unknown setting 'modle'"),
+    ("block_size = '16'", "block_size must be a int"),
+    ("block_size = 0", "at least 1"),
+    ("[sampling]\ntemperature = 'hot'", "temperature must be a int or number"),
+    ("[keys]\nnew_chat = 3", r"\[keys\]"),
+    ("sampling = 3", r"\[sampling\] must be a table"),
+])
+def test_bad_files_name_the_problem(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text, "config.toml")
+
+
+def test_with_overrides_rejects_unknown_fields():
+    with pytest.raises(TypeError):
+        AppConfig().with_overrides(nonsense=1)
+    assert AppConfig().with_overrides(data_dir="~/x").data_dir == Path("~/x").expanduser()

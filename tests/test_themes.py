@@ -1,0 +1,52 @@
+"""Theme files: the shipped ones load, broken ones are reported and skipped."""
+
+from pathlib import Path
+
+import pytest
+from textual.app import App
+
+from pagedchat.tui.themes import ThemeFileError, builtin_theme_files, chat_colours, load_themes, parse_theme
+
+
+def test_shipped_themes_are_valid_and_include_dark_and_light():
+    loaded = load_themes(None)
+    assert loaded.errors == []
+    by_name = {t.name: t for t in loaded.themes}
+    assert len(builtin_theme_files()) == len(by_name) >= 2
+    assert any(t.dark for t in by_name.values()) and any(not t.dark for t in by_name.values())
+    for theme in by_name.values():
+        for field in ("primary", "secondary", "accent", "background", "surface", "panel", "foreground",
+                      "success", "warning", "error"):
+            assert getattr(theme, field), (theme.name, field)
+        assert len(chat_colours(theme.variables)) == 8
+
+
+def test_user_themes_add_and_broken_ones_are_skipped(tmp_path):
+    (tmp_path / "mine.toml").write_text('name = "mine"\nprimary = "#336699"\ndark = false\n')
+    (tmp_path / "broken.toml").write_text('name = "broken"\nprimary = "not-a-colour"\n')
+    (tmp_path / "garbage.toml").write_text("this is = = not toml")
+    loaded = load_themes(tmp_path)
+    names = [t.name for t in loaded.themes]
+    assert "mine" in names and "broken" not in names
+    assert len(loaded.errors) == 2
+    assert any("broken.toml" in e and "not a colour" in e for e in loaded.errors)
+    assert any("garbage.toml" in e and "TOML" in e for e in loaded.errors)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('primary = "#fff"', "needs a name"),
+    ('name = "x"', "needs a primary"),
+    ('name = "x"\nprimary = "#fff"\nshiny = true', "unknown key 'shiny'"),
+    ('name = "x"\nprimary = "#fff"\ndark = "yes"', "dark must be true or false"),
+    ('name = "x"\nprimary = 3', "colour string"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\nchat-1 = "nope"', "chat-1"),
+])
+def test_parse_errors_name_file_and_problem(text, message):
+    with pytest.raises(ThemeFileError, match=message):
+        parse_theme(text, Path("t.toml"))
+
+
+def test_colours_fall_back_to_theme_colours():
+    app = App()
+    variables = app.get_css_variables()
+    assert len(chat_colours(variables)) >= 6
