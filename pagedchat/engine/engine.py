@@ -250,18 +250,23 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopped:
-            deltas = self.step()
-            for handle, delta, seq in deltas:
-                handle._deliver(delta, seq)
-            if not deltas:
+            if not self.step():
                 with self._lock:
                     busy = self.scheduler.has_work()
                 if not busy and self._inbox.empty():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
 
-    def step(self) -> list[tuple[RequestHandle, StreamDelta, Sequence]]:
-        """Drain the inbox, schedule, run one forward pass, sample; returns what to deliver."""
+    def step(self) -> list[StreamDelta]:
+        """Drain the inbox, schedule, run one forward pass, sample, and hand each request its delta.
+
+        The loop thread calls this; tests may call it directly (with the thread kept off) to go step by step."""
+        out = self._step()
+        for handle, delta, seq in out:  # outside the lock: listeners may call memory()
+            handle._deliver(delta, seq)
+        return [delta for _, delta, _ in out]
+
+    def _step(self) -> list[tuple[RequestHandle, StreamDelta, Sequence]]:
         with self._lock:
             out = self._drain_inbox()
             plan = self.scheduler.schedule()

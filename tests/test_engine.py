@@ -1,0 +1,182 @@
+"""The engine's core promise: greedy tokens equal transformers', however requests are batched."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pagedchat import Engine, SamplingParams
+from pagedchat.errors import ModelError, RequestError
+from parity import assert_same_greedy
+from tiny_models import hf_greedy, load_reference, make_tiny_model
+
+NO_EOS = [10**9]  # an id that never occurs, so transformers runs to max_new_tokens like ignore_eos
+
+
+def prompt_of(tokenizer, n: int, salt: int = 0) -> list[int]:
+    """n token ids from real text, different per salt."""
+    text = " ".join(f"fox {salt} jumps over dog {i}, paged blocks hold keys." for i in range(n))
+    return tokenizer.encode(text)[:n]
+
+
+MODELS = {
+    "llama-tied-gqa": dict(arch="llama", tie=True, heads=4, kv_heads=2),
+    "llama-untied-mha": dict(arch="llama", tie=False, heads=4, kv_heads=4),
+    "llama-gqa4": dict(arch="llama", tie=True, heads=8, kv_heads=2, head_dim=8),
+    "llama3-rope-scaling": dict(arch="llama", tie=True, rope_scaling={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2-untied": dict(arch="qwen2", tie=False, heads=4, kv_heads=2),
+    "qwen2-tied-mqa": dict(arch="qwen2", tie=True, heads=4, kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_matches_transformers(tmp_path, name):
+    folder = make_tiny_model(tmp_path, layers=3, **MODELS[name])
+    ref = load_reference(folder)
+    engine = Engine(str(folder), kv_cache_memory="4MiB")
+    prompts = [prompt_of(engine.tokenizer, n, salt=n) for n in (1, 15, 16, 17, 40, 90)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=37, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 37 and out.finish_reason == "length"
+        assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 37, NO_EOS))
+    engine.shutdown()
+
+
+def test_chat_prompt_and_eos_match_transformers(tiny_llama, tiny_llama_ref):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    chat = [{"role": "user", "content": "hello fox, tell me about paged blocks"}]
+    ids = engine.encode_prompt(chat)
+    text = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ids == engine.tokenizer.encode(text, add_special_tokens=False)
+    [out] = engine.generate([chat], SamplingParams(max_tokens=60))
+    expected = hf_greedy(tiny_llama_ref, ids, 60, sorted(engine.eos_token_ids))
+    assert_same_greedy(tiny_llama_ref, ids, out.token_ids, expected)
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_batched_equals_alone(tiny_llama):
+    """Eight prompts of different lengths together give the same tokens as each run alone."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", max_tokens_per_step=96)
+    prompts = [prompt_of(engine.tokenizer, n, salt=i) for i, n in enumerate((3, 16, 17, 31, 48, 64, 90, 120))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert engine.memory().free_blocks == engine.memory().total_blocks
+
+
+def test_pages_follow_tokens_and_all_return(tiny_llama):
+    """While running, n computed tokens hold ceil(n/16) pages; finished or cancelled, every page is free."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    engine._kick = lambda: None  # drive the steps by hand
+    handles = engine.submit_many([prompt_of(engine.tokenizer, n, salt=n) for n in (5, 16, 33)],
+                                 SamplingParams(max_tokens=40, ignore_eos=True))
+    doomed = engine.submit(prompt_of(engine.tokenizer, 20), SamplingParams(max_tokens=100, ignore_eos=True))
+    steps = 0
+    while engine.scheduler.has_work() or steps == 0:
+        engine.step()
+        steps += 1
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) == math.ceil(seq.num_computed / 16)
+        if steps == 10:
+            engine.cancel(doomed.request_id)
+    snap = engine.memory()
+    assert snap.free_blocks == snap.total_blocks and not snap.sequences and not snap.ref_counts
+    assert doomed._completion.finish_reason == "cancelled"
+    assert all(len(h._completion.token_ids) == 40 for h in handles)
+
+
+def test_memory_snapshot_lists_live_pages(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    engine._kick = lambda: None
+    handle = engine.submit(prompt_of(engine.tokenizer, 40), SamplingParams(max_tokens=5))
+    engine.step()
+    snap = engine.memory()
+    pages = snap.sequences[handle.request_id]
+    assert len(pages) == 3 and all(snap.ref_counts[p] == 1 for p in pages)
+    assert snap.free_blocks == snap.total_blocks - 3 and snap.block_size == 16
+
+
+def test_stop_strings_max_tokens_and_streaming(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    prompt = prompt_of(engine.tokenizer, 12)
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = free.text[5:8]
+    assert stop, "the tiny model should produce some text"
+    handle = engine.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+    streamed = "".join(delta.text for delta in handle)
+    done = handle.result(timeout=30)
+    assert done.finish_reason == "stop" and stop not in done.text
+    assert streamed == done.text and free.text.startswith(done.text)
+    assert done.time_to_first_token is not None and done.prefilled_tokens == 12
+
+
+def test_sampling_is_seeded(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    prompt = prompt_of(engine.tokenizer, 10)
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a, b = engine.generate([prompt, prompt], params)
+    assert a.token_ids == b.token_ids
+    [c] = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=8, ignore_eos=True))
+    [g] = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert c.token_ids != a.token_ids or c.token_ids != g.token_ids
+
+
+def test_bad_inputs_leave_the_engine_usable(tiny_llama, tmp_path):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    with pytest.raises(RequestError, match="context"):
+        engine.generate([[5] * 600], SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="KV cache holds"):
+        Engine(str(tiny_llama), kv_cache_memory=12288 * 2).generate([[5] * 40], SamplingParams(max_tokens=4))
+    [ok] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(ok.token_ids) == 4
+
+
+def test_bad_model_folders(tmp_path, tiny_llama):
+    with pytest.raises(ModelError, match="no such model"):
+        Engine(str(tmp_path / "nowhere"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ModelError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        Engine(str(gpt2))
+    broken = make_tiny_model(tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelError, match="model.safetensors"):
+        Engine(str(broken))
+
+
+def test_dtype_names(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16")
+    assert engine.runner.kv_cache.dtype == torch.bfloat16
+    [out] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Engine(str(tiny_llama), dtype="float8")
+
+
+DEFAULT_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Describe the sea."}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+]
+
+
+def test_default_model_matches_transformers(default_model):
+    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(str(default_model), kv_cache_memory="128MiB")
+    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(ref, prompt, 40, sorted(engine.eos_token_ids))
+        assert_same_greedy(ref, prompt, out.token_ids, expected)
+    assert "Paris" in outs[0].text
