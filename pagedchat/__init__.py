@@ -1,14 +1,15 @@
 """pagedchat: a terminal chat app on its own paged KV-cache engine."""
 
-from pagedchat.engine.sampling import SamplingParams
-
 __all__ = ["Engine", "SamplingParams", "Completion"]
+
+_LAZY = {"Engine": "pagedchat.engine.engine", "Completion": "pagedchat.engine.engine",
+         "SamplingParams": "pagedchat.engine.sampling"}
 
 
 def __getattr__(name):
     # The engine pulls in torch and transformers; importing it lazily keeps `pagedchat --help` quick.
-    if name in ("Engine", "Completion"):
-        from pagedchat.engine import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedchat' has no attribute {name!r}")

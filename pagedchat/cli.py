@@ -1,0 +1,136 @@
+"""`pagedchat`: the chat app, and `pull`, `ask`, `bench`.
+
+Heavy imports (torch, transformers, textual) happen inside the commands, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedchat.errors import PagedChatError
+
+EPILOG = """\
+commands:
+  pagedchat                 start the chat app (tabs, streaming, memory inspector on F2)
+  pagedchat pull            fetch and convert the default model (SmolLM2-135M-Instruct)
+  pagedchat ask "question"  stream one answer to stdout
+  pagedchat bench           measure memory and speed, optionally against transformers
+
+models (--model): a Hugging Face model folder, a .gguf file, or a hub id (needs internet);
+  default: SmolLM2-135M-Instruct, pulled on first use into the user cache dir.
+settings: config.toml in the user config dir (see README); flags override it.
+"""
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-cache-memory", metavar="SIZE",
+                   help="KV cache budget, e.g. 512MiB or 2GB (default: sized from free memory)")
+    p.add_argument("--swap-space", metavar="SIZE", help="CPU tier for offloaded and swapped pages")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bf16 on GPU)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedchat", description="A terminal chat app on its own paged KV-cache LLM engine.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_flags(parser)
+    parser.add_argument("--config", metavar="FILE", help="read this config.toml instead of the default one")
+    parser.add_argument("--system", metavar="TEXT", help="system prompt for new chats")
+    parser.add_argument("--theme", help="colour theme (pick others with ctrl+p in the app)")
+    parser.add_argument("--max-tokens", type=int, help="reply length limit for new chats")
+    parser.add_argument("--temperature", type=float, help="sampling temperature for new chats (0 = greedy)")
+    sub = parser.add_subparsers(dest="command", metavar="")
+
+    pull = sub.add_parser("pull", help="fetch and convert the default model")
+    pull.add_argument("--force", action="store_true", help="download and convert again")
+
+    ask = sub.add_parser("ask", help="stream one answer to stdout")
+    ask.add_argument("question")
+    ask.add_argument("--system", metavar="TEXT", help="system prompt")
+    ask.add_argument("--max-tokens", type=int, default=512)
+    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--top-k", type=int, default=0)
+    ask.add_argument("--seed", type=int)
+    _add_engine_flags(ask)
+
+    from pagedchat import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="measure memory and speed"))
+    return parser
+
+
+def _progress(stage: str, fraction: float | None) -> None:
+    suffix = f" {fraction:4.0%}" if fraction is not None else ""
+    print(f"\r\033[K{stage[:70]}{suffix}", end="", file=sys.stderr, flush=True)
+
+
+def cmd_pull(args) -> int:
+    from pagedchat.model.pull import pull_default_model
+
+    folder = pull_default_model(progress=_progress, force=args.force)
+    print(f"\r\033[Kthe default model is ready in {folder}", file=sys.stderr)
+    return 0
+
+
+def cmd_ask(args) -> int:
+    from pagedchat import Engine, SamplingParams
+
+    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
+                    device=args.device, dtype=args.dtype, progress=_progress)
+    print("\r\033[K", end="", file=sys.stderr)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.question})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    handle = engine.submit(messages, params)
+    try:
+        for delta in handle:
+            print(delta.text, end="", flush=True)
+    except KeyboardInterrupt:
+        handle.cancel()
+    print()
+    done = handle.result()
+    if done.error:
+        raise PagedChatError(f"generation failed: {done.error}")
+    engine.shutdown()
+    return 0
+
+
+def cmd_app(args) -> int:
+    from pagedchat.config import load_config
+    from pagedchat.tui.app import run_app
+
+    config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
+                         swap_space=args.swap_space, device=args.device, dtype=args.dtype,
+                         system_prompt=args.system, theme=args.theme, max_tokens=args.max_tokens,
+                         temperature=args.temperature)
+    run_app(config)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pagedchat import bench
+
+    return bench.run(args)
+
+
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, None: cmd_app}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (PagedChatError, ValueError) as exc:
+        print(f"\r\033[Kpagedchat: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
