@@ -69,8 +69,10 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[B, pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order."""
-    pages = cache[block_tables]                       # [B, pages, block, kv_heads, head_dim]
-    b, n, bs, h, d = pages.shape
+    b, n = block_tables.shape
+    # index_select on the flattened table is several times faster than advanced indexing on the CPU.
+    pages = cache.index_select(0, block_tables.reshape(-1))  # [B * pages, block, kv_heads, head_dim]
+    _, bs, h, d = pages.shape
     return pages.view(b, n * bs, h, d)[:, :length].transpose(1, 2)
 
 

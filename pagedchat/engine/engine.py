@@ -348,13 +348,14 @@ class Engine:
         elif n_out >= p.max_tokens or len(seq.token_ids) >= self.config.max_position_embeddings:
             reason = "length"
         if reason:
-            return [self._finish(seq, reason, new_token=token)]
+            return [self._finish(seq, reason, new_token=token, text=text)]
         delta = StreamDelta(seq.request_id, [token], text)
         return [(self._handles[seq.request_id], delta, seq)]
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None):
-        """Release seq's pages at once and build its final delta."""
-        text = self.detokenizer.flush(seq)
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,
+                text: str = ""):
+        """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
+        text += self.detokenizer.flush(seq)
         seq.finish_reason = reason
         seq.error = error
         self.scheduler.remove(seq)

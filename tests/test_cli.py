@@ -1,0 +1,38 @@
+"""The command line: help, ask, and one clear line for bad input."""
+
+import subprocess
+import sys
+
+from pagedchat.cli import main
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "pagedchat.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_help_lists_commands_and_flags():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    for word in ("pull", "ask", "bench", "--model", "--kv-cache-memory", "--theme"):
+        assert word in done.stdout
+
+
+def test_ask_matches_generate(tiny_llama, capsys):
+    from pagedchat import Engine, SamplingParams
+
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    [expected] = engine.generate([[{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "paged blocks?"}]], SamplingParams(max_tokens=20))
+    main(["ask", "paged blocks?", "--system", "Be brief.", "--model", str(tiny_llama), "--max-tokens", "20",
+          "--kv-cache-memory", "4MiB"])
+    assert expected.token_ids, "the tiny model should say something"
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
+def test_bad_input_is_one_clear_line(tmp_path, tiny_llama, capsys):
+    assert main(["ask", "hi", "--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such model" in err[0]
+    assert main(["ask", "hi", "--model", str(tiny_llama), "--kv-cache-memory", "lots"]) == 1
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
