@@ -51,6 +51,7 @@ class MemoryCounters:
     prefix_hits: int = 0        # of those, tokens served from cached pages
     evictions: int = 0          # cached pages dropped from the GPU pool
     offloads: int = 0           # cached pages saved to the CPU tier on eviction
+    cpu_hits: int = 0           # cached pages a prefix hit copied back from the CPU tier
     swap_outs: int = 0          # sequences preempted by swapping to the CPU tier
     swap_ins: int = 0
     recomputes: int = 0         # sequences preempted by dropping their pages
@@ -126,7 +127,9 @@ class BlockManager:
         del self.cached[h]
         self.page_hash[page] = None
         self.counters.evictions += 1
-        if self.cpu.available():
+        if h in self.cpu.cached:  # already offloaded once (e.g. swapped back in since): keep the one copy
+            self.cpu.evictable.move_to_end(self.cpu.cached[h])
+        elif self.cpu.available():
             cpu_page = self.cpu.take()
             self._ops.swap_out.append((page, cpu_page))
             self.cpu.cached[h] = cpu_page
@@ -167,7 +170,7 @@ class BlockManager:
         for h in hashes:
             if h in self.cached and not cpu_hits:
                 gpu_hits.append(self.cached[h])
-            elif h in self.cpu.cached:
+            elif h in self.cpu.cached and h not in self.cached:  # never advertise one hash on two GPU pages
                 cpu_hits.append(self.cpu.cached[h])
             else:
                 break
@@ -183,11 +186,13 @@ class BlockManager:
         for page in gpu_hits:  # pin the GPU hits first, so taking pages below cannot evict them
             self._ref(page)
         table = list(gpu_hits)
+        for cpu_page in cpu_hits:  # before taking GPU pages: their offloads must not reuse a page read here
+            self.cpu.release_cached(cpu_page)
         for cpu_page in cpu_hits:
             h = hashes[len(table)]
-            self.cpu.release_cached(cpu_page)
             page = self._take()
             self._ops.swap_in.append((cpu_page, page))
+            self.counters.cpu_hits += 1
             self.cached[h] = page
             self.page_hash[page] = h
             table.append(page)
@@ -306,6 +311,7 @@ class BlockManager:
             self.cpu.held.discard(cpu_page)
             self.cpu.release_after_step.append(cpu_page)
         seq.cpu_table = []
+        self._grow(seq, seq.num_computed + next_tokens)
         self.register_full_pages(seq, seq.num_computed)
         self.counters.swap_ins += 1
         return True

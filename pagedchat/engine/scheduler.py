@@ -73,13 +73,14 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            n = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, prefill_budget)
+            decode = seq.num_uncomputed == 1
+            n = 1 if decode else min(seq.num_uncomputed, prefill_budget)
             if n <= 0:
                 i += 1
                 continue
             if not self._make_room(seq, n):
                 continue  # seq itself was preempted; the list shrank under i
-            if n > 1:
+            if not decode:  # a prefill chunk, even of one token, comes out of the prefill budget
                 prefill_budget -= n
             self._schedule(plan, seq, n)
             i += 1
