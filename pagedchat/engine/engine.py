@@ -271,6 +271,7 @@ class Engine:
             out = self._drain_inbox()
             plan = self.scheduler.schedule()
         if not plan.scheduled:
+            self.runner.copy_pages(plan.ops)  # preemptions may have planned swap-outs
             with self._lock:
                 self.blocks.end_step()
             return out
@@ -315,24 +316,34 @@ class Engine:
                 self._seqs[seq.request_id] = seq
                 self.scheduler.add(seq)
             elif kind == "fork":
-                _, seq, handle, parent_id = msg
-                self._handles[seq.request_id] = handle
-                self._seqs[seq.request_id] = seq
-                parent = self._seqs.get(parent_id)
-                if parent is not None and parent.status is SeqStatus.RUNNING:
-                    seq.token_ids = list(parent.token_ids)
-                    seq.num_prompt_tokens = len(seq.token_ids)
-                    handle.prompt_token_ids = list(seq.token_ids)
-                    self.blocks.fork(parent, seq)
-                    seq.admitted = True
-                    seq.cached_tokens = parent.num_computed
-                    self.scheduler.add_running(seq)
-                else:
-                    self.scheduler.add(seq)
+                out.extend(self._start_fork(*msg[1:]))
             elif kind == "cancel":
                 seq = self._seqs.get(msg[1])
                 if seq is not None:
                     out.append(self._finish(seq, "cancelled"))
+
+    def _start_fork(self, seq: Sequence, handle: RequestHandle, parent_id: str) -> list:
+        """Map a live parent's pages into the child (copy-on-write); otherwise queue it for the prefix cache."""
+        self._handles[seq.request_id] = handle
+        self._seqs[seq.request_id] = seq
+        parent = self._seqs.get(parent_id)
+        if parent is not None:  # the parent may have grown since fork() checked the size
+            seq.token_ids = list(parent.token_ids)
+            seq.num_prompt_tokens = len(seq.token_ids)
+            handle.prompt_token_ids = list(seq.token_ids)
+            try:
+                self._check_fits(seq.token_ids, seq.params)
+            except RequestError as exc:
+                return [self._finish(seq, "error", str(exc))]
+        live = parent is not None and parent.status is SeqStatus.RUNNING
+        if live and len(self.scheduler.running) < self.scheduler.max_seqs:
+            self.blocks.fork(parent, seq)
+            seq.admitted = True
+            seq.cached_tokens = parent.num_computed
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
+        return []
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> list:
         seq.token_ids.append(token)
