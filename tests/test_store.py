@@ -37,6 +37,7 @@ def test_order_and_closed_chats(tmp_path):
     store.set_open(a.id, False)
     assert [r.title for r in store.load_chats(open_only=True)] == ["c", "b"]
     assert [r.title for r in store.load_chats(open_only=False)] == ["a"]
+    assert store.closed_chats() == [(a.id, "a", 2)]
     a.messages.pop()
     store.save_chat(a)  # rewriting replaces the messages
     assert len(next(r for r in store.load_chats() if r.id == a.id).messages) == 1

@@ -369,6 +369,7 @@ class Engine:
         text += self.detokenizer.flush(seq)
         seq.finish_reason = reason
         seq.error = error
+        completion = seq.completion()
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         self._seqs.pop(seq.request_id, None)
@@ -376,6 +377,5 @@ class Engine:
         if len(self._history) > 1024:
             self._history.pop(next(iter(self._history)))
         handle = self._handles.pop(seq.request_id)
-        completion = seq.completion()
         tokens = [new_token] if new_token is not None else []
         return handle, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion), seq

@@ -32,6 +32,7 @@ class Completion:
     time_to_first_token: float | None = None
     decode_tokens_per_s: float | None = None
     error: str | None = None
+    pages: list[int] = field(default_factory=list)  # the block table just before the pages were released
 
 
 @dataclass
@@ -104,4 +105,5 @@ class Sequence:
             time_to_first_token=(self.first_token_time - self.arrival) if self.first_token_time else None,
             decode_tokens_per_s=tps,
             error=self.error,
+            pages=list(self.block_table),
         )

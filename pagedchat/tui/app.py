@@ -7,6 +7,7 @@ DeltasReady message at a time; the model loads on a daemon thread. Everything el
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from copy import deepcopy
@@ -18,6 +19,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.content import Content
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
@@ -40,8 +42,15 @@ EngineFactory = Callable[[Callable[[str, "float | None"], None]], object]
 
 def default_engine_factory(config: AppConfig) -> EngineFactory:
     def make(progress):
+        import torch
+
         from pagedchat.engine.engine import Engine  # torch and transformers load here, off the UI thread
 
+        on_cpu = config.device == "cpu" or (config.device is None and not torch.cuda.is_available())
+        if on_cpu:
+            # On the CPU, torch's OpenMP team spins on every core; with the UI thread needing one too, decoding
+            # slowed twenty-fold in our runs on 2 cores. Leave the event loop a core.
+            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
         return Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
                       device=config.device, dtype=config.dtype, swap_space=config.swap_space, progress=progress)
 
@@ -52,19 +61,21 @@ class PagedChatApp(App):
     CSS_PATH = "pagedchat.tcss"
     TITLE = "pagedchat"
 
+    # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the
+    # TextArea also uses (it takes f6/f7, ctrl+w, ...) still reaches the app.
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", priority=True, id="quit"),
         Binding("ctrl+n", "new_chat", "New", priority=True, id="new_chat"),
         Binding("ctrl+w", "close_chat", "Close", priority=True, id="close_chat"),
-        Binding("f1", "help", "Help", id="help"),
-        Binding("f2", "toggle_inspector", "Memory", id="toggle_inspector"),
-        Binding("f3", "chat_settings", "Settings", id="chat_settings"),
-        Binding("f4", "rename_chat", "Rename", show=False, id="rename_chat"),
+        Binding("f1", "help", "Help", priority=True, id="help"),
+        Binding("f2", "toggle_inspector", "Memory", priority=True, id="toggle_inspector"),
+        Binding("f3", "chat_settings", "Settings", priority=True, id="chat_settings"),
+        Binding("f4", "rename_chat", "Rename", show=False, priority=True, id="rename_chat"),
         Binding("ctrl+pagedown", "next_chat", "Next chat", show=False, priority=True, id="next_chat"),
         Binding("ctrl+pageup", "prev_chat", "Previous chat", show=False, priority=True, id="prev_chat"),
-        Binding("ctrl+r", "regenerate", "Regenerate", show=False, id="regenerate"),
-        Binding("ctrl+b", "branch", "Branch", show=False, id="branch"),
-        Binding("ctrl+o", "export_chat", "Export", show=False, id="export_chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, priority=True, id="regenerate"),
+        Binding("ctrl+b", "branch", "Branch", show=False, priority=True, id="branch"),
+        Binding("ctrl+o", "export_chat", "Export", show=False, priority=True, id="export_chat"),
     ]
 
     def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
@@ -92,7 +103,7 @@ class PagedChatApp(App):
         with Horizontal(id="statusbar"):
             yield Label("loading the model…", id="status")
             yield ProgressBar(total=None, show_eta=False, id="load-progress")
-        yield Footer()
+        yield Footer(compact=True)
 
     async def on_mount(self) -> None:
         self.store = self._open_store()
@@ -158,7 +169,7 @@ class PagedChatApp(App):
             return
         active = self.store.get_state("active_chat")
         if active in self.sessions:
-            self.tabs.active = PANE_PREFIX + active
+            self._show(self.sessions[active])
         await self._activated(self.active_session)
 
     def _next_colour(self) -> int:
@@ -173,10 +184,17 @@ class PagedChatApp(App):
         pane = TabPane(self._label(session), view, id=PANE_PREFIX + session.id)
         await self.tabs.add_pane(pane, after=(PANE_PREFIX + after.id) if after else None)
         if activate:
-            self.tabs.active = pane.id
+            self._show(session)
             await self._activated(session)
         self._save_order()
         return view
+
+    def _show(self, session: ChatSession) -> None:
+        """Bring a chat's tab forward. Focus leaves the old tab first: a focused widget in a pane being hidden
+        hands focus to a sibling in that same pane, and TabbedContent then switches straight back to it."""
+        if self.tabs.active != PANE_PREFIX + session.id:
+            self.screen.set_focus(None)
+            self.tabs.active = PANE_PREFIX + session.id
 
     def _colour_of(self, session: ChatSession) -> str:
         colours = chat_colours(self.theme_variables)
@@ -351,9 +369,8 @@ class PagedChatApp(App):
             await view.start_stream(session.reply_prefix)
 
     async def _finish_reply(self, session: ChatSession, completion) -> None:
-        request_id = session.request_id
-        self.requests.pop(request_id, None)
-        session.request_id = session.handle = None
+        """The final delta: render the whole reply once, record its ids and stats, then mark the chat idle."""
+        self.requests.pop(session.request_id, None)
         index = session.reply_index
         stats = ReplyStats.from_completion(completion)
         content = session.reply_prefix + completion.text
@@ -361,21 +378,20 @@ class PagedChatApp(App):
             session.turn_ids[index] = list(completion.prompt_token_ids) + list(completion.token_ids)
         else:
             self.notify(f"The reply failed: {completion.error}", severity="error", timeout=10)
-        pages = getattr(completion, "pages", None)  # if the engine reports the pages a request held at the end
-        if pages:
-            session.pages = tuple(pages)
-        session.page_tokens = len(completion.prompt_token_ids) + len(completion.token_ids)
-        view = self._reply_view(session)
-        if not content and completion.finish_reason in ("cancelled", "error"):
-            session.truncate(index)   # nothing came: drop the empty reply rather than keep a blank message
-            chat = self.chat_view(session)
-            if chat is not None:
-                await chat.truncate(index)
+        # The final block table: the inspector colours this idle chat's cached pages by it.
+        if completion.pages:
+            session.pages = tuple(completion.pages)
+            session.page_tokens = len(completion.prompt_token_ids) + len(completion.token_ids)
+        if not completion.token_ids and not content and completion.finish_reason in ("cancelled", "error"):
+            await self._cut(session, index)  # nothing came: drop the empty reply rather than keep a blank one
         else:
             message = session.record.messages[index]
             message.content, message.stats = content, stats
+            view = self._reply_view(session)
             if view is not None:
                 await view.finish(content, stats)
+        # Only now is the chat idle: anything that waits on `busy` sees the finished reply on screen.
+        session.request_id = session.handle = None
         session.reply_index = None
         session.reply_prefix = ""
         if session is not self.active_session:
@@ -395,16 +411,18 @@ class PagedChatApp(App):
         stats = ReplyStats(prompt_tokens=len(handle.prompt_token_ids), cached_tokens=handle.cached_tokens,
                            generated_tokens=session.received_tokens, ttft=handle.time_to_first_token,
                            tokens_per_s=handle.decode_tokens_per_s, finish_reason="cancelled")
-        content = session.reply_prefix + session.received_text
+        index = session.reply_index
+        message = session.record.messages[index]
+        if session.fork_parent_len is None:  # (a fork with no delta yet keeps the parent's text it started with)
+            message.content = session.reply_prefix + session.received_text
+        content, message.stats = message.content, stats
+        view = self._reply_view(session)
+        if view is not None:
+            await view.finish(content, stats)
         session.request_id = session.handle = None
         session.fork_parent_len = None
-        index, session.reply_index = session.reply_index, None
-        message = session.record.messages[index]
-        message.content, message.stats = content, stats
-        view = self.chat_view(session)
-        reply = view.view_at(index) if view else None
-        if reply is not None:
-            await reply.finish(content, stats)
+        session.reply_index = None
+        session.reply_prefix = ""
         self._refresh_label(session)
         self._update_status()
         self.refresh_bindings()
@@ -452,8 +470,7 @@ class PagedChatApp(App):
         sessions = self.ordered_sessions()
         current = self.active_session
         if current in sessions and len(sessions) > 1:
-            target = sessions[(sessions.index(current) + step) % len(sessions)]
-            self.tabs.active = PANE_PREFIX + target.id
+            self._show(sessions[(sessions.index(current) + step) % len(sessions)])
 
     def action_next_chat(self) -> None:
         self._switch(1)
@@ -564,7 +581,7 @@ class PagedChatApp(App):
 
     def _branch_record(self, session: ChatSession, messages: list[ChatMessage]) -> ChatRecord:
         src = session.record
-        return ChatRecord(title=f"⑂ {src.title}"[:40], system_prompt=src.system_prompt,
+        return ChatRecord(title=f"↳ {src.title}"[:40], system_prompt=src.system_prompt,
                           settings=deepcopy(src.settings), messages=messages)
 
     async def _branch_at(self, session: ChatSession, index: int) -> None:
@@ -725,9 +742,12 @@ class PagedChatApp(App):
 
     def _tick(self, force: bool = False) -> None:
         """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
-        if self.engine is None:
+        if self.engine is None or not self.is_running:
             return
-        inspector = self.query_one(InspectorView)
+        try:
+            inspector = self.query_one(InspectorView)
+        except NoMatches:  # shutting down
+            return
         busy = [s for s in self.sessions.values() if s.busy]
         if not busy and not inspector.display:
             return
@@ -772,9 +792,9 @@ class PagedChatApp(App):
                             lambda: self._copy_last(True))
         yield SystemCommand("Export chat to Markdown", f"Write it to {self.config.data_dir / 'exports'} (ctrl+o)",
                             self.action_export_chat)
-        for record in self.store.load_chats(open_only=False)[:20]:
-            yield SystemCommand(f"Reopen chat: {record.title}", f"{len(record.messages)} messages, closed",
-                                lambda cid=record.id: self.reopen_chat(cid), discover=False)
+        for chat_id, title, count in self.store.closed_chats():
+            yield SystemCommand(f"Reopen chat: {title}", f"Closed chat, {count} messages",
+                                lambda cid=chat_id: self.reopen_chat(cid), discover=False)
 
     def _stop_active(self) -> None:
         session = self.active_session

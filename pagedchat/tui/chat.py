@@ -157,7 +157,7 @@ class MessageView(Vertical, can_focus=True):
         """Esc: stop the reply if one is running (as anywhere in the tab), else go back to the input."""
         if (chat := self._chat()) is None:
             return
-        if chat.check_action("stop", ()):
+        if chat.check_action("stop", ()):  # replying: Esc stops it, as anywhere in the tab
             chat.action_stop()
         else:
             chat.prompt.focus()
@@ -167,7 +167,7 @@ class ChatView(Vertical):
     """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
 
     BINDINGS = [
-        Binding("escape", "stop", "Stop reply", id="stop"),
+        Binding("escape", "stop", "Stop", id="stop"),
         Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
     ]
 
@@ -184,7 +184,6 @@ class ChatView(Vertical):
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(classes="log")
-        yield Label("", classes="chat-state")
         yield PromptInput(classes="prompt")
 
     def on_mount(self) -> None:
@@ -229,11 +228,6 @@ class ChatView(Vertical):
     def view_at(self, index: int) -> MessageView | None:
         return next((v for v in self.views if v.index == index), None)
 
-    def set_state(self, text: str) -> None:
-        label = self.query_one(".chat-state", Label)
-        label.update(text)
-        label.display = bool(text)
-
     def focus_message(self, index: int) -> None:
         views = self.views
         if not views:
@@ -258,8 +252,8 @@ class ChatView(Vertical):
         self.post_message(self.StopRequested(self))
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        # Esc shows as "Stop reply" only while this chat is replying (dimmed otherwise).
+        # Esc shows as "Stop" in the footer only while this chat is replying.
         if action == "stop":
             session = getattr(self.app, "sessions", {}).get(self.chat_id)
-            return True if session is not None and session.busy else None
+            return session is not None and session.busy
         return True

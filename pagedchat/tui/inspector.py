@@ -45,11 +45,17 @@ def _heading(text: str) -> Content:
     return Content.styled(text, "bold $primary")
 
 
-def _kv(key: str, value: str | Content, note: str = "") -> Content:
-    parts: list = [Content.styled(f"{key:<11} ", MUTED), value]
-    if note:
-        parts.append(Content.styled(f"  {note}", MUTED))
-    return Content.assemble(*parts)
+KEY_W = 12
+
+
+def _kv(key: str, value: str | Content, note: str = "", width: int = 80) -> Content:
+    """`key  value  note`, the note moved under the value when the line would wrap."""
+    line = Content.assemble(Content.styled(f"{key:<{KEY_W - 1}} ", MUTED), value)
+    if not note:
+        return line
+    if line.cell_length + 2 + len(note) <= width:
+        return Content.assemble(line, Content.styled(f"  {note}", MUTED))
+    return Content.assemble(line, "\n", Content.styled(" " * KEY_W + note, MUTED))
 
 
 def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[int, ChatPages]]:
@@ -69,10 +75,10 @@ def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[in
     return live, idle
 
 
-def render_summary(snap) -> Content:
+def render_summary(snap, width: int = 80) -> Content:
     used = snap.used_blocks
     pct = used / snap.total_blocks if snap.total_blocks else 0.0
-    bar_w = 24
+    bar_w = max(8, min(24, width - 10))
     filled = round(pct * bar_w)
     bar = Content.assemble(Content.styled("█" * filled, "$accent"),
                            Content.styled("░" * (bar_w - filled), MUTED),
@@ -80,14 +86,14 @@ def render_summary(snap) -> Content:
     lines = [
         _heading("KV cache"),
         _kv("free pages", Content.styled(f"{snap.free_blocks} / {snap.total_blocks}", "bold"),
-            f"{snap.cached_blocks} cached"),
+            f"{snap.cached_blocks} cached", width),
         bar,
-        _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes)),
-        _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes)),
+        _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
+        _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
     ]
     if snap.cpu_total:
         lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
-                         f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached"))
+                         f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached", width))
     return Content("\n").join(lines)
 
 
@@ -165,24 +171,25 @@ def chat_status(snap, chat: ChatPages) -> tuple[str, list[int], int]:
     return "idle", list(chat.pages), chat.tokens
 
 
-def render_chats(snap, chats: list[ChatPages]) -> Content:
+def render_chats(snap, chats: list[ChatPages], width: int = 80) -> Content:
     lines = [_heading("Chats")]
     if not chats:
         lines.append(Content.styled("no chats", MUTED))
+    title_w = max(5, min(20, width - 30))  # the marker, status and figures take 27 cells, a note 3 more
     for chat in chats:
         status, pages, tokens = chat_status(snap, chat)
-        notes = []
+        notes = ""
         shared = sum(1 for p in pages if snap.ref_counts.get(p, 0) > 1)
         if shared and status != "idle":
-            notes.append(f"{shared} shared")
+            notes += f" {GLYPH_SHARED}{shared}"
         seq = snap.seqs.get(chat.request_id) if chat.request_id else None
         if seq is not None and seq.cpu_pages:
-            notes.append(f"{seq.cpu_pages} on CPU")
+            notes += f" cpu {seq.cpu_pages}"
         style = "$warning" if status in ("swapped", "waiting", "queued") else (
             "$success" if status == "running" else MUTED)
         lines.append(Content.assemble(
-            (GLYPH_USED, chat.colour), " ", (f"{_clip(chat.title, 13):<13}", "bold"), " ", (f"{status:<7}", style),
-            f" {tokens:>5} tok {len(pages):>3} pg", Content.styled("".join(f" · {n}" for n in notes), MUTED)))
+            (GLYPH_USED, chat.colour), " ", (f"{_clip(chat.title, title_w):<{title_w}}", "bold"), " ",
+            (f"{status:<7}", style), f"{tokens:>6} tok{len(pages):>4} pg", (notes, "$accent")))
     return Content("\n").join(lines)
 
 
@@ -190,29 +197,30 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
-def render_sharing(snap) -> Content:
+def render_sharing(snap, width: int = 80) -> Content:
     c = snap.counters
     saved = snap.pages_saved_by_sharing
     live = len(snap.seqs)
     lines = [_heading("Sharing and waste"),
-             _kv("shared", f"{len(snap.shared_pages)} pages", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})")]
+             _kv("shared", f"{len(snap.shared_pages)} pages", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})",
+                 width)]
     if live:
         slack = sum(len(s.pages) * snap.block_size - s.num_tokens for s in snap.seqs.values() if s.pages)
         live_pages = {p for s in snap.seqs.values() for p in s.pages}
         paged = len(live_pages) * snap.page_bytes
         avoided = 1 - paged / snap.contiguous_bytes if snap.contiguous_bytes else 0.0
-        lines += [_kv("contiguous", fmt_bytes(snap.contiguous_bytes), f"{live} × full context"),
-                  _kv("paged", fmt_bytes(paged), f"{avoided:.0%} less"),
-                  _kv("slack", f"{max(0, slack)} slots", "in last pages")]
+        lines += [_kv("contiguous", fmt_bytes(snap.contiguous_bytes), f"{live} × full context", width),
+                  _kv("paged", fmt_bytes(paged), f"{avoided:.0%} less", width),
+                  _kv("slack", f"{max(0, slack)} slots", "in last pages", width)]
     else:
-        lines.append(_kv("contiguous", "—", "no live requests"))
+        lines.append(_kv("contiguous", "—", "no live requests", width))
     lines += [
         _kv("prefix hits", f"{snap.hit_rate:.0%}",
-            f"recent {snap.recent_hit_rate:.0%} · {c.get('prefix_hits', 0)}/{c.get('prefix_queries', 0)}"),
+            f"recent {snap.recent_hit_rate:.0%} · {c.get('prefix_hits', 0)}/{c.get('prefix_queries', 0)}", width),
         _kv("swaps", f"out {c.get('swap_outs', 0)} · in {c.get('swap_ins', 0)}",
-            f"recompute {c.get('recomputes', 0)}"),
+            f"recompute {c.get('recomputes', 0)}", width),
         _kv("evictions", str(c.get("evictions", 0)),
-            f"offload {c.get('offloads', 0)} · CoW {c.get('cow_copies', 0)}"),
+            f"offload {c.get('offloads', 0)} · CoW {c.get('cow_copies', 0)}", width),
     ]
     return Content("\n").join(lines)
 
@@ -245,7 +253,7 @@ def render_block_table(snap, chat: ChatPages | None) -> Content:
             mark = ("◆ CoW" if fill < bs else "◆ shared", "$accent")
         elif status == "idle":
             mark = {CACHED: ("░ cached", MUTED), USED: ("reused", "$warning"),
-                    FREE: ("evicted", "$warning")}[state]
+                    FREE: ("freed", MUTED)}[state]
         rows.append(Content.assemble(f"{i:>4} → ", (f"{page:>5}", chat.colour), f"  {fill:>2}/{bs:<3}",
                                      f" {ref:>2} ", mark))
     return Content("\n").join(rows)
@@ -271,7 +279,8 @@ class InspectorView(VerticalScroll):
         yield Static(id="insp-table")
 
     def map_width(self) -> int:
-        return max(8, self.scrollable_content_region.width)
+        # The content region, less a column for the scrollbar that appears once the panel overflows.
+        return max(8, self.scrollable_content_region.width - (0 if self.show_vertical_scrollbar else 1))
 
     def update_view(self, snap, chats: list[ChatPages], focused: ChatPages | None, force: bool = False) -> None:
         width = self.map_width()
@@ -280,10 +289,10 @@ class InspectorView(VerticalScroll):
             return
         self._last_key = key
         self.last_snapshot = snap
-        self.query_one("#insp-summary", Static).update(render_summary(snap))
+        self.query_one("#insp-summary", Static).update(render_summary(snap, width))
         self.query_one("#insp-map", Static).update(render_map(snap, chats, width))
-        self.query_one("#insp-sharing", Static).update(render_sharing(snap))
-        self.query_one("#insp-chats", Static).update(render_chats(snap, chats))
+        self.query_one("#insp-sharing", Static).update(render_sharing(snap, width))
+        self.query_one("#insp-chats", Static).update(render_chats(snap, chats, width))
         self.query_one("#insp-table", Static).update(render_block_table(snap, focused))
 
     def show_message(self, text: str) -> None:

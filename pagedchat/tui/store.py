@@ -135,6 +135,12 @@ class Store:
             out.append(ChatMessage(role, content, ReplyStats.from_dict(json.loads(stats) if stats else None)))
         return out
 
+    def closed_chats(self, limit: int = 20) -> list[tuple[str, str, int]]:
+        """(id, title, message count) of closed chats, newest first; cheap enough for every palette opening."""
+        return self.conn.execute(
+            "SELECT c.id, c.title, (SELECT count(*) FROM messages m WHERE m.chat_id = c.id) FROM chats c "
+            "WHERE NOT c.is_open ORDER BY c.updated DESC LIMIT ?", (limit,)).fetchall()
+
     def save_chat(self, chat: ChatRecord) -> None:
         """Write the chat and all its messages (replacing what was stored)."""
         chat.updated = time.time()

@@ -1,0 +1,1 @@
+"""Modal screens: help, chat settings, rename, edit message, pick one of several."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 from textual.widgets.option_list import Option
@@ -47,7 +47,7 @@ class EditMessageScreen(_Modal):
         self._text = text
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog -wide"):
+        with VerticalScroll(classes="dialog -wide"):
             yield Label("Edit message — later messages are replaced by a new reply", classes="dialog-title")
             yield TextArea(self._text, id="text", soft_wrap=True, tab_behavior="focus")
             with Horizontal(classes="dialog-buttons"):
@@ -81,21 +81,21 @@ class ChatSettingsScreen(_Modal):
 
     def compose(self) -> ComposeResult:
         s = self._settings
-        with Vertical(classes="dialog -wide"):
+        with VerticalScroll(classes="dialog -wide"):
             yield Label(f"Settings — {self._title}", classes="dialog-title")
             yield Label("System prompt")
             yield TextArea(self._system, id="system", soft_wrap=True, tab_behavior="focus")
             with Grid(classes="settings-grid"):
                 yield Label("Max tokens")
-                yield Input(str(s.max_tokens), id="max_tokens", type="integer")
+                yield Input(str(s.max_tokens), id="max_tokens", type="integer", compact=True)
                 yield Label("Temperature (0 = greedy)")
-                yield Input(str(s.temperature), id="temperature", type="number")
+                yield Input(str(s.temperature), id="temperature", type="number", compact=True)
                 yield Label("Top p")
-                yield Input(str(s.top_p), id="top_p", type="number")
+                yield Input(str(s.top_p), id="top_p", type="number", compact=True)
                 yield Label("Top k (0 = off)")
-                yield Input(str(s.top_k), id="top_k", type="integer")
+                yield Input(str(s.top_k), id="top_k", type="integer", compact=True)
                 yield Label("Seed (empty = random)")
-                yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer")
+                yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer", compact=True)
             yield Label("", id="error", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")

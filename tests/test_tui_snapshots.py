@@ -1,0 +1,145 @@
+"""Snapshots of the main screen and of the memory inspector (pytest-textual-snapshot).
+
+Nothing live goes into a snapshot: the chats come from a saved database, and the engine is a stand-in whose
+memory() returns one fixed picture (three chats, one of them a branch sharing three pages with its parent).
+Update with `pytest tests/test_tui_snapshots.py --snapshot-update` after checking the new SVGs by eye.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
+from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.store import Store
+from tui_support import make_config
+
+PAGE_BYTES = 16 * 2 * 30 * 3 * 64 * 2   # SmolLM2-135M in bf16: 16 tokens x K,V x 30 layers x 3 heads x 64
+
+
+def fixed_memory() -> MemorySnapshot:
+    states = ["free"] * 96
+    for p in range(0, 5):
+        states[p] = "cached"        # the idle chat's finished exchange
+    for p in range(20, 24):
+        states[p] = "cached"        # older prefixes, owner unknown
+    for p in range(8, 14):
+        states[p] = "used"
+    running = SequenceMemory("req-7", "running", 75, 74, [8, 9, 10, 11, 12], 0, 0)
+    branch = SequenceMemory("req-8", "running", 60, 59, [8, 9, 10, 13], 0, 48)
+    refs = {8: 2, 9: 2, 10: 2, 11: 1, 12: 1, 13: 1}
+    counters = dict(prefix_queries=6, prefix_hits=4, evictions=2, offloads=3, cpu_hits=1, swap_outs=1,
+                    swap_ins=1, recomputes=0, cow_copies=1)
+    return MemorySnapshot(
+        total_blocks=96, free_blocks=96 - 6, cached_blocks=9, block_size=16, page_bytes=PAGE_BYTES,
+        sequences={"req-7": running.pages, "req-8": branch.pages}, ref_counts=refs, page_states=states,
+        shared_pages={p: ["req-7", "req-8"] for p in (8, 9, 10)}, seqs={"req-7": running, "req-8": branch},
+        cpu_total=24, cpu_cached=3, cpu_swapped=0, counters=counters, hit_rate=4 / 6, recent_hit_rate=0.75,
+        live_tokens=135, contiguous_bytes=2 * 2048 * PAGE_BYTES // 16)
+
+
+class StandInEngine:
+    """What the app reads from an engine when nothing is generated."""
+
+    model_path = Path("/models/SmolLM2-135M-Instruct")
+    device = "cuda"
+    block_size = 16
+    cache_plan = SimpleNamespace(num_pages=96)
+
+    def memory(self) -> MemorySnapshot:
+        return fixed_memory()
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+REPLY = """Paged attention stores the KV cache in fixed-size **pages**, so a sequence only holds what it fills:
+
+```python
+def pages_needed(tokens: int, block_size: int = 16) -> int:
+    return -(-tokens // block_size)
+```
+
+Two requests with the same prompt prefix can map the *same* physical pages."""
+
+
+def saved_chats(config) -> list[ChatRecord]:
+    stats = ReplyStats(prompt_tokens=42, cached_tokens=32, generated_tokens=61, ttft=0.031, tokens_per_s=187.4,
+                       finish_reason="stop")
+    settings = ChatSettings(max_tokens=256, temperature=0.0)
+    system = "You are a helpful assistant."
+    idle = ChatRecord(id="aaaaaaaaaaaa", title="Paged attention", system_prompt=system, settings=settings,
+                      messages=[ChatMessage("user", "How does paged attention save memory?"),
+                                ChatMessage("assistant", REPLY, stats)], position=0)
+    live = ChatRecord(id="bbbbbbbbbbbb", title="Haiku", system_prompt=system, settings=settings,
+                      messages=[ChatMessage("user", "Write a haiku about caches.")], position=1)
+    branch = ChatRecord(id="cccccccccccc", title="↳ Haiku", system_prompt=system, settings=settings,
+                        messages=[ChatMessage("user", "Write a haiku about caches.")], position=2)
+    store = Store.open(config.data_dir)
+    for record in (idle, live, branch):
+        store.save_chat(record)
+    store.set_state("active_chat", idle.id)
+    store.close()
+    return [idle, live, branch]
+
+
+@pytest.fixture
+def app(tmp_path):
+    config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct")
+    saved_chats(config)
+    return PagedChatApp(config, engine_factory=lambda progress: StandInEngine())
+
+
+async def _loaded(pilot) -> None:
+    app = pilot.app
+    for _ in range(500):
+        if app.engine is not None:
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
+
+
+def _with_inspector(focus: str):
+    async def run_before(pilot) -> None:
+        await _loaded(pilot)
+        app = pilot.app
+        # Tie the stand-in's live requests to the saved chats, as sending would.
+        for chat_id, rid in (("bbbbbbbbbbbb", "req-7"), ("cccccccccccc", "req-8")):
+            app.sessions[chat_id].request_id = rid
+            app.requests[rid] = chat_id
+        app.sessions["aaaaaaaaaaaa"].pages = (0, 1, 2, 3, 4, 5)
+        app.sessions["aaaaaaaaaaaa"].page_tokens = 103
+        app._show(app.sessions[focus])
+        await pilot.pause()
+        await pilot.press("f2")
+        await pilot.pause()
+        app._tick(force=True)
+        await pilot.pause()
+
+    return run_before
+
+
+def test_main_screen(app, snap_compare):
+    assert snap_compare(app, terminal_size=(100, 32), run_before=_loaded)
+
+
+def test_main_screen_light_theme(tmp_path, snap_compare):
+    config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct", theme="pagedchat-light")
+    saved_chats(config)
+    app = PagedChatApp(config, engine_factory=lambda progress: StandInEngine())
+    assert snap_compare(app, terminal_size=(100, 32), run_before=_loaded)
+
+
+def test_inspector(app, snap_compare):
+    assert snap_compare(app, terminal_size=(120, 48), run_before=_with_inspector("cccccccccccc"))
+
+
+def test_inspector_at_80x24(app, snap_compare):
+    assert snap_compare(app, terminal_size=(80, 24), run_before=_with_inspector("aaaaaaaaaaaa"))
