@@ -24,7 +24,6 @@ import math
 import os
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,8 +220,8 @@ def _template_parts(tokenizer) -> tuple[list[int], list[int], list[int]]:
 
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template([{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}],
-                                                 add_generation_prompt=True, tokenize=False)
+            messages = [{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception:
             text = ""
         if text.count(_SYS) == 1 and text.count(_USR) == 1 and text.index(_SYS) < text.index(_USR):
