@@ -8,7 +8,7 @@ nowhere else. PAGEDCHAT_ATTENTION=torch|triton forces either, for tests and comp
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ class AttentionMetadata:
     context_lens_host: list[int]
     max_query_len: int
     max_context_len: int
+    # Per-step values the torch decode path would otherwise rebuild in every layer.
+    _decode_inputs: dict = field(default_factory=dict, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -67,26 +69,38 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     return _varlen_torch(q, k_cache, v_cache, meta, scale)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order."""
-    b, n = block_tables.shape
+def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int, dtype) -> torch.Tensor:
+    """Flattened [B * pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order."""
     # index_select on the flattened table is several times faster than advanced indexing on the CPU.
-    pages = cache.index_select(0, block_tables.reshape(-1))  # [B * pages, block, kv_heads, head_dim]
+    pages = cache.index_select(0, flat_tables).to(dtype)  # [B * pages, block, kv_heads, head_dim]
     _, bs, h, d = pages.shape
-    return pages.view(b, n * bs, h, d)[:, :length].transpose(1, 2)
+    return pages.view(b, -1, h, d)[:, :length].transpose(1, 2)
+
+
+def _math_dtype(q: torch.Tensor) -> torch.dtype:
+    """CPU attention in bf16/fp16 runs 2-4x slower than in fp32 (no fast kernels), so upcast there."""
+    return torch.float32 if q.device.type == "cpu" else q.dtype
+
+
+def _decode_inputs(meta: AttentionMetadata, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if not meta._decode_inputs:
+        length = meta.max_context_len
+        tables = meta.block_tables[:, : -(-length // block_size)]
+        positions = torch.arange(length, device=device)
+        mask = (positions[None, :] < meta.context_lens[:, None].to(positions.dtype))[:, None, None, :]
+        meta._decode_inputs.update(flat=tables.reshape(-1), mask=mask)
+    return meta._decode_inputs["flat"], meta._decode_inputs["mask"]
 
 
 def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All sequences at once: one query each, keys padded to the longest context and masked."""
-    length = meta.max_context_len
-    tables = meta.block_tables[:, : -(-length // k_cache.shape[1])]
-    k = _gather(k_cache, tables, length)
-    v = _gather(v_cache, tables, length)
-    positions = torch.arange(length, device=q.device)
-    mask = (positions[None, :] < meta.context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+    flat, mask = _decode_inputs(meta, k_cache.shape[1], q.device)
+    dtype, b, length = _math_dtype(q), q.shape[0], meta.max_context_len
+    k = _gather(k_cache, flat, b, length, dtype)
+    v = _gather(v_cache, flat, b, length, dtype)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(dtype), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(2)
+    return out.squeeze(2).to(q.dtype)
 
 
 def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -94,11 +108,12 @@ def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     out = torch.empty_like(q)
     start = 0
     block_size = k_cache.shape[1]
+    dtype = _math_dtype(q)
     for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-        table = meta.block_tables[b : b + 1, : -(-ctx // block_size)]
-        k = _gather(k_cache, table, ctx)
-        v = _gather(v_cache, table, ctx)
-        qb = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, head_dim]
+        table = meta.block_tables[b, : -(-ctx // block_size)]
+        k = _gather(k_cache, table, 1, ctx, dtype)
+        v = _gather(v_cache, table, 1, ctx, dtype)
+        qb = q[start : start + qlen].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, qlen, head_dim]
         if qlen == ctx:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
                                                enable_gqa=qb.shape[1] != k.shape[1])
