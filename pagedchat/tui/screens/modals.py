@@ -19,6 +19,10 @@ class _Modal(ModalScreen):
     def action_cancel(self) -> None:
         self.dismiss(None)
 
+    @on(Button.Pressed, "#cancel")
+    def _cancel_pressed(self) -> None:
+        self.dismiss(None)
+
 
 class RenameScreen(_Modal):
     def __init__(self, title: str) -> None:
@@ -62,10 +66,6 @@ class EditMessageScreen(_Modal):
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
         self.action_save()
-
-    @on(Button.Pressed, "#cancel")
-    def _cancel(self) -> None:
-        self.dismiss(None)
 
 
 class ChatSettingsScreen(_Modal):
@@ -135,10 +135,6 @@ class ChatSettingsScreen(_Modal):
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
         self.action_save()
-
-    @on(Button.Pressed, "#cancel")
-    def _cancel(self) -> None:
-        self.dismiss(None)
 
 
 class PickScreen(_Modal):
