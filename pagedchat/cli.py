@@ -63,25 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress(stage: str, fraction: float | None) -> None:
-    suffix = f" {fraction:4.0%}" if fraction is not None else ""
-    print(f"\r\033[K{stage[:70]}{suffix}", end="", file=sys.stderr, flush=True)
+class _Progress:
+    """Progress on one rewritten line in a terminal; in a log, a line per stage and per tenth done."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.last: tuple[str, int] | None = None
+
+    def __call__(self, stage: str, fraction: float | None) -> None:
+        if self.tty:
+            suffix = f" {fraction:4.0%}" if fraction is not None else ""
+            print(f"\r\033[K{stage[:70]}{suffix}", end="", file=sys.stderr, flush=True)
+            return
+        key = (stage.split(":")[0], int((fraction or 0) * 10))
+        if key != self.last:
+            self.last = key
+            print(stage + (f" {fraction:.0%}" if fraction is not None else ""), file=sys.stderr, flush=True)
+
+    def done(self, line: str = "") -> None:
+        print(f"\r\033[K{line}" if self.tty else line, end="\n" if line else "", file=sys.stderr)
 
 
 def cmd_pull(args) -> int:
     from pagedchat.model.pull import pull_default_model
 
-    folder = pull_default_model(progress=_progress, force=args.force)
-    print(f"\r\033[Kthe default model is ready in {folder}", file=sys.stderr)
+    progress = _Progress()
+    folder = pull_default_model(progress=progress, force=args.force)
+    progress.done(f"the default model is ready in {folder}")
     return 0
 
 
 def cmd_ask(args) -> int:
     from pagedchat import Engine, SamplingParams
 
+    progress = _Progress()
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                    device=args.device, dtype=args.dtype, progress=_progress)
-    print("\r\033[K", end="", file=sys.stderr)
+                    device=args.device, dtype=args.dtype, progress=progress)
+    progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.question})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -126,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (PagedChatError, ValueError) as exc:
-        print(f"\r\033[Kpagedchat: error: {exc}", file=sys.stderr)
+        _Progress().done(f"pagedchat: error: {exc}")
         return 1
     except KeyboardInterrupt:
         return 130
