@@ -703,8 +703,15 @@ class PagedChatApp(App):
             self.store.close()
 
     # ---- the engine arriving, and the periodic refresh -------------------------------------------------------
+    def _load_bar(self) -> ProgressBar | None:
+        """None once the app is closing: a load that ends during shutdown finds no widgets left."""
+        bars = self.query("#load-progress")
+        return bars.first(ProgressBar) if bars else None
+
     def on_load_progress(self, event: LoadProgress) -> None:
-        bar = self.query_one("#load-progress", ProgressBar)
+        bar = self._load_bar()
+        if bar is None:
+            return
         if event.fraction is None:
             bar.update(total=None)
         else:
@@ -712,14 +719,21 @@ class PagedChatApp(App):
         self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"), event.stage))
 
     def on_engine_ready(self, event: EngineReady) -> None:
+        bar = self._load_bar()
+        if bar is None:
+            event.engine.shutdown()
+            return
         self.engine = event.engine
-        self.query_one("#load-progress").display = False
+        bar.display = False
         self._update_status()
         self._tick(force=True)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
         self.engine_error = f"The model could not be loaded: {event.error}"
-        self.query_one("#load-progress").display = False
+        bar = self._load_bar()
+        if bar is None:
+            return
+        bar.display = False
         self.query_one("#status", Label).update(Content.styled(self.engine_error, "$error"))
         self.query_one(InspectorView).show_message(self.engine_error)
         self.notify(self.engine_error, severity="error", timeout=15)
