@@ -88,12 +88,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def completion(self) -> Completion:
-        n_out = len(self.output_ids)
+    def timing(self) -> tuple[float | None, float | None]:
+        """(time to first token, decode tokens/s) so far."""
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        n_out = len(self.token_ids) - self.num_prompt_tokens
         tps = None
         if self.first_token_time and self.last_token_time and n_out > 1:
             span = self.last_token_time - self.first_token_time
             tps = (n_out - 1) / span if span > 0 else None
+        return ttft, tps
+
+    def completion(self) -> Completion:
+        ttft, tps = self.timing()
         return Completion(
             request_id=self.request_id,
             prompt_token_ids=self.token_ids[:self.num_prompt_tokens],
@@ -102,7 +108,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             cached_tokens=self.cached_tokens,
             prefilled_tokens=self.prefilled_tokens,
-            time_to_first_token=(self.first_token_time - self.arrival) if self.first_token_time else None,
+            time_to_first_token=ttft,
             decode_tokens_per_s=tps,
             error=self.error,
             pages=list(self.block_table),
