@@ -192,15 +192,15 @@ async def test_inspector_numbers_match_the_engine(config):
                        "a live request in the inspector")
         await replied(pilot, session)
         snap = app.engine.memory()  # idle now: the figures no longer move
-        await wait_for(pilot, lambda: inspector.last_snapshot == snap, "the inspector to catch up")
+        pages = session.pages
+        await wait_for(pilot, lambda: inspector.last_snapshot == snap
+                       and f"{len(pages)} pages" in static_text(app, "#insp-table"), "the inspector to catch up")
         assert _inspector_numbers(app) == (snap.free_blocks, snap.total_blocks, snap.cached_blocks)
         # The chat's full pages are now cached (free to reuse, drawn in the chat's colour in the map); a
         # partly filled last page holds nothing reusable and goes back to the free pool.
-        pages = session.pages
         full = session.page_tokens // snap.block_size
         assert len(pages) >= full > 0 and all(snap.page_states[p] == "cached" for p in pages[:full])
         table = static_text(app, "#insp-table")
-        assert f"{len(pages)} pages" in table
         assert table.count("░ cached") == sum(snap.page_states[p] == "cached" for p in pages)
         chats = static_text(app, "#insp-chats")
         assert re.search(rf"idle\s+{session.page_tokens} tok\s+{len(pages)} pg", chats), chats

@@ -398,6 +398,7 @@ class PagedChatApp(App):
             session.unseen = True
         self._refresh_label(session)
         self._update_status()
+        self._tick()  # the inspector shows the chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
         self._save(session)
 
