@@ -69,10 +69,19 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     return _varlen_torch(q, k_cache, v_cache, meta, scale)
 
 
-def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int, dtype) -> torch.Tensor:
-    """Flattened [B * pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order."""
+def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int, dtype,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Flattened [B * pages] tables -> [B, kv_heads, length, head_dim] keys or values, in logical order.
+
+    `out` is (raw, upcast) buffers to gather into, reused across layers so each step allocates them once."""
     # index_select on the flattened table is several times faster than advanced indexing on the CPU.
-    pages = cache.index_select(0, flat_tables).to(dtype)  # [B * pages, block, kv_heads, head_dim]
+    if out is None:
+        pages = cache.index_select(0, flat_tables).to(dtype)
+    else:
+        raw, upcast = out
+        pages = torch.index_select(cache, 0, flat_tables, out=raw)
+        if upcast is not raw:
+            pages = upcast.copy_(raw)
     _, bs, h, d = pages.shape
     return pages.view(b, -1, h, d)[:, :length].transpose(1, 2)
 
@@ -82,25 +91,37 @@ def _math_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
-def _decode_inputs(meta: AttentionMetadata, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_inputs(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The step's flat block table, mask and gather buffers, built by the first layer and reused by the rest."""
     if not meta._decode_inputs:
-        length = meta.max_context_len
+        block_size, length = cache.shape[1], meta.max_context_len
         tables = meta.block_tables[:, : -(-length // block_size)]
-        positions = torch.arange(length, device=device)
+        flat = tables.reshape(-1)
+        positions = torch.arange(length, device=cache.device)
         mask = (positions[None, :] < meta.context_lens[:, None].to(positions.dtype))[:, None, None, :]
-        meta._decode_inputs.update(flat=tables.reshape(-1), mask=mask)
-    return meta._decode_inputs["flat"], meta._decode_inputs["mask"]
+        shape = (flat.numel(), *cache.shape[1:])
+
+        def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+            raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+            return raw, raw if dtype == cache.dtype else torch.empty(shape, dtype=dtype, device=cache.device)
+
+        meta._decode_inputs.update(flat=flat, mask=mask, k=buffers(), v=buffers())
+    return meta._decode_inputs
 
 
 def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All sequences at once: one query each, keys padded to the longest context and masked."""
-    flat, mask = _decode_inputs(meta, k_cache.shape[1], q.device)
-    dtype, b, length = _math_dtype(q), q.shape[0], meta.max_context_len
-    k = _gather(k_cache, flat, b, length, dtype)
-    v = _gather(v_cache, flat, b, length, dtype)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(dtype), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(2).to(q.dtype)
+    """All sequences at once: one query each, keys padded to the longest context and masked.
+
+    Grouped-query heads that share a KV head become that head's query rows ([B, kv_heads, group, D]), so
+    no K/V is repeated and one attention call serves the group."""
+    dtype, (b, heads, d), length = _math_dtype(q), q.shape, meta.max_context_len
+    step = _decode_inputs(meta, k_cache, dtype)
+    k = _gather(k_cache, step["flat"], b, length, dtype, step["k"])
+    v = _gather(v_cache, step["flat"], b, length, dtype, step["v"])
+    kv_heads = k.shape[1]
+    queries = q.reshape(b, kv_heads, heads // kv_heads, d).to(dtype)
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=step["mask"], scale=scale)
+    return out.reshape(b, heads, d).to(q.dtype)
 
 
 def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

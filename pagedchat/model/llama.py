@@ -44,10 +44,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim]."""
+    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim], sin's first half negated (see LlamaModel.__init__).
+
+    transformers' x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): carrying the sign in sin
+    saves a negation per call and rounds the same (a sign flip is exact)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Layer:
@@ -79,13 +81,15 @@ class LlamaModel:
             raise ModelError(f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size
         self.scale = config.head_dim ** -0.5
         inv_freq = rope_inv_freq(config)
         freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        sin[:, : config.head_dim // 2].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)
         self.use_triton = backend(device) == "triton"
 
     @torch.inference_mode()
@@ -102,10 +106,10 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            # q and k sit side by side in qkv: one rotary call turns both.
+            qk = apply_rope(qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton)
