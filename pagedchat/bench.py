@@ -563,10 +563,10 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         hf = None
         if cfg.against == "transformers":
             progress.describe("loading transformers")
-            hf = load_transformers(engine.model_path, engine.dtype, engine.device)
+            hf = on_own_thread(load_transformers, engine.model_path, engine.dtype, engine.device)
             pad_id = engine.tokenizer.pad_token_id
             pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids or {0})
-            _hf_generate(hf, [work.cold_prefix(1)[:32]], 2, pad_id, _NoProgress())  # warm-up
+            on_own_thread(_hf_generate, hf, [work.cold_prefix(1)[:32]], 2, pad_id, _NoProgress())  # warm-up
 
         report = {
             "command": {"model": cfg.model, "chats": levels, "max_tokens": cfg.max_tokens,
@@ -585,11 +585,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             "capacity": capacity(cost, cfg.system_tokens, longest),
             "levels": [],
         }
-        for i, n in enumerate(levels):
-            if i:  # a fresh engine per level: each starts with a cold prefix cache
-                engine.shutdown()
-                del engine
-                gc.collect()
+        for n in levels:
+            if engine is None:  # a fresh engine per level: each starts with a cold prefix cache
                 engine = _new_engine(cfg, top, progress.describe)
             _warm_up(engine, work)
             progress.describe(f"pagedchat · {n} chat{'s' * (n > 1)}")
@@ -608,21 +605,40 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                             "prompt_tokens": sum(len(p) for p in prompts),
                             "prefill_tokens_computed": prefilled, "prefill_tokens_saved": cached},
             }
+            if n == top:  # the system prompt is cached now
+                progress.describe("cold vs warm first token")
+                report["ttft_cold_warm"] = ttft_cold_warm(engine, work, progress)
+            # Its compute thread ends with it, so transformers runs with no other OpenMP team alive.
+            engine.shutdown()
+            engine = None
+            gc.collect()
             if hf is not None:
                 progress.describe(f"transformers · {n} chat{'s' * (n > 1)}")
-                level["transformers"] = run_transformers_level(hf, prompts, cfg.max_tokens, pad_id, progress)
+                level["transformers"] = on_own_thread(run_transformers_level, hf, prompts, cfg.max_tokens, pad_id,
+                                                      progress)
                 e2e = res["stats"]["end_to_end_tokens_per_s"]
                 level["ratios"] = {
                     "vs_one_at_a_time": e2e / level["transformers"]["one_at_a_time"]["end_to_end_tokens_per_s"],
                     "vs_padded_batch": e2e / level["transformers"]["padded_batch"]["end_to_end_tokens_per_s"],
                 }
             report["levels"].append(level)
-        progress.describe("cold vs warm first token")
-        report["ttft_cold_warm"] = ttft_cold_warm(engine, work, progress)
         report["machine"]["load_average_at_end"] = _load_average()
         return report
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
+
+
+def on_own_thread(fn, *args):
+    """Run fn on a thread that ends with it, as the engine runs on its own: each runner then computes with the
+    only OpenMP team alive in the process (see pagedchat/engine/compute_thread.py)."""
+    from pagedchat.engine.compute_thread import ComputeThread
+
+    worker = ComputeThread("pagedchat-bench-transformers")
+    try:
+        return worker.call(fn, *args)
+    finally:
+        worker.close()
 
 
 def _warm_up(engine, work: Workload) -> None:

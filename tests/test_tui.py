@@ -13,7 +13,6 @@ from functools import partial
 import pytest
 import textual.app
 import textual.pilot
-import torch
 from textual._wait import wait_for_idle
 
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
@@ -43,16 +42,6 @@ def _quick_pilot(monkeypatch):
     quick = partial(wait_for_idle, max_sleep=0.05)
     monkeypatch.setattr(textual.app, "wait_for_idle", quick)
     monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # On a 2-core runner torch's OpenMP team would fight the UI thread for the cores (spinning threads
-    # slow decoding twenty-fold); one intra-op thread keeps the engine fast next to the event loop.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

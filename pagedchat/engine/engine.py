@@ -1,4 +1,4 @@
-"""The engine: requests in, tokens out, one background thread stepping the model.
+"""The engine: requests in, tokens out, one background thread (see compute_thread) stepping the model.
 
 Data path: submit() -> inbox -> Scheduler (block tables, copy plan) -> ModelRunner (one forward over every
 scheduled chunk) -> Sampler -> Detokenizer -> StreamDelta to each request's handle and callback.
@@ -19,6 +19,7 @@ from typing import Callable, Union
 import torch
 
 from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.compute_thread import ComputeThread
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.memory import MemorySnapshot, snapshot
 from pagedchat.engine.model_runner import ModelRunner
@@ -96,7 +97,7 @@ class Engine:
     def __init__(self, model=None, *, kv_cache_memory: int | str | None = None, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
-                 progress: Callable[[str, float | None], None] | None = None):
+                 threads: int | None = None, progress: Callable[[str, float | None], None] | None = None):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -106,13 +107,19 @@ class Engine:
         self.dtype = parse_dtype(dtype, self.device)
         if progress:
             progress("loading weights", None)
-        self.model = LlamaModel(self.config, load_weights(folder, self.dtype, self.device), self.device, self.dtype)
-        self.block_size = block_size
-        self.cache_plan = plan_cache(self.config, self.dtype, self.device, block_size,
-                                     parse_bytes(kv_cache_memory), parse_bytes(swap_space))
+        self._compute = ComputeThread("pagedchat-engine", threads)
+        try:
+            self.model = self._compute.call(self._load_model, folder)
+            self.block_size = block_size
+            self.cache_plan = plan_cache(self.config, self.dtype, self.device, block_size,
+                                         parse_bytes(kv_cache_memory), parse_bytes(swap_space))
+            self.runner = self._compute.call(ModelRunner, self.model, self.cache_plan.num_pages,
+                                             self.cache_plan.num_cpu_pages, block_size)
+        except BaseException:
+            self._compute.close()
+            raise
         self.blocks = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
         self.scheduler = Scheduler(self.blocks, max_tokens_per_step, max_seqs)
-        self.runner = ModelRunner(self.model, self.cache_plan.num_pages, self.cache_plan.num_cpu_pages, block_size)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
@@ -123,8 +130,11 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}     # live sequences by request id
         self._history: dict[str, list[int]] = {}  # finished requests' tokens, for fork
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._looping = False
         self.steps = 0
+
+    def _load_model(self, folder) -> LlamaModel:
+        return LlamaModel(self.config, load_weights(folder, self.dtype, self.device), self.device, self.dtype)
 
     # ---- public API --------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -155,6 +165,7 @@ class Engine:
     def submit_many(self, prompts: list[Prompt], params: SamplingParams | None = None, *,
                     on_update=None, request_ids: list[str | None] | None = None) -> list[RequestHandle]:
         """Queue several requests so that they are admitted in the same step."""
+        self._check_running()
         params = params or SamplingParams()
         encoded = [self.encode_prompt(p) for p in prompts]  # fails before anything is queued
         for ids in encoded:
@@ -174,6 +185,7 @@ class Engine:
 
         A live parent shares all its pages with the child, copy-on-write; a finished one is resumed from the
         prefix cache."""
+        self._check_running()
         with self._lock:
             parent = self._seqs.get(request_id)
             tokens = list(parent.token_ids) if parent else self._history.get(request_id)
@@ -206,11 +218,14 @@ class Engine:
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._kick()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._wake.set()
+        self._compute.close()
 
     # ---- validation ----------------------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise RequestError("the engine has been shut down")
+
     def _validate(self, ids: list[int]) -> None:
         ctx = self.config.max_position_embeddings
         if not ids:
@@ -240,11 +255,11 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _kick(self) -> None:
-        if self._thread is None:
+        if not self._looping:
             with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="pagedchat-engine", daemon=True)
-                    self._thread.start()
+                if not self._looping:
+                    self._looping = True
+                    self._compute.start(self._loop)
         self._wake.set()
 
     def _loop(self) -> None:

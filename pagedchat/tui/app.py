@@ -47,12 +47,12 @@ def default_engine_factory(config: AppConfig) -> EngineFactory:
         from pagedchat.engine.engine import Engine  # torch and transformers load here, off the UI thread
 
         on_cpu = config.device == "cpu" or (config.device is None and not torch.cuda.is_available())
-        if on_cpu:
-            # On the CPU, torch's OpenMP team spins on every core; with the UI thread needing one too, decoding
-            # slowed twenty-fold in our runs on 2 cores. Leave the event loop a core.
-            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+        # On the CPU, torch's OpenMP workers spin on every core they are given; the event loop needs one too,
+        # or the screen stutters while a reply streams. Leave it a core.
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)) if on_cpu else None
         return Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
-                      device=config.device, dtype=config.dtype, swap_space=config.swap_space, progress=progress)
+                      device=config.device, dtype=config.dtype, swap_space=config.swap_space, threads=threads,
+                      progress=progress)
 
     return make
 

@@ -1,0 +1,60 @@
+"""The one thread on which an engine runs torch: weight loading, cache allocation and every step.
+
+Why one thread: torch's CPU ops run on OpenMP (libgomp), which gives each thread that calls into it a team of
+worker threads of its own. Two live teams oversubscribe a small machine's cores, and libgomp then stops letting
+idle workers spin, so every parallel op pays a sleep/wake-up. Here, on 2 cores, stepping on a thread other
+than the one that had loaded the weights cost 1.5x per decode step (39 -> 59 ms); loading and stepping on one
+thread costs nothing extra (`docs/bench.md`, "One compute thread"). Callers' threads then stay free of torch
+work, so an app's or a benchmark's own thread holds no team.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+_STOP = object()
+
+
+class ComputeThread:
+    def __init__(self, name: str, threads: int | None = None):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = threads
+        # A daemon: an engine nobody shut down must not keep the interpreter from exiting.
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the thread and wait for its result (its exception is raised here)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future.result()
+
+    def start(self, fn: Callable[[], None]) -> None:
+        """Run fn on the thread without waiting: the engine's loop, which returns when the engine stops."""
+        self._jobs.put((fn, (), None))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the thread once the job it runs returns (its OpenMP team goes with it)."""
+        self._jobs.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread: set it here
+        while (job := self._jobs.get()) is not _STOP:
+            fn, args, future = job
+            if future is None:
+                fn(*args)
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the waiting caller, who raises it
+                future.set_exception(exc)
