@@ -29,7 +29,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget, e.g. 512MiB or 2GB (default: sized from free memory)")
     p.add_argument("--swap-space", metavar="SIZE", help="CPU tier for offloaded and swapped pages")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bf16 on GPU)")
+    p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
+                   "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,18 @@ import pytest
 from tiny_models import load_reference, make_tiny_model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _float32_by_default():
+    """Engines built without a dtype run in fp32 here, whatever the CPU: the parity tests compare with
+    transformers in fp32, and page budgets in the tests are counted in fp32 pages. bf16 is tested by name."""
+    from pagedchat.engine import sizing
+
+    real = sizing.cpu_has_native_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sizing, "cpu_has_native_bf16", lambda: False)
+        yield real  # for the test of the real one
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tie=True)

@@ -8,7 +8,7 @@ import torch
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.errors import ModelError, RequestError
-from parity import assert_same_greedy
+from parity import NEAR_TIE_BF16, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 NO_EOS = [10**9]  # an id that never occurs, so transformers runs to max_new_tokens like ignore_eos
@@ -161,6 +161,44 @@ def test_dtype_names(tiny_llama):
         Engine(str(tiny_llama), dtype="float8")
 
 
+def test_default_dtype_follows_the_cpu(tmp_path, monkeypatch, _float32_by_default):
+    from pagedchat.engine import sizing
+
+    has_bf16 = _float32_by_default  # the real flag reader, which conftest swaps out for every other test
+    with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
+    with_bf16.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    without.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16x\n")
+    assert has_bf16(str(with_bf16)) and not has_bf16(str(without)) and not has_bf16(str(tmp_path / "missing"))
+    cpu = torch.device("cpu")
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda native=native: native)
+        assert sizing.parse_dtype(None, cpu) == sizing.parse_dtype("auto", cpu) == want
+    assert sizing.parse_dtype("float32", cpu) == torch.float32  # a named dtype is never second-guessed
+
+
+def test_torch_runs_on_the_engine_thread_only(tiny_llama, monkeypatch):
+    """Loading and every step run on the engine's one compute thread, none on the caller's (see
+    pagedchat/engine/compute_thread.py for why a second OpenMP team costs 1.5x per step)."""
+    import threading
+
+    from pagedchat.engine import engine as engine_module
+    from pagedchat.engine.model_runner import ModelRunner
+
+    seen = []
+    load, execute = engine_module.load_weights, ModelRunner.execute
+    monkeypatch.setattr(engine_module, "load_weights", lambda *a: seen.append(threading.current_thread()) or load(*a))
+    monkeypatch.setattr(ModelRunner, "execute",
+                        lambda self, plan: seen.append(threading.current_thread()) or execute(self, plan))
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", threads=1)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(seen) >= 4 and {t.name for t in seen} == {"pagedchat-engine"} and len(set(seen)) == 1
+    worker = seen[0]
+    engine.shutdown()
+    assert not worker.is_alive()
+    with pytest.raises(RequestError, match="shut down"):
+        engine.submit([5, 6, 7])
+
+
 DEFAULT_CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Describe the sea."}],
@@ -172,11 +210,26 @@ def test_default_model_matches_transformers(default_model):
     """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(str(default_model), kv_cache_memory="128MiB")
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="float32")
     ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40))
     for prompt, out in zip(prompts, outs):
         expected = hf_greedy(ref, prompt, 40, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected)
+    assert "Paris" in outs[0].text
+
+
+def test_default_model_in_bf16_matches_transformers_in_bf16(default_model):
+    """The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
+    near-ties (then the two continuations part, and the comparison stops)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.bfloat16).eval()
+    prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(ref, prompt, 24, sorted(engine.eos_token_ids))
+        assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=NEAR_TIE_BF16)
     assert "Paris" in outs[0].text

@@ -31,17 +31,33 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AVX-512 BF16 or AMX: bf16 matmuls run about twice as fast as fp32 there. Elsewhere bf16 is emulated."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:  # not Linux: no cheap way to ask, and fp32 is never the wrong answer
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", text) is not None
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware computes it natively (half the weight bytes per token, twice the matmul
+    speed), else fp32. fp32 is the precision in which greedy tokens equal transformers' bit for bit."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def parse_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    if value is None:
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+    if value is None or str(value).lower() == "auto":
+        return default_dtype(device)
     try:
         return _DTYPES[str(value).lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {value!r}: use one of float32, bfloat16, float16") from None
+        raise ValueError(f"unknown dtype {value!r}: use one of auto, float32, bfloat16, float16") from None
 
 
 @dataclass(frozen=True)
