@@ -318,10 +318,7 @@ class BlockManager:
 
     # ---- views -------------------------------------------------------------------------------------------
     def page_states(self) -> list[str]:
-        states = ["free"] * self.num_pages
-        for page in range(self.num_pages):
-            if self.ref[page]:
-                states[page] = "used"
+        states = ["used" if r else "free" for r in self.ref]
         for page in self.evictable:
             states[page] = "cached"
         return states
