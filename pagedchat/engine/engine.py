@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -118,6 +119,7 @@ class Engine:
         except BaseException:
             self._compute.close()
             raise
+        weakref.finalize(self, self._compute.close)  # an engine dropped without shutdown() frees its thread
         self.blocks = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
         self.scheduler = Scheduler(self.blocks, max_tokens_per_step, max_seqs)
         self.sampler = Sampler()
