@@ -7,7 +7,7 @@ Example `config.toml` (every key optional):
     swap_space = "1GiB"                              # CPU tier for swapped-out / offloaded pages
     block_size = 16                                  # tokens per page
     device = "cuda"
-    dtype = "bfloat16"
+    dtype = "float32"                                # default auto: bf16 where computed natively, else float32
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
 
