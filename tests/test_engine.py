@@ -233,3 +233,23 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(default_model):
         expected = hf_greedy(ref, prompt, 24, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=NEAR_TIE_BF16)
     assert "Paris" in outs[0].text
+
+
+def test_interpreter_exits_with_engines_left_running(tiny_llama):
+    """Engines never shut down (their loops alive) must not hold up interpreter exit: no join at exit."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from pagedchat import Engine, SamplingParams\n"
+        "engines = [Engine(sys.argv[1], kv_cache_memory='4MiB') for _ in range(2)]\n"
+        "for e in engines: e.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))\n"
+        "print('exiting', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "exiting"
+    start = time.monotonic()
+    assert proc.wait(timeout=120) == 0
+    assert time.monotonic() - start < 8, "exit waited on an engine thread (a close() join takes 10 s)"

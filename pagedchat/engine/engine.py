@@ -119,7 +119,9 @@ class Engine:
         except BaseException:
             self._compute.close()
             raise
-        weakref.finalize(self, self._compute.close)  # an engine dropped without shutdown() frees its thread
+        # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
+        # daemon, and a live loop would make close() wait there.
+        weakref.finalize(self, self._compute.close, 0).atexit = False
         self.blocks = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
         self.scheduler = Scheduler(self.blocks, max_tokens_per_step, max_seqs)
         self.sampler = Sampler()
