@@ -253,3 +253,30 @@ def test_interpreter_exits_with_engines_left_running(tiny_llama):
     start = time.monotonic()
     assert proc.wait(timeout=120) == 0
     assert time.monotonic() - start < 8, "exit waited on an engine thread (a close() join takes 10 s)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [32, 64, 576, 896, 2048])
+def test_norm_and_rotary_equal_transformers_bit_for_bit(dtype, hidden):
+    """The two rewritten formulas (fused RMSNorm, sign-folded rotary) give transformers' exact bits."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from pagedchat.model.llama import apply_rope, rms_norm
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    ref = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    ref.weight.data = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
+
+    head_dim, heads = 64, hidden // 32
+    qk = torch.randn(37, heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(37, head_dim // 2, generator=gen) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    folded = sin.clone()
+    folded[:, : head_dim // 2].neg_()
+    # transformers' layout: [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim]
+    want, _ = apply_rotary_pos_emb(qk.transpose(0, 1)[None], qk.transpose(0, 1)[None], cos[None], sin[None])
+    got = apply_rope(qk, cos[:, None], folded[:, None])
+    assert torch.equal(got, want[0].transpose(0, 1))
