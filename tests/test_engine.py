@@ -280,3 +280,23 @@ def test_norm_and_rotary_equal_transformers_bit_for_bit(dtype, hidden):
     want, _ = apply_rotary_pos_emb(qk.transpose(0, 1)[None], qk.transpose(0, 1)[None], cos[None], sin[None])
     got = apply_rope(qk, cos[:, None], folded[:, None])
     assert torch.equal(got, want[0].transpose(0, 1))
+
+
+def test_packed_weights_give_f_linear_bits():
+    """bf16 projections on the CPU use oneDNN-packed weights only where they equal F.linear bit for bit."""
+    import torch.nn.functional as F
+
+    from pagedchat.model.linear import Linear, packing_is_exact
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    assert not packing_is_exact(weight.float())  # fp32 keeps F.linear: MKL's kernel, as transformers uses
+    if not packing_is_exact(weight):
+        pytest.skip("this torch build has no exact oneDNN packing: plain weights are used")
+    for b in (None, bias):
+        packed = Linear(weight, b, packed=True)
+        assert packed.weight is None  # the plain copy is dropped, so packing costs no memory
+        for rows in (1, 2, 8, 16, 45, 300):
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            assert torch.equal(packed(x), F.linear(x, weight, b))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.linear import Linear, packing_is_exact
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -53,15 +54,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def fused_qkv(w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return torch.cat([w[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
+
+
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, config: ModelConfig):
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, config: ModelConfig, packed: bool):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         # One matmul for q, k and v, and one for gate and up: fewer, larger GEMMs per layer.
-        self.qkv = torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
-        self.o = w[f"{attn}.o_proj.weight"]
-        self.gate_up = torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
-        self.down = w[f"{mlp}.down_proj.weight"]
+        qkv_bias = torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
+        self.qkv = Linear(fused_qkv(w, prefix), qkv_bias, packed)
+        self.o = Linear(w[f"{attn}.o_proj.weight"], packed=packed)
+        self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]), packed=packed)
+        self.down = Linear(w[f"{mlp}.down_proj.weight"], packed=packed)
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
 
@@ -76,8 +81,11 @@ class LlamaModel:
         try:
             self.embed = w["model.embed_tokens.weight"]
             self.norm = w["model.norm.weight"]
-            self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
-            self.layers = [Layer(w, f"model.layers.{i}", config) for i in range(config.num_layers)]
+            self.packed_weights = packing_is_exact(fused_qkv(w, "model.layers.0"))
+            head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+            self.lm_head = Linear(head, packed=self.packed_weights)
+            self.layers = [Layer(w, f"model.layers.{i}", config, self.packed_weights)
+                           for i in range(config.num_layers)]
         except KeyError as exc:
             raise ModelError(f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         q_size = config.num_heads * config.head_dim
@@ -106,7 +114,7 @@ class LlamaModel:
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             # q and k sit side by side in qkv: one rotary call turns both.
             qk = apply_rope(qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
@@ -114,9 +122,9 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton)
-            x = x + F.linear(attn.reshape(t, -1), layer.o)
+            x = x + layer.o(attn.reshape(t, -1))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
