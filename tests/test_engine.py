@@ -8,7 +8,7 @@ import torch
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.errors import ModelError, RequestError
-from parity import NEAR_TIE_BF16, assert_same_greedy
+from parity import NEAR_TIE, NEAR_TIE_BF16, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 NO_EOS = [10**9]  # an id that never occurs, so transformers runs to max_new_tokens like ignore_eos
@@ -206,32 +206,23 @@ DEFAULT_CHATS = [
 ]
 
 
-def test_default_model_matches_transformers(default_model):
+@pytest.mark.parametrize("dtype,max_tokens,near_tie", [
+    ("float32", 40, NEAR_TIE),
+    # The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
+    # near-ties (then the two continuations part, and the comparison stops).
+    ("bfloat16", 24, NEAR_TIE_BF16),
+])
+def test_default_model_matches_transformers(default_model, dtype, max_tokens, near_tie):
     """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="float32")
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
+    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs):
-        expected = hf_greedy(ref, prompt, 40, sorted(engine.eos_token_ids))
-        assert_same_greedy(ref, prompt, out.token_ids, expected)
-    assert "Paris" in outs[0].text
-
-
-def test_default_model_in_bf16_matches_transformers_in_bf16(default_model):
-    """The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
-    near-ties (then the two continuations part, and the comparison stops)."""
-    from transformers import AutoModelForCausalLM
-
-    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="bfloat16")
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.bfloat16).eval()
-    prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=24))
-    for prompt, out in zip(prompts, outs):
-        expected = hf_greedy(ref, prompt, 24, sorted(engine.eos_token_ids))
-        assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=NEAR_TIE_BF16)
+        expected = hf_greedy(ref, prompt, max_tokens, sorted(engine.eos_token_ids))
+        assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
     assert "Paris" in outs[0].text
 
 
