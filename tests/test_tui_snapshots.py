@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from textual.widgets import TextArea
 
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
@@ -103,7 +104,14 @@ async def _loaded(pilot) -> None:
         if app.engine is not None:
             break
         await pilot.pause(0.01)
+    _steady_cursors(app)
     await pilot.pause()
+
+
+def _steady_cursors(app) -> None:
+    """A blinking cursor is drawn or not depending on when the picture is taken: hold it on."""
+    for area in app.query(TextArea):
+        area.cursor_blink = False
 
 
 def _with_inspector(focus: str):
@@ -121,6 +129,7 @@ def _with_inspector(focus: str):
         await pilot.press("f2")
         await pilot.pause()
         app._tick(force=True)
+        _steady_cursors(app)
         await pilot.pause()
 
     return run_before
