@@ -82,6 +82,8 @@ async def test_send_streams_a_reply_with_stats(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        status = static_text(app, "#status")
+        assert re.search(r"on cpu · float32 · \d+ pages", status), status  # where it runs, and in what precision
         session = await send(pilot, "hello there", max_tokens=LONG)
         assert session.busy and session.record.title == "hello there"
         view = app.chat_view(session).view_at(1)

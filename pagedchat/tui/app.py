@@ -747,9 +747,11 @@ class PagedChatApp(App):
         plan = getattr(self.engine, "cache_plan", None)
         pages = f" · {plan.num_pages} pages" if plan is not None else ""
         device = getattr(self.engine, "device", "")
+        dtype = getattr(self.engine, "dtype", None)
+        precision = f" · {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
         activity = f" · {busy} generating" if busy else ""
         self.query_one("#status", Label).update(
-            Content.assemble((model, "bold"), (f" on {device}{pages}{activity}", "$text-muted")))
+            Content.assemble((model, "bold"), (f" on {device}{precision}{pages}{activity}", "$text-muted")))
 
     def chat_pages(self) -> list[ChatPages]:
         return [ChatPages(s.id, s.record.title, self._colour_of(s), s.request_id, s.pages, s.page_tokens)
