@@ -89,7 +89,7 @@ def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int,
 def _math_dtype(q: torch.Tensor) -> torch.dtype:
     """fp16 attention on the CPU has no fast kernel, so it is upcast. bf16 stays bf16 (the flash kernel
     accumulates in fp32, as transformers' bf16 sdpa does): at 16 chats that skips copying every gathered
-    page to fp32, 44 -> 36 ms of a decode step here, while prefill costs the same either way."""
+    page to fp32: 30 layers of decode attention took 44 -> 36 ms here, while prefill costs the same either way."""
     return torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
 
 
