@@ -141,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the same workload on transformers generate and report ratios")
     parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="KV cache budget, like 512MiB or 2GB (default: the engine's own sizing)")
-    parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
+    parser.add_argument("--dtype", default=None,
+                        help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 

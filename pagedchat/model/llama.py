@@ -87,7 +87,8 @@ class LlamaModel:
             self.layers = [Layer(w, f"model.layers.{i}", config, self.packed_weights)
                            for i in range(config.num_layers)]
         except KeyError as exc:
-            raise ModelError(f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
+            raise ModelError(
+                f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qk_size = q_size + kv_size
