@@ -114,10 +114,15 @@ def test_accounting_at_peak(report):
         assert m["contiguous_slots"] == n * MAX_CONTEXT
         assert m["contiguous_waste_slots"] == n * MAX_CONTEXT - sum(held)
         assert s["prompt_tokens"] == sum(lv["prompt_tokens"])
-        assert s["prefill_tokens_saved"] == (n - 1) * shared * BLOCK
+        # Chats admitted together share the system prompt's full pages; each may also copy the start of one
+        # more page from earlier requests (the chat template's first tokens), never a whole page.
+        saved = s["prefill_tokens_saved"] - (n - 1) * shared * BLOCK
+        assert 0 <= saved < n * BLOCK
         assert s["prefill_tokens_computed"] == s["prompt_tokens"] - s["prefill_tokens_saved"]
-    # A new chat with the cached system prompt maps its full pages; the cold one maps none.
-    assert report["ttft_cold_warm"]["warm_cached_tokens"] == shared * BLOCK
+    # A new chat with the cached system prompt maps its full pages and copies the start of the next one
+    # (the rest of the system prompt, from an earlier chat's page).
+    w = report["ttft_cold_warm"]
+    assert SYSTEM_TOKENS <= w["warm_cached_tokens"] < (shared + 1) * BLOCK
 
 
 def test_tables_render(report):

@@ -75,13 +75,47 @@ def test_shared_prefix_maps_three_pages_and_takes_one():
 
 
 def test_last_prompt_token_is_always_computed():
-    """A page-aligned prompt seen before still computes its last page: its logits pick the first token."""
+    """A prompt seen before still computes its last token: its logits pick the first new token. The rest of
+    its last page comes from a copy of the cached one."""
     bm = BlockManager(8, BS)
     a = make_seq(toks(32), "a")
     prefill(bm, a)
+    bm.end_step()  # a's pages are written once its step has run; only then can they be copied
     bm.free_seq(a)
     b = make_seq(toks(32), "b")
-    assert prefill(bm, b) == 16 and b.cached_tokens == 16
+    assert prefill(bm, b) == 1 and b.cached_tokens == 31
+
+
+def test_prefix_inside_a_page_is_copied_not_recomputed():
+    """A shared prefix that ends inside a page: full pages are mapped, the partly matching page is copied
+    (its source pinned until the step's copies have run), and only the tokens past the match are computed."""
+    bm = BlockManager(8, BS)
+    system = toks(20)  # one full page and 4 tokens into the next
+    a = make_seq(system + toks(14, 1), "a")  # its second page fills up: a full page can be offered
+    prefill(bm, a)
+    late = make_seq(system + toks(6, 2), "late")
+    assert prefill(bm, late) == 10, "a page written in this very step cannot be copied yet"
+    bm.free_seq(late)
+    bm.end_step()
+    bm.take_ops()
+    b = make_seq(system + toks(6, 2), "b")
+    assert prefill(bm, b) == 6 and b.cached_tokens == 20
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
+    assert bm.take_ops().cow == [(a.block_table[1], b.block_table[1])]
+    assert bm.ref[a.block_table[1]] == 2  # a's own reference and the pin
+    bm.check_invariants([a.block_table, b.block_table])
+    bm.end_step()
+    assert bm.ref[a.block_table[1]] == 1
+    bm.check_invariants([a.block_table, b.block_table])
+    # A cached page with no owner left is pinned the same way, then goes back to the cached pool.
+    source = a.block_table[1]
+    bm.free_seq(a)
+    c = make_seq(system + toks(3, 3), "c")
+    assert prefill(bm, c) == 3 and c.cached_tokens == 20
+    assert a.block_table == [] and not bm.evictable, "the pinned source is not evictable while its copy is pending"
+    bm.end_step()
+    assert list(bm.evictable) == [source]
+    bm.check_invariants([b.block_table, c.block_table])
 
 
 def test_hit_on_freed_cached_pages_takes_them_out_of_the_pool():

@@ -98,6 +98,12 @@ class BlockManager:
         self.ref = [0] * num_pages
         self.page_hash: list[int | None] = [None] * num_pages
         self.cached: dict[int, int] = {}                   # hash -> GPU page holding that content
+        # What a cached page holds, by the hash of the page before it, for matches inside a page.
+        self.children: dict[int | None, set[int]] = {}
+        self.page_parent: list[int | None] = [None] * num_pages
+        self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
+        self._pinned: list[int] = []                       # copy sources held until this step's copies ran
+        self._fresh: set[int] = set()                      # published this step: written by its forward pass
         self.free: deque[int] = deque(range(num_pages))   # pages holding nothing reusable
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; least recently used first
         self.cpu = CpuTier(num_cpu_pages)
@@ -122,10 +128,30 @@ class BlockManager:
         self.ref[page] = 1
         return page
 
-    def _evict(self, page: int) -> None:
+    def _publish(self, page: int, h: int, parent: int | None, tokens: list[int]) -> None:
+        """Offer page's content for reuse: whole under its chain hash, or its first tokens to a prompt that
+        continues the same parent (see _partial_match)."""
+        self.cached[h] = page
+        self.page_hash[page] = h
+        self.page_parent[page] = parent
+        self.page_tokens[page] = tuple(tokens)
+        self.children.setdefault(parent, set()).add(page)
+        self._fresh.add(page)
+
+    def _unpublish(self, page: int) -> int:
         h = self.page_hash[page]
         del self.cached[h]
         self.page_hash[page] = None
+        parent = self.page_parent[page]
+        siblings = self.children[parent]
+        siblings.discard(page)
+        if not siblings:
+            del self.children[parent]
+        self.page_tokens[page] = None
+        return h
+
+    def _evict(self, page: int) -> None:
+        h = self._unpublish(page)
         self.counters.evictions += 1
         if h in self.cpu.cached:  # already offloaded once (e.g. swapped back in since): keep the one copy
             self.cpu.evictable.move_to_end(self.cpu.cached[h])
@@ -155,6 +181,10 @@ class BlockManager:
         return ops
 
     def end_step(self) -> None:
+        for page in self._pinned:
+            self._unref(page)
+        self._pinned.clear()
+        self._fresh.clear()
         self.cpu.end_step()
 
     # ---- sequences -------------------------------------------------------------------------------------
@@ -176,37 +206,66 @@ class BlockManager:
                 break
         hit_pages = len(gpu_hits) + len(cpu_hits)
         hit_tokens = hit_pages * bs
-        n = min(len(seq.token_ids) - hit_tokens, token_budget)
+        source, partial = self._partial_match(seq.token_ids, hashes[hit_pages - 1] if hit_pages else None,
+                                              hit_tokens)
+        start = hit_tokens + partial
+        n = min(len(seq.token_ids) - start, token_budget)
         if n <= 0:
             return 0
-        fresh = self.pages_for(hit_tokens + n) - hit_pages
-        reclaimable = sum(1 for p in gpu_hits if self.ref[p] == 0)
+        fresh = self.pages_for(start + n) - hit_pages
+        pinned = gpu_hits + ([source] if partial else [])
+        reclaimable = sum(1 for p in pinned if self.ref[p] == 0)
         if fresh + len(cpu_hits) > self.num_available() - reclaimable:
             return 0
-        for page in gpu_hits:  # pin the GPU hits first, so taking pages below cannot evict them
+        for page in pinned:  # pin the GPU hits first, so taking pages below cannot evict them
             self._ref(page)
         table = list(gpu_hits)
         for cpu_page in cpu_hits:  # before taking GPU pages: their offloads must not reuse a page read here
             self.cpu.release_cached(cpu_page)
         for cpu_page in cpu_hits:
-            h = hashes[len(table)]
+            i = len(table)
             page = self._take()
             self._ops.swap_in.append((cpu_page, page))
             self.counters.cpu_hits += 1
-            self.cached[h] = page
-            self.page_hash[page] = h
+            self._publish(page, hashes[i], hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
             table.append(page)
         seq.block_table = table
         seq.page_hashes = hashes[:hit_pages]
-        seq.num_computed = hit_tokens
-        self._grow(seq, hit_tokens + n)
+        seq.num_computed = start
+        self._grow(seq, start + n)
+        if partial:
+            # The source keeps serving its own chain: copy it, and let this sequence write past the match.
+            # It stays pinned until end_step, so nothing this step reuses it before the copy has run.
+            self._pinned.append(source)
+            self._ops.cow.append((source, seq.block_table[hit_pages]))
+            self.counters.cow_copies += 1
         if not seq.admitted:
             seq.admitted = True
-            seq.cached_tokens = hit_tokens
+            seq.cached_tokens = start
             self.counters.prefix_queries += len(seq.token_ids)
-            self.counters.prefix_hits += hit_tokens
-            self.recent_lookups.append((len(seq.token_ids), hit_tokens))
+            self.counters.prefix_hits += start
+            self.recent_lookups.append((len(seq.token_ids), start))
         return n
+
+    def _partial_match(self, tokens: list[int], parent: int | None, start: int) -> tuple[int | None, int]:
+        """The cached page after `parent` whose first tokens best match tokens[start:], and how many match.
+
+        Full pages are shared by hash; this finds the rest of a shared prefix inside the next page (a system
+        prompt's last, partly filled page, say), leaving the last prompt token to be computed. Mapping a page
+        is safe the step it is written (attention reads after every write), but copying one is not."""
+        limit = min(self.block_size - 1, len(tokens) - 1 - start)
+        best, best_n = None, 0
+        for page in self.children.get(parent, ()) if limit > 0 else ():
+            if page in self._fresh:  # its K/V are written by this step's forward pass, after copies run
+                continue
+            n = 0
+            for a, b in zip(self.page_tokens[page], tokens[start:start + limit]):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = page, n
+        return best, best_n
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         while len(seq.block_table) * self.block_size < num_tokens:
@@ -239,11 +298,11 @@ class BlockManager:
         """
         full = num_tokens // self.block_size
         seq.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, seq.page_hashes)
+        bs = self.block_size
         for i in range(len(seq.page_hashes)):
             h, page = seq.page_hashes[i], seq.block_table[i]
             if self.page_hash[page] is None and h not in self.cached:
-                self.cached[h] = page
-                self.page_hash[page] = h
+                self._publish(page, h, seq.page_hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
 
     def free_seq(self, seq: Sequence) -> None:
         """Let go of seq's pages. The end of the chain goes first, so it is also evicted first."""
@@ -266,10 +325,8 @@ class BlockManager:
     def forget_hashes(self, seq: Sequence) -> None:
         """Un-advertise seq's pages, e.g. after a failed forward pass left their content undefined."""
         for page in seq.block_table:
-            h = self.page_hash[page]
-            if h is not None:
-                del self.cached[h]
-                self.page_hash[page] = None
+            if self.page_hash[page] is not None:
+                self._unpublish(page)
         seq.page_hashes = []
 
     # ---- preemption --------------------------------------------------------------------------------------
@@ -326,7 +383,7 @@ class BlockManager:
     def check_invariants(self, tables: list[list[int]]) -> None:
         """Each page's ref count equals the number of block tables mapping it; no page is free and mapped."""
         counts = [0] * self.num_pages
-        for table in tables:
+        for table in tables + [self._pinned]:  # a pinned copy source is referenced until end_step
             for page in table:
                 counts[page] += 1
         assert counts == self.ref, "ref counts differ from block tables"
@@ -336,3 +393,5 @@ class BlockManager:
         assert len(self.free) + len(self.evictable) + len(mapped) == self.num_pages, "a page leaked"
         for h, page in self.cached.items():
             assert self.page_hash[page] == h
+        indexed = [p for pages in self.children.values() for p in pages]
+        assert sorted(indexed) == sorted(self.cached.values()), "the index of page contents differs from the cache"
