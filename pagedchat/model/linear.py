@@ -16,7 +16,6 @@ import torch.nn.functional as F
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
         self.bias = bias
-        self.out_features, self.in_features = weight.shape
         self.weight = None if packed else weight
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else None
 

@@ -54,16 +54,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def fused_qkv(w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    return torch.cat([w[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
-
-
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, config: ModelConfig, packed: bool):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         # One matmul for q, k and v, and one for gate and up: fewer, larger GEMMs per layer.
         qkv_bias = torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
-        self.qkv = Linear(fused_qkv(w, prefix), qkv_bias, packed)
+        self.qkv = Linear(torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"]), qkv_bias, packed)
         self.o = Linear(w[f"{attn}.o_proj.weight"], packed=packed)
         self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]), packed=packed)
         self.down = Linear(w[f"{mlp}.down_proj.weight"], packed=packed)
@@ -81,7 +77,7 @@ class LlamaModel:
         try:
             self.embed = w["model.embed_tokens.weight"]
             self.norm = w["model.norm.weight"]
-            self.packed_weights = packing_is_exact(fused_qkv(w, "model.layers.0"))
+            self.packed_weights = packing_is_exact(self.embed)  # any weight of the model's dtype tells
             head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
             self.lm_head = Linear(head, packed=self.packed_weights)
             self.layers = [Layer(w, f"model.layers.{i}", config, self.packed_weights)
