@@ -247,12 +247,18 @@ def test_decode_append_takes_a_page_only_at_a_boundary():
 
 
 # ---- fork and copy-on-write ----------------------------------------------------------------------------------
-def test_fork_shares_every_page_and_copies_on_first_write():
+def forked(num_tokens: int) -> tuple[BlockManager, Sequence, Sequence]:
+    """A pool of 10 pages, a parent prefilled with num_tokens, and a child forked from it."""
     bm = BlockManager(10, BS)
-    parent = make_seq(toks(40), "parent")
+    parent = make_seq(toks(num_tokens), "parent")
     prefill(bm, parent)
     child = make_seq(parent.token_ids, "child")
     bm.fork(parent, child)
+    return bm, parent, child
+
+
+def test_fork_shares_every_page_and_copies_on_first_write():
+    bm, parent, child = forked(40)
     assert child.block_table == parent.block_table and child.num_computed == 40
     assert [bm.ref[p] for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
     bm.check_invariants([parent.block_table, child.block_table])
@@ -279,11 +285,7 @@ def test_fork_shares_every_page_and_copies_on_first_write():
 
 
 def test_fork_at_a_page_boundary_needs_no_copy():
-    bm = BlockManager(10, BS)
-    parent = make_seq(toks(32), "parent")
-    prefill(bm, parent)
-    child = make_seq(parent.token_ids, "child")
-    bm.fork(parent, child)
+    bm, parent, child = forked(32)
     child.token_ids.append(1)
     assert bm.prepare_write(child, 1)
     ops = bm.take_ops()
