@@ -45,8 +45,9 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=tor
 
     Pages come from a shuffled pool with spare pages, so tables are scattered. Slots never written
     hold NaN, and block tables are padded with a NaN page, so a kernel that reads past a sequence's
-    context (or its table) produces NaN instead of silently passing. With share_pages=n > 0,
-    sequence 1 shares sequence 0's first n full pages (same prefix tokens), as prefix caching does.
+    context (or its table) produces NaN instead of silently passing. With share_pages=n > 0, every
+    later sequence shares sequence 0's first n full pages (same prefix tokens; as many as its own context
+    fills), as prefix caching does with a common system prompt.
     """
     gen = torch.Generator().manual_seed(seed)
     pages_needed = [math.ceil(ctx / block_size) for ctx, _ in seqs]
@@ -59,7 +60,7 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=tor
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     tables, keys, values = [], [], []
     for b, ((ctx, _), n_pages) in enumerate(zip(seqs, pages_needed)):
-        shared = min(share_pages, ctx // block_size) if b == 1 else 0
+        shared = min(share_pages, ctx // block_size) if b > 0 else 0
         assert not shared or seqs[0][0] >= shared * block_size, "sequence 0 must fill shared pages"
         pages = (tables[0][:shared] if shared else []) + [pool.pop() for _ in range(n_pages - shared)]
         tables.append(pages)
@@ -104,7 +105,7 @@ def compare(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple[float, b
 # Tiny shapes are for the interpreter; the realistic ones for the device.
 MODELS = {"SmolLM2-135M": (9, 3, 64), "Qwen2.5-7B": (28, 4, 128)}
 TINY_MODELS = {"tiny-gqa3": (6, 2, 64)}
-# (context_len, query_len) per sequence; sequence 1 shares sequence 0's first page.
+# (context_len, query_len) per sequence; the later ones share sequence 0's first page where they fill it.
 MIXED = [(4000, 1), (17, 1), (1, 1), (300, 1), (1000, 1)]
 PREFILL = [(1300, 45), (300, 300), (64, 1), (4096, 512)]
 TINY_MIXED = [(100, 1), (17, 1), (1, 1)]

@@ -3,6 +3,10 @@
 `write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
 tables. Both pick the torch path (CPU, and anywhere Triton is missing) or the Triton kernels (CUDA) here and
 nowhere else. PAGEDCHAT_ATTENTION=torch|triton forces either, for tests and comparison.
+
+The torch path gathers each sequence's pages into a padded batch and runs SDPA; in decode steps it reads the
+pages that every sequence shares (a common system prompt) once for the whole batch and merges the two partial
+results, since on the CPU the cost of attention grows with the keys each sequence reads.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     # Per-step values the torch decode path would otherwise rebuild in every layer.
-    _decode_inputs: dict = field(default_factory=dict, repr=False)
+    _decode_plan: _DecodePlan | None = field(default=None, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -93,37 +97,105 @@ def _math_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
 
 
-def _decode_inputs(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype) -> dict:
-    """The step's flat block table, mask and gather buffers, built by the first layer and reused by the rest."""
-    if not meta._decode_inputs:
-        block_size, length = cache.shape[1], meta.max_context_len
-        tables = meta.block_tables[:, : -(-length // block_size)]
-        flat = tables.reshape(-1)
-        positions = torch.arange(length, device=cache.device)
-        mask = (positions[None, :] < meta.context_lens[:, None].to(positions.dtype))[:, None, None, :]
-        shape = (flat.numel(), *cache.shape[1:])
+# The CPU flash kernel behind F.scaled_dot_product_attention, which also returns each row's log-sum-exp:
+# what merging two partial attentions needs. Missing (another torch, another device): no shared-prefix split.
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Reading a shared prefix once instead of once per sequence costs an extra attention call, gathers and a
+# merge: ~100 us a layer, what reading ~1,500 keys costs (SmolLM2-135M, bf16, 2 CPU cores). Measured per
+# layer with 288 shared tokens: 4 chats 171 -> 204 us (a loss), 8 chats 311 -> 279, 16 chats 657 -> 473.
+SHARED_PREFIX_MIN_SAVED_KEYS = 1536
 
-        def buffers() -> tuple[torch.Tensor, torch.Tensor]:
-            raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            return raw, raw if dtype == cache.dtype else torch.empty(shape, dtype=dtype, device=cache.device)
 
-        meta._decode_inputs.update(flat=flat, mask=mask, k=buffers(), v=buffers())
-    return meta._decode_inputs
+@dataclass
+class _DecodePlan:
+    """What every layer's decode attention reuses within one step; the first layer builds it."""
+
+    tables: torch.Tensor         # flat page ids each sequence reads on its own, [B * pages]
+    length: int                  # keys per sequence in those pages (the longest; shorter ones are masked)
+    mask: torch.Tensor           # [B, 1, 1, length] additive: 0 on a sequence's keys, -inf past its end
+    k: tuple[torch.Tensor, torch.Tensor]  # gather buffers (see _gather)
+    v: tuple[torch.Tensor, torch.Tensor]
+    prefix_tables: torch.Tensor | None = None  # pages every sequence shares, read once for the whole batch
+    prefix_len: int = 0
+    prefix_k: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefix_v: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _shared_pages(meta: AttentionMetadata, block_size: int) -> int:
+    """Leading pages that every sequence's table holds (the chats' common system prompt, a fork's history),
+    if reading them once saves enough; each sequence keeps at least one key of its own past them."""
+    b = meta.block_tables.shape[0]
+    if _flash_with_lse is None or meta.block_tables.device.type != "cpu" or b < 2:
+        return 0
+    cap = (min(meta.context_lens_host) - 1) // block_size
+    tables = meta.block_tables[:, :cap]
+    same = int((tables == tables[:1]).all(0).int().cumprod(0).sum()) if cap > 0 else 0
+    return same if (b - 1) * same * block_size >= SHARED_PREFIX_MIN_SAVED_KEYS else 0
+
+
+def _buffers(pages: int, cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (pages, *cache.shape[1:])
+    raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    return raw, raw if dtype == cache.dtype else torch.empty(shape, dtype=dtype, device=cache.device)
+
+
+def _decode_plan(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype) -> _DecodePlan:
+    if meta._decode_plan is None:
+        block_size = cache.shape[1]
+        shared = _shared_pages(meta, block_size)
+        start = shared * block_size
+        length = meta.max_context_len - start
+        tables = meta.block_tables[:, shared : shared + -(-length // block_size)]
+        positions = torch.arange(start, meta.max_context_len, device=cache.device)
+        beyond = positions[None, :] >= meta.context_lens[:, None].to(positions.dtype)
+        mask = torch.zeros(beyond.shape, dtype=dtype, device=cache.device).masked_fill_(beyond, float("-inf"))
+        plan = _DecodePlan(tables.reshape(-1), length, mask[:, None, None, :],
+                           _buffers(tables.numel(), cache, dtype), _buffers(tables.numel(), cache, dtype))
+        if shared:
+            plan.prefix_tables = meta.block_tables[0, :shared]
+            plan.prefix_len = start
+            plan.prefix_k, plan.prefix_v = _buffers(shared, cache, dtype), _buffers(shared, cache, dtype)
+        meta._decode_plan = plan
+    return meta._decode_plan
 
 
 def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All sequences at once: one query each, keys padded to the longest context and masked.
 
     Grouped-query heads that share a KV head become that head's query rows ([B, kv_heads, group, D]), so
-    no K/V is repeated and one attention call serves the group."""
-    dtype, (b, heads, d), length = _math_dtype(q), q.shape, meta.max_context_len
-    step = _decode_inputs(meta, k_cache, dtype)
-    k = _gather(k_cache, step["flat"], b, length, dtype, step["k"])
-    v = _gather(v_cache, step["flat"], b, length, dtype, step["v"])
+    no K/V is repeated and one attention call serves the group. Pages that every sequence shares are
+    attended once for all of them (see _with_shared_prefix)."""
+    dtype, (b, heads, d) = _math_dtype(q), q.shape
+    plan = _decode_plan(meta, k_cache, dtype)
+    k = _gather(k_cache, plan.tables, b, plan.length, dtype, plan.k)
+    v = _gather(v_cache, plan.tables, b, plan.length, dtype, plan.v)
     kv_heads = k.shape[1]
     queries = q.reshape(b, kv_heads, heads // kv_heads, d).to(dtype)
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=step["mask"], scale=scale)
+    if plan.prefix_tables is None:
+        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=plan.mask, scale=scale)
+    else:
+        out = _with_shared_prefix(queries, k, v, k_cache, v_cache, plan, scale)
     return out.reshape(b, heads, d).to(q.dtype)
+
+
+def _with_shared_prefix(queries, k, v, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    """Attention over [shared prefix | own keys] as two partial attentions merged by their log-sum-exps.
+
+    The prefix's K/V are gathered once and every sequence's query rows attend to them in one call, instead of
+    each sequence gathering and reading its own copy: with 8 chats on one 300-token system prompt that is 55%
+    fewer keys read per layer (cascade attention, as in FlashInfer and vLLM)."""
+    b, kv_heads, group, d = queries.shape
+    dtype = queries.dtype
+    own, own_lse = _flash_with_lse(queries, k, v, attn_mask=plan.mask, scale=scale)
+    pk = _gather(k_cache, plan.prefix_tables, 1, plan.prefix_len, dtype, plan.prefix_k)
+    pv = _gather(v_cache, plan.prefix_tables, 1, plan.prefix_len, dtype, plan.prefix_v)
+    rows = queries.transpose(0, 1).reshape(1, kv_heads, b * group, d)
+    shared, shared_lse = _flash_with_lse(rows, pk, pv, scale=scale)
+    shared = shared.view(kv_heads, b, group, d).transpose(0, 1)
+    shared_lse = shared_lse.view(kv_heads, b, group).transpose(0, 1)
+    # The full softmax weighs each part by its share of the total mass, e^a / (e^a + e^b) = sigmoid(a - b).
+    weight = torch.sigmoid(shared_lse - own_lse).unsqueeze(-1)
+    return torch.lerp(own.float(), shared.float(), weight)
 
 
 def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

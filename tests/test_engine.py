@@ -227,6 +227,33 @@ def test_default_model_matches_transformers(default_model, dtype, max_tokens, ne
     assert "Paris" in outs[0].text
 
 
+@pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])
+def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, dtype, near_tie):
+    """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
+    lowered so that three chats qualify); their tokens still equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedchat import attention
+
+    monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
+    merged = []
+    read_once = attention._with_shared_prefix
+    monkeypatch.setattr(attention, "_with_shared_prefix", lambda *a: merged.append(1) or read_once(*a))
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
+    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+    system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
+              "euros, and never promise delivery dates. Repairs take two to five working days. ") * 2
+    questions = ["How much is a new chain?", "Can you fix a flat tyre today?", "Do you sell helmets?"]
+    prompts = [engine.encode_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    engine.shutdown()
+    assert merged
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(ref, prompt, 16, sorted(engine.eos_token_ids))
+        assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
+
+
 def test_interpreter_exits_with_engines_left_running(tiny_llama):
     """Engines never shut down (their loops alive) must not hold up interpreter exit: no join at exit."""
     import subprocess

@@ -1,0 +1,78 @@
+"""The torch attention path (CPU, and wherever Triton is missing) against the reference, on paged batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedchat import attention
+from pagedchat.attention import AttentionMetadata
+from pagedchat.kernels import reference
+from pagedchat.kernels.check import make_batch
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # atol = rtol
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2):
+    """The torch path's output, the reference's, and the step's decode plan (None outside decode)."""
+    batch = make_batch(seqs, heads, kv_heads, 64, 16, dtype, share_pages=share_pages)
+    # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the same
+    # with the NaN that make_batch leaves there.
+    batch.k_cache.nan_to_num_(0.0)
+    batch.v_cache.nan_to_num_(0.0)
+    qlens = [q for _, q in seqs]
+    ctx = [c for c, _ in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=batch.query_start_loc,
+        context_lens=batch.context_lens, block_tables=batch.block_tables, query_lens=qlens,
+        context_lens_host=ctx, max_query_len=max(qlens), max_context_len=max(ctx))
+    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, use_triton=False)
+    want = reference.paged_attention(*batch.args())
+    assert got.dtype == dtype and got.shape == batch.q.shape
+    return got, want, meta._decode_plan
+
+
+def _assert_close(got, want):
+    tol = TOL[want.dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@DTYPES
+def test_decode_over_padded_contexts(dtype):
+    got, want, plan = _run([(100, 1), (70, 1), (1, 1), (33, 1), (16, 1)], dtype)
+    assert plan.prefix_tables is None
+    _assert_close(got, want)
+
+
+@DTYPES
+def test_prefill_chunks_after_a_cached_prefix(dtype):
+    got, want, plan = _run([(90, 23), (40, 40), (16, 1), (5, 5)], dtype)
+    assert plan is None
+    _assert_close(got, want)
+
+
+@DTYPES
+@pytest.mark.parametrize("seqs,shared_tokens", [
+    ([(100, 1), (70, 1), (90, 1), (50, 1)], 48),
+    # A context that ends on the shared prefix's last page keeps that page as its own: its query's own key
+    # must stay in the part it reads alone.
+    ([(100, 1), (48, 1), (90, 1)], 32),
+])
+def test_decode_reads_a_shared_prefix_once(monkeypatch, dtype, seqs, shared_tokens):
+    monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
+    got, want, plan = _run(seqs, dtype, share_pages=3)
+    assert plan.prefix_len == shared_tokens
+    assert plan.length == max(c for c, _ in seqs) - shared_tokens
+    _assert_close(got, want)
+
+
+def test_shared_prefix_only_where_it_saves_enough():
+    seqs = [(100, 1), (70, 1), (90, 1), (50, 1)]  # 3 sequences x 48 shared tokens: too few keys saved
+    got, want, plan = _run(seqs, torch.float32, share_pages=3)
+    assert plan.prefix_tables is None
+    _assert_close(got, want)
+    many = [(60 + i, 1) for i in range(40)]  # 39 x 48 keys saved
+    got, want, plan = _run(many, torch.float32, share_pages=3)
+    assert plan.prefix_len == 48
+    _assert_close(got, want)
