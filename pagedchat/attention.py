@@ -32,6 +32,7 @@ class AttentionMetadata:
     max_context_len: int
     # Per-step values the torch decode path would otherwise rebuild in every layer.
     _decode_plan: _DecodePlan | None = field(default=None, repr=False)
+    _mixed_plan: _MixedPlan | None = field(default=None, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -198,26 +199,71 @@ def _with_shared_prefix(queries, k, v, k_cache, v_cache, plan: _DecodePlan, scal
     return torch.lerp(own.float(), shared.float(), weight)
 
 
+@dataclass
+class _Chunk:
+    """A prefill chunk: `length` queries at rows start.. over `context` cached keys (its own included)."""
+
+    seq: int
+    start: int
+    length: int
+    context: int
+    mask: torch.Tensor | None  # [length, context], True where a query sees a key; None when causal from 0
+
+
+@dataclass
+class _MixedPlan:
+    """A step of prefill chunks and single-token decodes (another chat's new message arriving mid-reply):
+    the decodes go through the batched decode path together, the chunks one by one."""
+
+    decode_rows: torch.Tensor | None  # token rows of the single-token queries
+    decode_meta: AttentionMetadata | None
+    chunks: list[_Chunk]
+
+
+def _mixed_plan(meta: AttentionMetadata, device: torch.device) -> _MixedPlan:
+    if meta._mixed_plan is None:
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        singles = [b for b, n in enumerate(meta.query_lens) if n == 1]
+        decode_rows = decode_meta = None
+        if singles:
+            index = torch.tensor(singles, device=device)
+            ctx = [meta.context_lens_host[b] for b in singles]
+            decode_rows = torch.tensor([starts[b] for b in singles], device=device)
+            decode_meta = AttentionMetadata(
+                slot_mapping=meta.slot_mapping[decode_rows], query_start_loc=torch.arange(len(singles) + 1,
+                dtype=torch.int32, device=device), context_lens=meta.context_lens[index],
+                block_tables=meta.block_tables[index], query_lens=[1] * len(singles), context_lens_host=ctx,
+                max_query_len=1, max_context_len=max(ctx))
+        chunks = []
+        for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            if qlen == 1 or qlen == 0:
+                continue
+            mask = None
+            if qlen != ctx:  # query i sits at position ctx - qlen + i and sees keys up to there
+                rows = torch.arange(ctx - qlen, ctx, device=device)[:, None]
+                mask = torch.arange(ctx, device=device)[None, :] <= rows
+            chunks.append(_Chunk(b, starts[b], qlen, ctx, mask))
+        meta._mixed_plan = _MixedPlan(decode_rows, decode_meta, chunks)
+    return meta._mixed_plan
+
+
 def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Sequence by sequence: causal inside the chunk, full over the cached prefix."""
+    """Chunk by chunk: causal inside the chunk, full over the cached prefix; decodes batched (see _MixedPlan)."""
     out = torch.empty_like(q)
-    start = 0
+    plan = _mixed_plan(meta, q.device)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale)
     block_size = k_cache.shape[1]
     dtype = _math_dtype(q)
-    for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-        table = meta.block_tables[b, : -(-ctx // block_size)]
-        k = _gather(k_cache, table, 1, ctx, dtype)
-        v = _gather(v_cache, table, 1, ctx, dtype)
-        qb = q[start : start + qlen].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, qlen, head_dim]
-        if qlen == ctx:
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=qb.shape[1] != k.shape[1])
-        else:
-            # Query i sits at position ctx - qlen + i and sees keys up to there.
-            rows = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=qb.shape[1] != k.shape[1])
-        out[start : start + qlen] = o[0].transpose(0, 1)
-        start += qlen
+    for chunk in plan.chunks:
+        table = meta.block_tables[chunk.seq, : -(-chunk.context // block_size)]
+        k = _gather(k_cache, table, 1, chunk.context, dtype)
+        v = _gather(v_cache, table, 1, chunk.context, dtype)
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        qb = q[rows].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, qlen, head_dim]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=scale, enable_gqa=qb.shape[1] != k.shape[1])
+        out[rows] = o[0].transpose(0, 1)
     return out

@@ -15,7 +15,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 
 def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2):
-    """The torch path's output, the reference's, and the step's decode plan (None outside decode)."""
+    """The torch path's output, the reference's, and the step's plan (decode or mixed)."""
     batch = make_batch(seqs, heads, kv_heads, 64, 16, dtype, share_pages=share_pages)
     # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the same
     # with the NaN that make_batch leaves there.
@@ -23,14 +23,16 @@ def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2):
     batch.v_cache.nan_to_num_(0.0)
     qlens = [q for _, q in seqs]
     ctx = [c for c, _ in seqs]
+    tables = batch.block_tables.tolist()
+    slots = [tables[b][p // 16] * 16 + p % 16 for b, (c, q) in enumerate(seqs) for p in range(c - q, c)]
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=batch.query_start_loc,
+        slot_mapping=torch.tensor(slots), query_start_loc=batch.query_start_loc,
         context_lens=batch.context_lens, block_tables=batch.block_tables, query_lens=qlens,
         context_lens_host=ctx, max_query_len=max(qlens), max_context_len=max(ctx))
     got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, use_triton=False)
     want = reference.paged_attention(*batch.args())
     assert got.dtype == dtype and got.shape == batch.q.shape
-    return got, want, meta._decode_plan
+    return got, want, meta._decode_plan or meta._mixed_plan
 
 
 def _assert_close(got, want):
@@ -46,9 +48,12 @@ def test_decode_over_padded_contexts(dtype):
 
 
 @DTYPES
-def test_prefill_chunks_after_a_cached_prefix(dtype):
-    got, want, plan = _run([(90, 23), (40, 40), (16, 1), (5, 5)], dtype)
-    assert plan is None
+def test_prefill_chunks_beside_decodes(dtype):
+    """A mixed step: chunks after a cached prefix and from scratch, decodes batched apart from them."""
+    got, want, plan = _run([(90, 23), (70, 1), (40, 40), (16, 1), (5, 5)], dtype)
+    assert plan.decode_rows.tolist() == [23, 64]
+    assert [(c.start, c.length, c.mask is None) for c in plan.chunks] == [(0, 23, False), (24, 40, True),
+                                                                          (65, 5, True)]
     _assert_close(got, want)
 
 
