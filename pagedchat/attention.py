@@ -102,8 +102,8 @@ def _math_dtype(q: torch.Tensor) -> torch.dtype:
 # what merging two partial attentions needs. Missing (another torch, another device): no shared-prefix split.
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Reading a shared prefix once instead of once per sequence costs an extra attention call, gathers and a
-# merge: ~100 us a layer, what reading ~1,500 keys costs (SmolLM2-135M, bf16, 2 CPU cores). Measured per
-# layer with 288 shared tokens: 4 chats 171 -> 204 us (a loss), 8 chats 311 -> 279, 16 chats 657 -> 473.
+# merge: ~100 µs a layer, what reading ~1,500 keys costs (SmolLM2-135M, bf16, 2 CPU cores). Measured per
+# layer with 288 shared tokens: 4 chats 171 -> 204 µs (a loss), 8 chats 311 -> 279, 16 chats 657 -> 473.
 SHARED_PREFIX_MIN_SAVED_KEYS = 1536
 
 
