@@ -133,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-tokens", type=_positive, default=300, metavar="N",
                         help="length of the shared system prompt in tokens, chat template included (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="picks the user questions (default: 0)")
+    parser.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                        help="rounds of pagedchat and of transformers' padded batch per level, alternating; the "
+                             "tables show the median round, for machines shared with other work (default: 1)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                         help="also write every figure to FILE as JSON ('-' for stdout)")
     parser.add_argument("--markdown", dest="markdown_path", default=None, metavar="FILE",
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         out = Console(width=150)
     err = Console(stderr=True)
     cfg = BenchConfig(model=args.model, chats=list(args.chats), max_tokens=args.max_tokens,
-                      system_tokens=args.system_tokens, seed=args.seed, against=args.against,
+                      system_tokens=args.system_tokens, seed=args.seed, repeat=args.repeat, against=args.against,
                       kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                       device=getattr(args, "device", None))
     try:
@@ -184,6 +187,7 @@ class BenchConfig:
     max_tokens: int = 128
     system_tokens: int = 300
     seed: int = 0
+    repeat: int = 1
     against: str | None = None
     kv_cache_memory: str | int | None = None
     dtype: str | None = None
@@ -527,17 +531,40 @@ def _hf_generate(model, batch_ids: list[list[int]], max_tokens: int, pad_id: int
     return clock.times
 
 
-def run_transformers_level(model, prompts: list[list[int]], max_tokens: int, pad_id: int, progress) -> dict:
+def run_one_at_a_time(model, prompts: list[list[int]], max_tokens: int, pad_id: int, progress) -> dict:
     start = time.perf_counter()
     arrivals = [_hf_generate(model, [p], max_tokens, pad_id, progress) for p in prompts]
-    one_at_a_time = timing_stats(start, arrivals)
+    return timing_stats(start, arrivals)
+
+
+def run_padded_batch(model, prompts: list[list[int]], max_tokens: int, pad_id: int, progress) -> dict:
     start = time.perf_counter()
     times = _hf_generate(model, prompts, max_tokens, pad_id, progress)
-    padded = timing_stats(start, [list(times) for _ in prompts])
-    return {"one_at_a_time": one_at_a_time, "padded_batch": padded}
+    return timing_stats(start, [list(times) for _ in prompts])
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round with the median end-to-end rate (the lower middle one of an even count)."""
+    ranked = sorted(rounds, key=lambda st: st["end_to_end_tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
+def _level_report(n: int, prompts: list[list[int]], res: dict, cost: dict) -> dict:
+    """Memory and sharing at one level, from a round's peak snapshot and completions (the same every round)."""
+    acct = peak_accounting(res["peak"], cost["max_context"])
+    return {
+        "chats": n,
+        "prompt_tokens": [len(p) for p in prompts],
+        "memory_at_peak": acct,
+        "sharing": {"pages_with": acct["pages_with_sharing"], "pages_without": acct["pages_without_sharing"],
+                    "pages_saved": acct["pages_saved"], "without_is": "computed",
+                    "prompt_tokens": sum(len(p) for p in prompts),
+                    "prefill_tokens_computed": sum(c.prefilled_tokens for c in res["completions"]),
+                    "prefill_tokens_saved": sum(c.cached_tokens for c in res["completions"])},
+    }
+
+
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     import torch
 
@@ -561,7 +588,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                 f"({_size(engine.cache_plan.gpu_bytes)}) but {top} chats of up to {longest} tokens need "
                 f"{need} pages even with the system prompt shared: use --kv-cache-memory "
                 f"{math.ceil(need * per_page / 2**20)}MiB or more, or fewer --chats / --max-tokens")
-        total = sum(n * cfg.max_tokens for n in levels) * (3 if cfg.against else 1) + 2 * WARM_REPEATS
+        runs = cfg.repeat * (2 if cfg.against else 1) + (1 if cfg.against else 0)
+        total = sum(n * cfg.max_tokens for n in levels) * runs + 2 * WARM_REPEATS
         progress.set_total(total)
 
         hf = None
@@ -574,7 +602,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
 
         report = {
             "command": {"model": cfg.model, "chats": levels, "max_tokens": cfg.max_tokens,
-                        "system_tokens": cfg.system_tokens, "seed": cfg.seed, "against": cfg.against,
+                        "system_tokens": cfg.system_tokens, "seed": cfg.seed, "repeat": cfg.repeat,
+                        "against": cfg.against,
                         "kv_cache_memory": cfg.kv_cache_memory, "dtype": cfg.dtype, "device": cfg.device},
             "machine": {"device": str(engine.device), "torch": torch.__version__,
                         "torch_threads": torch.get_num_threads(), "cpu": _cpu_name(),
@@ -590,41 +619,40 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             "levels": [],
         }
         for n in levels:
-            if engine is None:  # a fresh engine per level: each starts with a cold prefix cache
-                engine = _new_engine(cfg, top, progress.describe)
-            _warm_up(engine, work)
-            progress.describe(f"pagedchat · {n} chat{'s' * (n > 1)}")
             prompts = work.prompts[:n]
-            res = run_engine_level(engine, prompts, cfg.max_tokens, progress, f"c{n}")
-            acct = peak_accounting(res["peak"], cost["max_context"])
-            cached = sum(c.cached_tokens for c in res["completions"])
-            prefilled = sum(c.prefilled_tokens for c in res["completions"])
-            level = {
-                "chats": n,
-                "prompt_tokens": [len(p) for p in prompts],
-                "engine": res["stats"],
-                "memory_at_peak": acct,
-                "sharing": {"pages_with": acct["pages_with_sharing"], "pages_without": acct["pages_without_sharing"],
-                            "pages_saved": acct["pages_saved"], "without_is": "computed",
-                            "prompt_tokens": sum(len(p) for p in prompts),
-                            "prefill_tokens_computed": prefilled, "prefill_tokens_saved": cached},
-            }
-            if n == top:  # the system prompt is cached now
-                progress.describe("cold vs warm first token")
-                report["ttft_cold_warm"] = ttft_cold_warm(engine, work, progress)
-            # Its compute thread ends with it, so transformers runs with no other OpenMP team alive.
-            engine.shutdown()
-            engine = None
-            gc.collect()
+            label = f"{n} chat{'s' * (n > 1)}"
+            rounds, first = [], None
+            for r in range(cfg.repeat):
+                of = f" · round {r + 1} of {cfg.repeat}" if cfg.repeat > 1 else ""
+                if engine is None:  # a fresh engine per round: each starts with a cold prefix cache
+                    engine = _new_engine(cfg, top, progress.describe)
+                _warm_up(engine, work)
+                progress.describe(f"pagedchat · {label}{of}")
+                res = run_engine_level(engine, prompts, cfg.max_tokens, progress, f"c{n}r{r}")
+                first = first or res
+                if n == top and r == 0:  # the system prompt is cached now
+                    progress.describe("cold vs warm first token")
+                    report["ttft_cold_warm"] = ttft_cold_warm(engine, work, progress)
+                # Its compute thread ends with it, so transformers runs with no other OpenMP team alive.
+                engine.shutdown()
+                engine = None
+                gc.collect()
+                rounds.append({"pagedchat": res["stats"]})
+                if hf is not None:
+                    progress.describe(f"transformers, padded batch · {label}{of}")
+                    rounds[-1]["padded_batch"] = on_own_thread(run_padded_batch, hf, prompts, cfg.max_tokens, pad_id,
+                                                               progress)
+            level = _level_report(n, prompts, first, cost)
+            level["engine"] = median_round([r["pagedchat"] for r in rounds])
+            level["rounds"] = rounds
             if hf is not None:
-                progress.describe(f"transformers · {n} chat{'s' * (n > 1)}")
-                level["transformers"] = on_own_thread(run_transformers_level, hf, prompts, cfg.max_tokens, pad_id,
-                                                      progress)
-                e2e = res["stats"]["end_to_end_tokens_per_s"]
-                level["ratios"] = {
-                    "vs_one_at_a_time": e2e / level["transformers"]["one_at_a_time"]["end_to_end_tokens_per_s"],
-                    "vs_padded_batch": e2e / level["transformers"]["padded_batch"]["end_to_end_tokens_per_s"],
-                }
+                progress.describe(f"transformers, one at a time · {label}")
+                one = on_own_thread(run_one_at_a_time, hf, prompts, cfg.max_tokens, pad_id, progress)
+                padded = median_round([r["padded_batch"] for r in rounds])
+                level["transformers"] = {"one_at_a_time": one, "padded_batch": padded}
+                e2e = level["engine"]["end_to_end_tokens_per_s"]
+                level["ratios"] = {"vs_one_at_a_time": e2e / one["end_to_end_tokens_per_s"],
+                                   "vs_padded_batch": e2e / padded["end_to_end_tokens_per_s"]}
             report["levels"].append(level)
         report["machine"]["load_average_at_end"] = _load_average()
         return report
@@ -706,6 +734,10 @@ def header_lines(report: dict) -> list[str]:
     lines = [f"pagedchat bench · {report['model']['path']} ({report['model']['dtype']}) on {m['device']} "
              f"({m['cpu']}, {m.get('cpus', '?')} CPUs, {m['torch_threads']} torch threads, torch {m['torch']}) · "
              f"system prompt {w['system_tokens']} tokens, {w['max_tokens']} tokens per reply"]
+    repeat = report["command"].get("repeat", 1)
+    if repeat > 1:
+        lines.append(f"{repeat} rounds of pagedchat and of transformers' padded batch per level, alternating; each "
+                     "runner's median round is shown")
     if m.get("load_average_at_start"):
         end = (m.get("load_average_at_end") or ["?"])[0]
         lines.append(f"load average {m['load_average_at_start'][0]} at the start, {end} at the end "

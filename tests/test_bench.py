@@ -38,9 +38,9 @@ def report(tiny_llama, tmp_path_factory) -> dict:
 def test_defaults_and_flags():
     args = _parse([])
     assert args.chats == [1, 2, 4, 8, 16] and args.max_tokens == 128 and args.system_tokens == 300
-    assert args.seed == 0 and args.json_path is None and args.against is None
+    assert args.seed == 0 and args.json_path is None and args.against is None and args.repeat == 1
     assert _parse(["--chats", "8,1,8"]).chats == [1, 8]
-    for bad in (["--chats", "0,2"], ["--chats", "a"], ["--max-tokens", "0"], ["--against", "vllm"]):
+    for bad in (["--chats", "0,2"], ["--chats", "a"], ["--max-tokens", "0"], ["--against", "vllm"], ["--repeat", "0"]):
         with pytest.raises(SystemExit):
             _parse(bad)
 
@@ -137,6 +137,44 @@ def test_tables_render(report):
     assert f"{BYTES_PER_TOKEN:,}" in text
     md = bench.to_markdown(report)
     assert "**1. What one token costs**" in md and "| chats | runner |" in md and md.count("|---:|") >= 1
+
+
+class _CountingProgress:
+    def __init__(self):
+        self.total, self.done, self.texts = None, 0, []
+
+    def set_total(self, total):
+        self.total = total
+
+    def describe(self, text):
+        self.texts.append(text)
+
+    def advance(self, n=1):
+        self.done += n
+
+
+def test_repeat_alternates_rounds_and_shows_the_median(tiny_llama, report):
+    progress = _CountingProgress()
+    cfg = bench.BenchConfig(model=str(tiny_llama), chats=[1, 2], max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
+                            repeat=3, against="transformers", kv_cache_memory="1MiB")
+    rep = bench.run_bench(cfg, progress)
+    assert progress.done == progress.total  # the bar ends full
+    assert [t for t in progress.texts if "2 chats" in t] == [
+        "pagedchat · 2 chats · round 1 of 3", "transformers, padded batch · 2 chats · round 1 of 3",
+        "pagedchat · 2 chats · round 2 of 3", "transformers, padded batch · 2 chats · round 2 of 3",
+        "pagedchat · 2 chats · round 3 of 3", "transformers, padded batch · 2 chats · round 3 of 3",
+        "transformers, one at a time · 2 chats"]
+    for lv, single in zip(rep["levels"], report["levels"]):
+        assert len(lv["rounds"]) == 3
+        for r in lv["rounds"]:
+            assert r["pagedchat"]["tokens"] == r["padded_batch"]["tokens"] == lv["chats"] * MAX_TOKENS
+        for runner, shown in (("pagedchat", lv["engine"]), ("padded_batch", lv["transformers"]["padded_batch"])):
+            rates = sorted(r[runner]["end_to_end_tokens_per_s"] for r in lv["rounds"])
+            assert shown["end_to_end_tokens_per_s"] == rates[1]
+        assert lv["ratios"]["vs_padded_batch"] == pytest.approx(
+            lv["engine"]["end_to_end_tokens_per_s"] / lv["transformers"]["padded_batch"]["end_to_end_tokens_per_s"])
+        assert lv["sharing"] == single["sharing"]  # the accounting does not depend on the round
+    assert "3 rounds of pagedchat" in bench.header_lines(rep)[1]
 
 
 def test_budget_too_small(tiny_llama, capsys):
