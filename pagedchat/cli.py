@@ -23,6 +23,12 @@ settings: config.toml in the user config dir (see README); flags override it.
 """
 
 
+def _at_least_one(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return int(value)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
@@ -31,6 +37,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
+    p.add_argument("--threads", type=_at_least_one, metavar="N", help="torch threads on the CPU (default: one per core)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +106,7 @@ def cmd_ask(args) -> int:
 
     progress = _Progress()
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                    device=args.device, dtype=args.dtype, progress=progress)
+                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress)
     progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.question})
@@ -124,7 +131,7 @@ def cmd_app(args) -> int:
     from pagedchat.tui.app import run_app
 
     config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
-                         swap_space=args.swap_space, device=args.device, dtype=args.dtype,
+                         swap_space=args.swap_space, device=args.device, dtype=args.dtype, threads=args.threads,
                          system_prompt=args.system, theme=args.theme, max_tokens=args.max_tokens,
                          temperature=args.temperature)
     run_app(config)

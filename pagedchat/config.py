@@ -8,6 +8,7 @@ Example `config.toml` (every key optional):
     block_size = 16                                  # tokens per page
     device = "cuda"
     dtype = "float32"                                # default auto: bf16 where computed natively, else float32
+    threads = 2                                      # torch threads on the CPU; default: one per core
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
 
@@ -88,6 +89,7 @@ class AppConfig:
     block_size: int = 16
     device: str | None = None
     dtype: str | None = None
+    threads: int | None = None               # torch threads on the CPU; None: one per core
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     theme: str | None = None                 # None: the theme last picked in the app, else DEFAULT_THEME
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -118,7 +120,7 @@ class AppConfig:
 
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
-        "device": (str,), "dtype": (str,), "system_prompt": (str,), "theme": (str,)}
+        "device": (str,), "dtype": (str,), "threads": (int,), "system_prompt": (str,), "theme": (str,)}
 _SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
 
 
@@ -149,8 +151,9 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
         raise ConfigError(f'{source}: [keys] must map binding ids to key strings, e.g. new_chat = "ctrl+t"')
     out = _check(source, raw, _TOP)
     out.update(_check(f"{source} [sampling]", sampling, _SAMPLING))
-    if out.get("block_size", 1) < 1:
-        raise ConfigError(f"{source}: block_size must be at least 1")
+    for key in ("block_size", "threads"):
+        if out.get(key, 1) < 1:
+            raise ConfigError(f"{source}: {key} must be at least 1")
     if keys:
         out["keys"] = dict(keys)
     return out

@@ -14,8 +14,10 @@ def run_cli(*args, env=None):
 def test_help_lists_commands_and_flags():
     done = run_cli("--help")
     assert done.returncode == 0
-    for word in ("pull", "ask", "bench", "--model", "--kv-cache-memory", "--theme"):
+    for word in ("pull", "ask", "bench", "--model", "--kv-cache-memory", "--theme", "--threads"):
         assert word in done.stdout
+    bad = run_cli("--threads", "0")
+    assert bad.returncode == 2 and "'0' is not a whole number of at least 1" in bad.stderr
 
 
 def test_ask_matches_generate(tiny_llama, capsys):

@@ -19,12 +19,13 @@ def test_defaults_without_a_file(tmp_path, monkeypatch):
 def test_file_then_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
     (tmp_path / "config.toml").write_text(
-        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\n'
+        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\n'
         'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
         '[keys]\nnew_chat = "ctrl+t"\n')
     config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
     assert config.model == "other/model"                 # the flag wins
     assert config.kv_cache_memory == "2GiB"               # None flags change nothing
+    assert config.threads == 3
     assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
     assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
     assert isinstance(config.sampling.temperature, float)
@@ -42,6 +43,8 @@ def test_explicit_path_must_exist(tmp_path):
     ("modle = 'x'", "unknown setting 'modle'"),
     ("block_size = '16'", "block_size must be a int"),
     ("block_size = 0", "at least 1"),
+    ("threads = 0", "threads must be at least 1"),
+    ("threads = 'all'", "threads must be a int"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a int or number"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
@@ -55,3 +58,16 @@ def test_with_overrides_rejects_unknown_fields():
     with pytest.raises(TypeError):
         AppConfig().with_overrides(nonsense=1)
     assert AppConfig().with_overrides(data_dir="~/x").data_dir == Path("~/x").expanduser()
+
+
+def test_the_app_hands_its_thread_setting_to_the_engine(tmp_path, monkeypatch):
+    """threads (config.toml or --threads) reaches the engine; unset, the engine keeps torch's one per core."""
+    import pagedchat.engine.engine as engine_module
+    from pagedchat.tui.app import default_engine_factory
+
+    made = []
+    monkeypatch.setattr(engine_module, "Engine", lambda *args, **kwargs: made.append(kwargs))
+    for threads in (None, 1):
+        config = load_config(config_dir=tmp_path, threads=threads)
+        default_engine_factory(config)(lambda *a: None)
+    assert [kwargs["threads"] for kwargs in made] == [None, 1]
