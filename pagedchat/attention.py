@@ -11,6 +11,7 @@ results, since on the CPU the cost of attention grows with the keys each sequenc
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -222,31 +223,33 @@ class _MixedPlan:
 
 def _mixed_plan(meta: AttentionMetadata, device: torch.device) -> _MixedPlan:
     if meta._mixed_plan is None:
-        starts = [0]
-        for n in meta.query_lens:
-            starts.append(starts[-1] + n)
+        starts = list(itertools.accumulate(meta.query_lens, initial=0))  # each sequence's first token row
         singles = [b for b, n in enumerate(meta.query_lens) if n == 1]
-        decode_rows = decode_meta = None
-        if singles:
-            index = torch.tensor(singles, device=device)
-            ctx = [meta.context_lens_host[b] for b in singles]
-            decode_rows = torch.tensor([starts[b] for b in singles], device=device)
-            decode_meta = AttentionMetadata(
-                slot_mapping=meta.slot_mapping[decode_rows], query_start_loc=torch.arange(len(singles) + 1,
-                dtype=torch.int32, device=device), context_lens=meta.context_lens[index],
-                block_tables=meta.block_tables[index], query_lens=[1] * len(singles), context_lens_host=ctx,
-                max_query_len=1, max_context_len=max(ctx))
-        chunks = []
-        for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-            if qlen == 1 or qlen == 0:
-                continue
-            mask = None
-            if qlen != ctx:  # query i sits at position ctx - qlen + i and sees keys up to there
-                rows = torch.arange(ctx - qlen, ctx, device=device)[:, None]
-                mask = torch.arange(ctx, device=device)[None, :] <= rows
-            chunks.append(_Chunk(b, starts[b], qlen, ctx, mask))
-        meta._mixed_plan = _MixedPlan(decode_rows, decode_meta, chunks)
+        rows = torch.tensor([starts[b] for b in singles], device=device) if singles else None
+        decode_meta = _subset(meta, singles, rows) if singles else None
+        chunks = [_chunk(b, starts[b], qlen, ctx, device)
+                  for b, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)) if qlen > 1]
+        meta._mixed_plan = _MixedPlan(rows, decode_meta, chunks)
     return meta._mixed_plan
+
+
+def _subset(meta: AttentionMetadata, seqs: list[int], rows: torch.Tensor) -> AttentionMetadata:
+    """The metadata of single-token sequences `seqs` (token rows `rows`) as a decode-only step of their own."""
+    index = torch.tensor(seqs, device=rows.device)
+    ctx = [meta.context_lens_host[b] for b in seqs]
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=rows.device),
+        context_lens=meta.context_lens[index], block_tables=meta.block_tables[index], query_lens=[1] * len(seqs),
+        context_lens_host=ctx, max_query_len=1, max_context_len=max(ctx))
+
+
+def _chunk(seq: int, start: int, qlen: int, ctx: int, device: torch.device) -> _Chunk:
+    if qlen == ctx:
+        return _Chunk(seq, start, qlen, ctx, None)
+    # Query i sits at position ctx - qlen + i and sees keys up to there.
+    rows = torch.arange(ctx - qlen, ctx, device=device)[:, None]
+    return _Chunk(seq, start, qlen, ctx, torch.arange(ctx, device=device)[None, :] <= rows)
 
 
 def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
