@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pagedchat.cli import positive_int
 from pagedchat.errors import PagedChatError
 
 DEFAULT_CHATS = "1,2,4,8,16"
@@ -112,28 +113,18 @@ def _chat_counts(value: str) -> list[int]:
     return counts
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the bench's flags on an (sub)parser."""
     parser.add_argument("--model", default=None,
                         help="model folder, .gguf file or hub id (default: the app's default model)")
     parser.add_argument("--chats", type=_chat_counts, default=_chat_counts(DEFAULT_CHATS), metavar="N,N,...",
                         help=f"concurrent chats to measure, comma-separated (default: {DEFAULT_CHATS})")
-    parser.add_argument("--max-tokens", type=_positive, default=128, metavar="N",
+    parser.add_argument("--max-tokens", type=positive_int, default=128, metavar="N",
                         help="tokens generated per chat; every reply is forced to this length (default: 128)")
-    parser.add_argument("--system-tokens", type=_positive, default=300, metavar="N",
+    parser.add_argument("--system-tokens", type=positive_int, default=300, metavar="N",
                         help="length of the shared system prompt in tokens, chat template included (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="picks the user questions (default: 0)")
-    parser.add_argument("--repeat", type=_positive, default=1, metavar="N",
+    parser.add_argument("--repeat", type=positive_int, default=1, metavar="N",
                         help="rounds of pagedchat and of transformers' padded batch per level, alternating; the "
                              "tables show the median round, for machines shared with other work (default: 1)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",

@@ -23,10 +23,15 @@ settings: config.toml in the user config dir (see README); flags override it.
 """
 
 
-def _at_least_one(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
-    return int(value)
+def positive_int(value: str) -> int:
+    """argparse type for counts (threads, tokens, rounds): a whole number of at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
+    return n
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -37,7 +42,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
-    p.add_argument("--threads", type=_at_least_one, metavar="N", help="torch threads on the CPU (default: one per core)")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads on the CPU (default: one per core)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ def test_help_lists_commands_and_flags():
     for word in ("pull", "ask", "bench", "--model", "--kv-cache-memory", "--theme", "--threads"):
         assert word in done.stdout
     bad = run_cli("--threads", "0")
-    assert bad.returncode == 2 and "'0' is not a whole number of at least 1" in bad.stderr
+    assert bad.returncode == 2 and "'0' must be at least 1" in bad.stderr
 
 
 def test_ask_matches_generate(tiny_llama, capsys):
