@@ -128,9 +128,11 @@ class BlockManager:
         self.ref[page] = 1
         return page
 
-    def _publish(self, page: int, h: int, parent: int | None, tokens: list[int]) -> None:
-        """Offer page's content for reuse: whole under its chain hash, or its first tokens to a prompt that
-        continues the same parent (see _partial_match)."""
+    def _publish(self, page: int, hashes: list[int], i: int, token_ids: list[int]) -> None:
+        """Offer page (logical page i of a sequence with these chain hashes and tokens) for reuse: whole under
+        its chain hash, or its first tokens to a prompt that continues the same parent (see _partial_match)."""
+        h, parent = hashes[i], hashes[i - 1] if i else None
+        tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
         self.cached[h] = page
         self.page_hash[page] = h
         self.page_parent[page] = parent
@@ -227,7 +229,7 @@ class BlockManager:
             page = self._take()
             self._ops.swap_in.append((cpu_page, page))
             self.counters.cpu_hits += 1
-            self._publish(page, hashes[i], hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
+            self._publish(page, hashes, i, seq.token_ids)
             table.append(page)
         seq.block_table = table
         seq.page_hashes = hashes[:hit_pages]
@@ -298,11 +300,10 @@ class BlockManager:
         """
         full = num_tokens // self.block_size
         seq.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, seq.page_hashes)
-        bs = self.block_size
         for i in range(len(seq.page_hashes)):
             h, page = seq.page_hashes[i], seq.block_table[i]
             if self.page_hash[page] is None and h not in self.cached:
-                self._publish(page, h, seq.page_hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
+                self._publish(page, seq.page_hashes, i, seq.token_ids)
 
     def free_seq(self, seq: Sequence) -> None:
         """Let go of seq's pages. The end of the chain goes first, so it is also evicted first."""
