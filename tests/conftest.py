@@ -46,3 +46,14 @@ def default_model() -> Path:
             pytest.fail("the default model was not pulled: run `pagedchat pull` first")
         pytest.skip("the default model is not pulled (run `pagedchat pull`)")
     return folder
+
+
+@pytest.fixture
+def shared_prefix_reads(monkeypatch) -> list[int]:
+    """Counts the decode attention calls that read the pages every chat shares once for all of them."""
+    from pagedchat import attention
+
+    calls: list[int] = []
+    read_once = attention._with_shared_prefix
+    monkeypatch.setattr(attention, "_with_shared_prefix", lambda *a: calls.append(1) or read_once(*a))
+    return calls

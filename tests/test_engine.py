@@ -228,7 +228,8 @@ def test_default_model_matches_transformers(default_model, dtype, max_tokens, ne
 
 
 @pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])
-def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, dtype, near_tie):
+def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, shared_prefix_reads,
+                                                                     dtype, near_tie):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
     from transformers import AutoModelForCausalLM
@@ -236,9 +237,6 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
     from pagedchat import attention
 
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
-    merged = []
-    read_once = attention._with_shared_prefix
-    monkeypatch.setattr(attention, "_with_shared_prefix", lambda *a: merged.append(1) or read_once(*a))
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
     ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
     system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
@@ -248,7 +246,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
                for q in questions]
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))
     engine.shutdown()
-    assert merged
+    assert shared_prefix_reads
     for prompt, out in zip(prompts, outs):
         expected = hf_greedy(ref, prompt, 16, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)

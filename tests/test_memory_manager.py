@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pagedchat import Engine, SamplingParams, attention
+from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
 from pagedchat.errors import RequestError
 from parity import assert_same_greedy
@@ -244,10 +244,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
 
 
 # ---- a shared system prompt ----------------------------------------------------------------------------------
-def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, monkeypatch):
-    merged = []  # decode steps whose attention read the shared system prompt once for all chats
-    read_once = attention._with_shared_prefix
-    monkeypatch.setattr(attention, "_with_shared_prefix", lambda *a: merged.append(1) or read_once(*a))
+def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, shared_prefix_reads):
     eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB"))
     tok = eng.tokenizer
     system = text_of(tok, 280)
@@ -274,7 +271,7 @@ def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, monkeyp
     assert peak < unshared / 3, "the system prompt is held once, not once per chat"
     results = [h.result() for h in handles]
     assert sum(r.cached_tokens for r in results) >= 7 * (shared // 16) * 16
-    assert merged
+    assert shared_prefix_reads  # decode steps read the shared system prompt once for all chats
     for prompt, result in zip(prompts, results):
         check_same(tiny_llama_ref, prompt, result.token_ids, max_tokens)
 
