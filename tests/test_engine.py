@@ -100,6 +100,23 @@ def test_memory_snapshot_lists_live_pages(tiny_llama):
     assert snap.free_blocks == snap.total_blocks - 3 and snap.block_size == 16
 
 
+def test_memory_snapshot_survives_json(tiny_llama):
+    """What `pagedchat serve` sends at /v1/memory reads back as the same snapshot, page keys included."""
+    from pagedchat.engine.memory import MemorySnapshot
+
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    parent = engine.submit(prompt_of(engine.tokenizer, 40), SamplingParams(max_tokens=30, ignore_eos=True))
+    next(iter(parent))
+    child = engine.fork(parent.request_id, SamplingParams(max_tokens=30, ignore_eos=True))
+    seen = []
+    child.on_update = lambda _: seen.append(engine.memory()) if not seen else None
+    child.result()
+    snap = seen[0]
+    assert snap.ref_counts and snap.seqs
+    assert MemorySnapshot.from_json(json.loads(json.dumps(snap.to_json()))) == snap
+    engine.shutdown()
+
+
 def test_stop_strings_max_tokens_and_streaming(tiny_llama):
     engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
     prompt = prompt_of(engine.tokenizer, 12)
@@ -317,3 +334,16 @@ def test_packed_weights_give_f_linear_bits():
         for rows in (1, 2, 8, 16, 45, 300):
             x = torch.randn(rows, 64, generator=gen).bfloat16()
             assert torch.equal(packed(x), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_weight_bytes_count_every_tensor_once(tmp_path, tie):
+    """float32 weights held plain take exactly the checkpoint's bytes, a tied head counted once."""
+    from safetensors import safe_open
+
+    folder = make_tiny_model(tmp_path, "llama", tie=tie)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        expected = sum(f.get_tensor(k).nbytes for k in f.keys())
+    engine = Engine(str(folder), kv_cache_memory="4MiB", dtype="float32")
+    assert engine.model.weight_bytes() == expected
+    engine.shutdown()

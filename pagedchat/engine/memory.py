@@ -40,6 +40,19 @@ class MemorySnapshot:
     live_tokens: int          # tokens held by live sequences
     contiguous_bytes: int     # what reserving the model's full context per live sequence would take
 
+    def to_json(self) -> dict:
+        """Plain JSON types (the page-keyed maps get string keys), as `pagedchat serve` sends it at /v1/memory."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MemorySnapshot":
+        """The inverse of to_json, for a snapshot read back over HTTP."""
+        fields = dict(data)
+        fields["ref_counts"] = {int(p): r for p, r in data["ref_counts"].items()}
+        fields["shared_pages"] = {int(p): ids for p, ids in data["shared_pages"].items()}
+        fields["seqs"] = {rid: SequenceMemory(**s) for rid, s in data["seqs"].items()}
+        return cls(**fields)
+
     @property
     def used_blocks(self) -> int:
         return self.total_blocks - self.free_blocks

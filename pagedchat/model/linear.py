@@ -19,6 +19,12 @@ class Linear:
         self.weight = None if packed else weight
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this projection keeps resident, in whatever layout it holds them."""
+        held = [t for t in (self.weight, self._packed, self.bias) if t is not None]
+        return sum(t.untyped_storage().nbytes() for t in held)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -98,6 +98,14 @@ class LlamaModel:
         self.sin = sin.to(device=device, dtype=dtype)
         self.use_triton = backend(device) == "triton"
 
+    def weight_bytes(self) -> int:
+        """Resident bytes of every weight: what competes with the KV cache for memory."""
+        tensors = [self.embed, self.norm] + [t for l in self.layers for t in (l.input_norm, l.post_norm)]
+        linears = [l for layer in self.layers for l in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        tied = self.lm_head.weight is self.embed
+        return (sum(t.untyped_storage().nbytes() for t in tensors) + sum(l.nbytes for l in linears)
+                + (0 if tied else self.lm_head.nbytes))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
