@@ -46,9 +46,9 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
 def state(bm: BlockManager):
     """Everything a failed allocation must leave alone."""
     cpu = bm.cpu
-    return copy.deepcopy((bm.ref, bm.page_hash, bm.cached, list(bm.free), list(bm.evictable), bm.counters,
-                          bm._ops, list(cpu.free), cpu.cached, cpu.page_hash, list(cpu.evictable), cpu.held,
-                          cpu.release_after_step))
+    pages = [(p.ref, p.hash, p.parent, p.tokens) for p in bm.pages]
+    return copy.deepcopy((pages, bm.cached, list(bm.free), list(bm.evictable), bm.counters, bm.pending_ops(),
+                          cpu.free_pages(), cpu.cached_pages(), cpu.held_pages(), cpu.pending_release()))
 
 
 def seq_state(seq: Sequence):
@@ -68,7 +68,7 @@ def test_shared_prefix_maps_three_pages_and_takes_one():
     assert prefill(bm, b) == 5, "only the 5 tokens past the shared pages are computed"
     assert b.block_table[:3] == a.block_table[:3]
     assert b.block_table[3] not in a.block_table
-    assert [bm.ref[p] for p in a.block_table] == [2, 2, 2, 1] and bm.ref[b.block_table[3]] == 1
+    assert [bm.pages[p].ref for p in a.block_table] == [2, 2, 2, 1] and bm.pages[b.block_table[3]].ref == 1
     assert b.cached_tokens == 48 and bm.counters.prefix_hits == 48 and bm.counters.prefix_queries == 55 + 53
     assert bm.num_available() == 16 - 5
     bm.check_invariants([a.block_table, b.block_table])
@@ -102,10 +102,10 @@ def test_prefix_inside_a_page_is_copied_not_recomputed():
     assert prefill(bm, b) == 6 and b.cached_tokens == 20
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
     assert bm.take_ops().cow == [(a.block_table[1], b.block_table[1])]
-    assert bm.ref[a.block_table[1]] == 2  # a's own reference and the pin
+    assert bm.pages[a.block_table[1]].ref == 2  # a's own reference and the pin
     bm.check_invariants([a.block_table, b.block_table])
     bm.end_step()
-    assert bm.ref[a.block_table[1]] == 1
+    assert bm.pages[a.block_table[1]].ref == 1
     bm.check_invariants([a.block_table, b.block_table])
     # A cached page with no owner left is pinned the same way, then goes back to the cached pool.
     source = a.block_table[1]
@@ -130,7 +130,7 @@ def test_hit_on_freed_cached_pages_takes_them_out_of_the_pool():
     assert prefill(bm, b) == 41 - 32
     assert b.block_table[:2] == full and not bm.evictable
     assert all(p not in bm.free for p in b.block_table)
-    assert [bm.ref[p] for p in full] == [1, 1] and bm.num_available() == 8 - 3
+    assert [bm.pages[p].ref for p in full] == [1, 1] and bm.num_available() == 8 - 3
     bm.check_invariants([b.block_table])
 
 
@@ -189,7 +189,7 @@ def test_reused_page_loses_its_old_hash():
     assert bm.counters.evictions == 2
     for h, page in old.items():
         assert h not in bm.cached and page in b.block_table
-    assert all(bm.page_hash[p] == h for p, h in zip(b.block_table, b.page_hashes))
+    assert all(bm.pages[p].hash == h for p, h in zip(b.block_table, b.page_hashes))
     bm.free_seq(b)
     again = make_seq(toks(40), "again")
     assert prefill(bm, again) == 40 and again.cached_tokens == 0, "nothing of a may hit any more"
@@ -237,12 +237,12 @@ def test_decode_append_takes_a_page_only_at_a_boundary():
         filled = seq.num_computed == 32
         assert len(seq.page_hashes) == (2 if filled else 1)
     page1 = seq.block_table[1]
-    assert bm.page_hash[page1] == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
+    assert bm.pages[page1].hash == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
     assert bm.cached[seq.page_hashes[1]] == page1
     available = bm.num_available()
     decode(bm, seq, 99)  # position 32: a new page
     assert len(seq.block_table) == 3 and bm.num_available() == available - 1
-    assert bm.page_hash[seq.block_table[2]] is None
+    assert bm.pages[seq.block_table[2]].hash is None
     bm.check_invariants([seq.block_table])
 
 
@@ -260,7 +260,7 @@ def forked(num_tokens: int) -> tuple[BlockManager, Sequence, Sequence]:
 def test_fork_shares_every_page_and_copies_on_first_write():
     bm, parent, child = forked(40)
     assert child.block_table == parent.block_table and child.num_computed == 40
-    assert [bm.ref[p] for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
+    assert [bm.pages[p].ref for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
     bm.check_invariants([parent.block_table, child.block_table])
     bm.take_ops()
 
@@ -272,7 +272,7 @@ def test_fork_shares_every_page_and_copies_on_first_write():
     new = ops.cow[0][1]
     assert child.block_table == shared[:2] + [new], "only the written index changes"
     assert parent.block_table == shared and new not in shared
-    assert [bm.ref[p] for p in shared] == [2, 2, 1] and bm.ref[new] == 1
+    assert [bm.pages[p].ref for p in shared] == [2, 2, 1] and bm.pages[new].ref == 1
     assert bm.counters.cow_copies == 1
     # the parent now owns its partial page alone: no copy
     parent.token_ids.append(6)
@@ -306,8 +306,8 @@ def test_duplicate_pages_are_kept_private_and_freed_uncached():
     assert not set(a.block_table) & set(b.block_table)
     assert a.page_hashes == b.page_hashes
     assert [bm.cached[h] for h in a.page_hashes] == a.block_table[:2]
-    assert all(bm.page_hash[p] is None for p in b.block_table), "b's duplicate pages are not advertised"
-    assert all(bm.ref[p] == 1 for p in a.block_table + b.block_table)
+    assert all(bm.pages[p].hash is None for p in b.block_table), "b's duplicate pages are not advertised"
+    assert all(bm.pages[p].ref == 1 for p in a.block_table + b.block_table)
     a_full = a.block_table[:2]
     bm.free_seq(b)
     assert not bm.evictable and len(bm.free) == 8 - 3, "duplicates go straight back to the free pool"
@@ -327,15 +327,15 @@ def test_swap_out_and_in_remaps_cached_pages_without_copying():
     assert bm.swap_out(a)
     ops = bm.take_ops()
     assert [g for g, _ in ops.swap_out] == pages and len(a.cpu_table) == 3 and not a.block_table
-    assert bm.cpu.held == set(a.cpu_table) and bm.counters.swap_outs == 1
+    assert bm.cpu.held_pages() == set(a.cpu_table) and bm.counters.swap_outs == 1
     assert list(bm.evictable) == pages[:2][::-1], "its hashed pages stay cached on the GPU"
     assert bm.swap_in(a, 1)
     ops = bm.take_ops()
     assert a.block_table[:2] == pages[:2], "still-cached full pages are mapped again"
     assert len(ops.swap_in) == 1 and ops.swap_in[0][1] == a.block_table[2]
-    assert not bm.cpu.held and bm.cpu.release_after_step
+    assert not bm.cpu.held_pages() and bm.cpu.pending_release()
     bm.end_step()
-    assert len(bm.cpu.free) == 4
+    assert len(bm.cpu.free_pages()) == 4
     bm.check_invariants([a.block_table])
 
 
@@ -352,7 +352,7 @@ def test_swap_in_makes_room_for_the_next_tokens():
     available = bm.num_available()
     assert bm.swap_in(s, 1)
     assert s.block_table[:2] == old and len(s.block_table) == 3, "2 cached pages mapped again, 1 new page"
-    assert bm.num_available() == available - 3 and bm.ref[s.block_table[2]] == 1
+    assert bm.num_available() == available - 3 and bm.pages[s.block_table[2]].ref == 1
     bm.check_invariants([s.block_table])
 
 
@@ -375,14 +375,14 @@ def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
     b = make_seq(toks(48, 1), "b")
     prefill(bm, b)
     ops = bm.take_ops()
-    assert len(ops.swap_out) == 2 and bm.counters.offloads == 2 and len(bm.cpu.cached) == 2
+    assert len(ops.swap_out) == 2 and bm.counters.offloads == 2 and bm.cpu.num_cached() == 2
     bm.end_step()
     bm.free_seq(b)
     again = make_seq(toks(33) + [5], "again")
     assert prefill(bm, again) == 34 - 32 and again.cached_tokens == 32
     ops = bm.take_ops()
     assert len(ops.swap_in) == 2 and [g for _, g in ops.swap_in] == again.block_table[:2]
-    assert [bm.page_hash[p] for p in again.block_table[:2]] == again.page_hashes[:2]
+    assert [bm.pages[p].hash for p in again.block_table[:2]] == again.page_hashes[:2]
 
 
 def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
@@ -396,18 +396,14 @@ def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
     y = make_seq(toks(48, 1), "y")  # evicts x's two pages to the CPU tier and fills the GPU with cached pages
     sim.prefill(y)
     bm.free_seq(y)
-    assert len(bm.cpu.cached) == 2 and not bm.cpu.free and not bm.free
+    assert bm.cpu.num_cached() == 2 and not bm.cpu.free_pages() and not bm.free
     back = make_seq(toks(33) + [5], "back")
     sim.prefill(back)
     assert back.cached_tokens == 32
 
 
 def check_cpu(bm: BlockManager) -> None:
-    cpu = bm.cpu
-    cached = set(cpu.cached.values())
-    assert set(cpu.evictable) == cached and len(cpu.page_hash) == len(cpu.cached)
-    assert all(cpu.page_hash[p] == h for h, p in cpu.cached.items())
-    assert not set(cpu.free) & cached and not cpu.held & cached
+    bm.cpu.check()
 
 
 def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
@@ -423,7 +419,7 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
     bm.end_step()
     hog = make_seq(toks(64, 1), "hog")
     sim.prefill(hog)  # evicts s's two cached pages to the CPU tier
-    assert bm.counters.offloads == 2 and set(s.page_hashes) <= set(bm.cpu.cached)
+    assert bm.counters.offloads == 2 and set(s.page_hashes) <= set(bm.cpu.cached_pages())
     bm.free_seq(hog)
     assert bm.swap_in(s, 1)
     sim.apply(bm.take_ops())
@@ -490,7 +486,7 @@ class PageContents:
         for h, page in self.bm.cached.items():
             if h in known:
                 assert [self.gpu.get((page, s)) for s in range(bs)] == known[h], "stale cached GPU page"
-        for h, page in self.bm.cpu.cached.items():
+        for h, page in self.bm.cpu.cached_pages().items():
             if h in known:
                 assert [self.cpu.get((page, s)) for s in range(bs)] == known[h], "stale cached CPU page"
 
@@ -611,7 +607,7 @@ class FakeEngine:
 
     def check(self) -> None:
         seqs = self.sched.all_seqs()
-        self.bm.check_invariants([s.block_table for s in seqs])
+        self.bm.check_invariants([s.block_table for s in seqs], [s.cpu_table for s in seqs])
         bs = self.bm.block_size
         for s in seqs:
             if s.status is SeqStatus.RUNNING:
@@ -620,12 +616,6 @@ class FakeEngine:
                 assert not s.block_table and len(s.cpu_table) == self.bm.pages_for(s.num_computed)
             else:
                 assert not s.block_table and not s.cpu_table and s.num_computed == 0
-        cpu = self.bm.cpu
-        held = [p for s in seqs for p in s.cpu_table]
-        assert set(held) == cpu.held and len(held) == len(cpu.held)
-        cached = set(cpu.cached.values())
-        assert set(cpu.evictable) == cached and not cached & cpu.held and not set(cpu.free) & (cached | cpu.held)
-        assert len(cpu.free) + len(cached) + len(cpu.held) == cpu.num_pages, "a CPU page leaked"
         known = {}
         for s in seqs:
             keys = self.sim.keys(s.token_ids)
@@ -722,6 +712,6 @@ def test_fake_scheduler_random_operations(ops, num_pages, cpu_pages, budget):
             event(name)  # what the examples exercised (--hypothesis-show-statistics)
     eng.bm.check_invariants([])
     assert eng.bm.num_available() == eng.bm.num_pages
-    assert not eng.bm.cpu.held and len(eng.bm.cpu.free) + len(eng.bm.cpu.cached) == cpu_pages
+    assert not eng.bm.cpu.held_pages() and len(eng.bm.cpu.free_pages()) + eng.bm.cpu.num_cached() == cpu_pages
     for prompt, out in eng.done.values():
         assert out == isolated(prompt, len(out))
