@@ -1,29 +1,18 @@
 """Page bookkeeping without a model: prefix sharing, the cached pool, eviction order, copy-on-write, swapping.
 
-The last part drives the real Scheduler and BlockManager with a fake model that records, slot by slot, which
-token history each K/V slot was computed from. Every read of the cache is checked against the history it
-should hold, so a page handed out while still needed, a copy planned in the wrong place or a stale hash shows
-up as a wrong "K/V", exactly as it would as a wrong token with a real model.
+The scheduler and the engine core over these pages are tested in test_engine_core.py; the fake model that
+checks every K/V read (PageContents) lives in fake_engine.py.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
+from fake_engine import PageContents, make_seq, toks
 from pagedchat.engine.block_manager import BlockManager, chain_hashes
-from pagedchat.engine.sampling import SamplingParams
-from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.sequence import Sequence
 
 BS = 16
-
-
-def make_seq(tokens, rid="s", max_tokens=16) -> Sequence:
-    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def prefill(bm: BlockManager, seq: Sequence, budget: int = 10**6) -> int:
@@ -53,10 +42,6 @@ def state(bm: BlockManager):
 
 def seq_state(seq: Sequence):
     return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.admitted)
-
-
-def toks(n: int, salt: int = 0) -> list[int]:
-    return [(salt * 1000 + i) % 997 + 1 for i in range(n)]
 
 
 # ---- prefix sharing and the cached pool ----------------------------------------------------------------------
@@ -356,17 +341,6 @@ def test_swap_in_makes_room_for_the_next_tokens():
     bm.check_invariants([s.block_table])
 
 
-def test_fake_scheduler_swapped_sequence_resumes_on_a_page_boundary():
-    """Three chats share a prompt; the newest is swapped out with a full last page and resumed at once."""
-    eng = FakeEngine(num_pages=6, cpu_pages=2, budget=3)
-    for max_tokens in (7, 6, 4):
-        eng.add(toks(5) + [9], max_tokens)
-    eng.drain()
-    assert eng.bm.counters.swap_outs and eng.bm.counters.swap_ins
-    for prompt, out in eng.done.values():
-        assert out == isolated(prompt, len(out))
-
-
 def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
     bm = BlockManager(3, BS, num_cpu_pages=4)
     a = make_seq(toks(33), "a")
@@ -434,284 +408,3 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
         bm.free_seq(h)
         check_cpu(bm)
     bm.check_invariants([])
-
-
-# ---- a fake model over the real scheduler --------------------------------------------------------------------
-class PageContents:
-    """What each GPU and CPU slot holds: the key of the token history its K/V was computed from."""
-
-    def __init__(self, bm: BlockManager):
-        self.bm = bm
-        self.gpu: dict[tuple[int, int], int] = {}
-        self.cpu: dict[tuple[int, int], int] = {}
-
-    @staticmethod
-    def keys(tokens: list[int]) -> list[int]:
-        out, k = [], 0
-        for t in tokens:
-            k = hash((k, t))
-            out.append(k)
-        return out
-
-    def apply(self, ops) -> None:
-        """In the model runner's order: swap-outs, swap-ins, copy-on-write."""
-        bs = self.bm.block_size
-        for g, c in ops.swap_out:
-            for s in range(bs):
-                self.cpu[c, s] = self.gpu.get((g, s))
-        for c, g in ops.swap_in:
-            for s in range(bs):
-                self.gpu[g, s] = self.cpu.get((c, s))
-        for src, dst in ops.cow:
-            for s in range(bs):
-                self.gpu[dst, s] = self.gpu.get((src, s))
-
-    def write(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
-        for pos in range(start, end):
-            self.gpu[seq.block_table[pos // bs], pos % bs] = keys[pos]
-
-    def check(self, seq: Sequence, end: int) -> None:
-        """Attention over positions [0, end) of seq reads exactly seq's history."""
-        bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
-        for pos in range(end):
-            got = self.gpu.get((seq.block_table[pos // bs], pos % bs))
-            assert got == keys[pos], f"{seq.request_id}: position {pos} holds the K/V of another history"
-
-    def check_cached(self, known: dict[int, list[int]]) -> None:
-        """Every advertised page, on the GPU or the CPU tier, holds the content its hash names."""
-        bs = self.bm.block_size
-        for h, page in self.bm.cached.items():
-            if h in known:
-                assert [self.gpu.get((page, s)) for s in range(bs)] == known[h], "stale cached GPU page"
-        for h, page in self.bm.cpu.cached_pages().items():
-            if h in known:
-                assert [self.cpu.get((page, s)) for s in range(bs)] == known[h], "stale cached CPU page"
-
-    # single-sequence helpers for the bookkeeping tests above
-    def prefill(self, seq: Sequence) -> None:
-        n = self.bm.admit(seq, 10**6)
-        assert n
-        self.bm.register_full_pages(seq, seq.num_computed + n)
-        self.apply(self.bm.take_ops())
-        self.write(seq, seq.num_computed, seq.num_computed + n)
-        seq.num_computed += n
-        self.check(seq, seq.num_computed)
-        self.bm.end_step()
-
-    def grow(self, seq: Sequence, n: int) -> None:
-        seq.token_ids += toks(n, 50 + len(seq.token_ids))
-        assert self.bm.prepare_write(seq, n)
-        self.bm.register_full_pages(seq, seq.num_computed + n)
-        self.apply(self.bm.take_ops())
-        self.write(seq, seq.num_computed, seq.num_computed + n)
-        seq.num_computed += n
-        self.check(seq, seq.num_computed)
-        self.bm.end_step()
-
-
-def next_token(history_key: int) -> int:
-    return history_key % 500 + 1
-
-
-def isolated(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens, out = list(prompt), []
-    key = PageContents.keys(tokens)[-1]
-    for _ in range(max_tokens):
-        t = next_token(key)
-        out.append(t)
-        key = hash((key, t))
-    return out
-
-
-class FakeEngine:
-    """The engine's step loop (engine.py) with the forward pass replaced by PageContents."""
-
-    def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4):
-        self.bm = BlockManager(num_pages, block_size, cpu_pages)
-        self.sched = Scheduler(self.bm, budget, max_seqs)
-        self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
-        self.sim = PageContents(self.bm)
-        self.live: dict[str, Sequence] = {}
-        self.history: dict[str, list[int]] = {}
-        self.done: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output), finished by length
-        self.n = 0
-
-    def fits(self, tokens: int, max_tokens: int) -> bool:
-        return self.bm.pages_for(tokens + max_tokens) <= self.bm.num_pages
-
-    def add(self, prompt: list[int], max_tokens: int) -> str:
-        rid = f"r{self.n}"
-        self.n += 1
-        seq = make_seq(prompt, rid, max_tokens)
-        self.live[rid] = seq
-        self.sched.add(seq)
-        return rid
-
-    def fork(self, parent_id: str, max_tokens: int) -> str | None:
-        parent = self.live.get(parent_id)
-        tokens = list(parent.token_ids) if parent else self.history.get(parent_id)
-        if tokens is None or not self.fits(len(tokens), max_tokens):
-            return None
-        rid = f"r{self.n}"
-        self.n += 1
-        child = make_seq(tokens, rid, max_tokens)
-        self.live[rid] = child
-        if parent is not None and parent.status is SeqStatus.RUNNING:
-            self.bm.fork(parent, child)
-            child.admitted = True
-            self.sched.add_running(child)
-        else:
-            self.sched.add(child)
-        return rid
-
-    def cancel(self, rid: str) -> None:
-        seq = self.live.pop(rid, None)
-        if seq is not None:
-            self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        self.sched.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self.live.pop(seq.request_id, None)
-        self.history[seq.request_id] = list(seq.token_ids)
-
-    def step(self) -> None:
-        plan = self.sched.schedule()
-        assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
-        # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
-        assert plan.num_tokens <= self.sched.max_tokens_per_step or all(i.num_tokens == 1 for i in plan.scheduled)
-        self.sim.apply(plan.ops)
-        for item in plan.scheduled:  # every layer writes its K/V before attention reads them
-            s = item.seq
-            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
-        pages_written = [p for item in plan.scheduled
-                         for p in {item.seq.block_table[pos // self.bm.block_size]
-                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
-        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
-        for item in plan.scheduled:
-            s = item.seq
-            self.sim.check(s, s.num_computed + item.num_tokens)
-        for item in plan.scheduled:
-            s = item.seq
-            s.num_computed += item.num_tokens
-            if item.samples:
-                s.token_ids.append(next_token(self.sim.keys(s.token_ids)[-1]))
-                if len(s.output_ids) >= s.params.max_tokens:
-                    self.done[s.request_id] = (s.token_ids[:s.num_prompt_tokens], s.output_ids)
-                    self._finish(s)
-        self.bm.end_step()
-        self.check()
-
-    def check(self) -> None:
-        seqs = self.sched.all_seqs()
-        self.bm.check_invariants([s.block_table for s in seqs], [s.cpu_table for s in seqs])
-        bs = self.bm.block_size
-        for s in seqs:
-            if s.status is SeqStatus.RUNNING:
-                assert len(s.block_table) == self.bm.pages_for(s.num_computed) and not s.cpu_table
-            elif s.status is SeqStatus.SWAPPED:
-                assert not s.block_table and len(s.cpu_table) == self.bm.pages_for(s.num_computed)
-            else:
-                assert not s.block_table and not s.cpu_table and s.num_computed == 0
-        known = {}
-        for s in seqs:
-            keys = self.sim.keys(s.token_ids)
-            for i, h in enumerate(s.page_hashes):
-                known[h] = keys[i * bs:(i + 1) * bs]
-        self.sim.check_cached(known)
-        for s in seqs:  # swapped pages still hold their sequence's history
-            keys = self.sim.keys(s.token_ids)
-            for pos in range(s.num_computed if s.cpu_table else 0):
-                assert self.sim.cpu.get((s.cpu_table[pos // bs], pos % bs)) == keys[pos]
-
-    def drain(self, limit: int = 2000) -> None:
-        for _ in range(limit):
-            if not self.sched.has_work():
-                return
-            self.step()
-        raise AssertionError("no progress: the scheduler looks deadlocked")
-
-
-def test_one_token_prefill_chunks_count_against_the_step_budget():
-    """A request forked twice while its prompt is being prefilled: three prefills compete for a budget of 3.
-    A chunk of one prompt token is still prefill, not a decode, so the three never get more than 3 tokens."""
-    eng = FakeEngine(num_pages=40, cpu_pages=0, budget=3, max_seqs=3)
-    eng.add(toks(5), 3)
-    eng.step()  # 3 of 5 prompt tokens
-    eng.fork("r0", 3)
-    eng.fork("r0", 3)
-    plan = eng.sched.schedule()
-    assert [(item.seq.request_id, item.num_tokens) for item in plan.scheduled] == [("r0", 2), ("r1", 1)]
-    assert plan.num_tokens == 3
-
-
-def test_fake_scheduler_preemption_by_swap_and_recompute():
-    for cpu_pages in (0, 3, 40):
-        eng = FakeEngine(num_pages=10, cpu_pages=cpu_pages, budget=12)
-        prompts = [toks(7 + 3 * i, i % 3) for i in range(6)]  # shared prefixes between some of them
-        for p in prompts:
-            eng.add(p, 9)
-        eng.drain()
-        assert len(eng.done) == 6
-        for prompt, out in eng.done.values():
-            assert out == isolated(prompt, len(out))
-        c = eng.bm.counters
-        assert c.swap_outs + c.recomputes > 0
-        if cpu_pages == 0:
-            assert c.swap_outs == 0 and c.recomputes > 0
-        if cpu_pages == 40:
-            assert c.swap_outs > 0
-        eng.bm.check_invariants([])
-        assert eng.bm.num_available() == 10
-
-
-OPS = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 20), st.integers(1, 10)),
-    st.tuples(st.just("step"), st.integers(0, 4)),
-    st.tuples(st.just("fork"), st.integers(0, 30), st.integers(1, 10)),
-    st.tuples(st.just("cancel"), st.integers(0, 30)),
-    st.tuples(st.just("finish"), st.integers(0, 30)),
-)
-
-
-@settings(max_examples=300 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(OPS, min_size=8, max_size=40), num_pages=st.integers(6, 12),
-       cpu_pages=st.sampled_from([0, 2, 6, 30]), budget=st.integers(3, 16))
-def test_fake_scheduler_random_operations(ops, num_pages, cpu_pages, budget):
-    eng = FakeEngine(num_pages=num_pages, cpu_pages=cpu_pages, budget=budget)
-    bases = [toks(20, salt) for salt in range(4)]
-    for op in ops:
-        kind = op[0]
-        if kind == "add":
-            _, base, extra, max_tokens = op
-            prompt = bases[base][:4 + extra % 9] + toks(extra % 5, 10 + extra)
-            if eng.fits(len(prompt), max_tokens):
-                eng.add(prompt, max_tokens)
-        elif kind == "step":
-            for _ in range(op[1]):
-                eng.step()
-        elif kind == "fork":
-            eng.fork(f"r{op[1] % max(eng.n, 1)}", op[2])
-        elif kind == "cancel":
-            eng.cancel(f"r{op[1] % max(eng.n, 1)}")
-        else:
-            rid = f"r{op[1] % max(eng.n, 1)}"
-            for _ in range(1000):
-                if rid not in eng.live:
-                    break
-                eng.step()
-            assert rid not in eng.live
-        eng.step()  # the engine keeps running while requests come and go
-    eng.drain()
-    for name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
-        if getattr(eng.bm.counters, name):
-            event(name)  # what the examples exercised (--hypothesis-show-statistics)
-    eng.bm.check_invariants([])
-    assert eng.bm.num_available() == eng.bm.num_pages
-    assert not eng.bm.cpu.held_pages() and len(eng.bm.cpu.free_pages()) + eng.bm.cpu.num_cached() == cpu_pages
-    for prompt, out in eng.done.values():
-        assert out == isolated(prompt, len(out))
