@@ -208,7 +208,8 @@ class EngineCore:
         completion = seq.completion()
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self._live.pop(seq.request_id, None)
+        if self._live.get(seq.request_id) is seq:
+            del self._live[seq.request_id]
         self._history[seq.request_id] = list(seq.token_ids)
         if len(self._history) > HISTORY_LIMIT:
             self._history.pop(next(iter(self._history)))

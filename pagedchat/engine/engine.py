@@ -243,9 +243,7 @@ class Engine:
             self._end_all("error", f"{type(exc).__name__}: {exc}")
 
     def step(self) -> list[StreamDelta]:
-        """Drain the inbox, then schedule -> run -> sample -> postprocess, and hand each request its delta.
-
-        The loop thread calls this; with autostart=False a caller steps the engine by hand instead."""
+        """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
         if self._stopped:
             return []
         with self._lock:
