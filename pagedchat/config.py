@@ -37,6 +37,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from pagedchat.engine.params import sampling_problem
 from pagedchat.errors import PagedChatError
 
 CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
@@ -77,6 +78,11 @@ class SamplingDefaults:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 0
+
+    def __post_init__(self):
+        problem = sampling_problem(self.max_tokens, self.temperature, self.top_p, self.top_k)
+        if problem:  # the same rule as every request's SamplingParams, so no chat starts unable to reply
+            raise ConfigError(f"sampling: {problem}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,11 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
         raise ConfigError(f'{source}: [keys] must map binding ids to key strings, e.g. new_chat = "ctrl+t"')
     out = _check(source, raw, _TOP)
-    out.update(_check(f"{source} [sampling]", sampling, _SAMPLING))
+    chosen = _check(f"{source} [sampling]", sampling, _SAMPLING)
+    out.update(chosen)
+    problem = sampling_problem(**{**dataclasses.asdict(SamplingDefaults()), **chosen})
+    if problem:
+        raise ConfigError(f"{source} [sampling]: {problem}")
     for key in ("block_size", "threads"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")

@@ -90,30 +90,6 @@ class PageContents:
         self.check(seq, seq.num_computed)
         self.bm.end_step()
 
-    def grow(self, seq: Sequence, n: int) -> None:
-        seq.token_ids += toks(n, 50 + len(seq.token_ids))
-        assert self.bm.prepare_write(seq, n)
-        self.bm.register_full_pages(seq, seq.num_computed + n)
-        self.apply(self.bm.take_ops())
-        self.write(seq, seq.num_computed, seq.num_computed + n)
-        seq.num_computed += n
-        self.check(seq, seq.num_computed)
-        self.bm.end_step()
-
-
-def next_token(history_key: int) -> int:
-    return history_key % 500 + 1
-
-
-def isolated(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens, out = list(prompt), []
-    key = PageContents.keys(tokens)[-1]
-    for _ in range(max_tokens):
-        t = next_token(key)
-        out.append(t)
-        key = hash((key, t))
-    return out
-
 
 def next_token(history_key: int) -> int:
     return history_key % 500 + 1

@@ -283,7 +283,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         app.screen.query_one("#top_p").value = "7"
         await pilot.press("ctrl+s")
         assert isinstance(app.screen, ChatSettingsScreen)  # top p 7 is refused, the dialog says why
-        assert "top p" in str(app.screen.query_one("#error").content)
+        assert "top_p must be in (0, 1]" in str(app.screen.query_one("#error").content)
         app.screen.query_one("#top_p").value = "0.9"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "the dialog to close")

@@ -10,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 from textual.widgets.option_list import Option
 
+from pagedchat.engine.params import sampling_problem
 from pagedchat.tui.records import ChatSettings
 
 
@@ -113,14 +114,10 @@ class ChatSettingsScreen(_Modal):
                                     seed=int(seed) if seed else None)
         except ValueError:
             raise ValueError("every field needs a number") from None
-        if settings.max_tokens < 1:
-            raise ValueError("max tokens must be at least 1")
-        if settings.temperature < 0:
-            raise ValueError("temperature must be 0 or more")
-        if not 0 < settings.top_p <= 1:
-            raise ValueError("top p must be in (0, 1]")
-        if settings.top_k < 0:
-            raise ValueError("top k must be 0 or more")
+        problem = sampling_problem(settings.max_tokens, settings.temperature, settings.top_p, settings.top_k,
+                                   settings.seed)
+        if problem:  # exactly what a request would refuse
+            raise ValueError(problem)
         return settings
 
     def action_save(self) -> None:

@@ -1,4 +1,5 @@
-"""The app when its engine stops for good: the tab says why, the palette offers a restart, and it works."""
+"""The app's side of the engine's refusals and failures: a stopped engine (the tab says why, the palette offers
+a restart, and it works), sampling settings the engine would refuse, and finish reasons."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pagedchat.engine.core import Phase
 from pagedchat.engine.engine import Engine
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatSettings, ReplyStats
+from pagedchat.tui.screens.modals import ChatSettingsScreen
 from tiny_models import make_tiny_model
 from tui_support import make_config, static_text, wait_for
 
@@ -68,3 +70,21 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
         await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "a new reply")
         assert session.record.messages[-1].stats.finish_reason == "length"
         assert "engine stopped" not in static_text(app, "#status")
+
+
+async def test_the_settings_dialog_refuses_what_a_request_would(tmp_path, model):
+    """F3 checks with SamplingParams' own rule: a temperature too small to divide by is refused, with why."""
+    app = PagedChatApp(make_config(tmp_path, model))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        before = app.active_session.record.settings
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatSettingsScreen), "the settings dialog")
+        app.screen.query_one("#temperature").value = "1e-40"
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, ChatSettingsScreen)
+        assert str(app.screen.query_one("#error").content) == \
+            "temperature must be 0 (greedy) or at least 0.01 (got 1e-40)"
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "the dialog to close")
+        assert app.active_session.record.settings == before
