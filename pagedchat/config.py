@@ -37,7 +37,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from pagedchat.engine.params import sampling_problem
+from pagedchat.engine.params import SamplingSettings, sampling_problem
 from pagedchat.errors import PagedChatError
 
 CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
@@ -70,19 +70,8 @@ def data_dir() -> Path:
     return platformdirs.user_data_path("pagedchat")
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """Sampling settings a new chat starts with; each chat then keeps its own."""
-
-    max_tokens: int = 1024
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 0
-
-    def __post_init__(self):
-        problem = sampling_problem(self.max_tokens, self.temperature, self.top_p, self.top_k)
-        if problem:  # the same rule as every request's SamplingParams, so no chat starts unable to reply
-            raise ConfigError(f"sampling: {problem}")
+# The sampling settings a new chat starts with; each chat then keeps its own, of the same type.
+SamplingDefaults = SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -117,7 +106,10 @@ class AppConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         sampling = {k: given.pop(k) for k in list(given) if k in SamplingDefaults.__dataclass_fields__}
         if sampling:
-            given["sampling"] = dataclasses.replace(self.sampling, **sampling)
+            try:
+                given["sampling"] = dataclasses.replace(self.sampling, **sampling)
+            except ValueError as exc:  # the same rule as every request's SamplingParams
+                raise ConfigError(f"sampling: {exc}") from None
         for key in ("config_dir", "data_dir"):
             if key in given:
                 given[key] = Path(given[key]).expanduser()

@@ -6,6 +6,7 @@ finish in a blink, long ones (LONG) run long enough to be stopped, forked or see
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sqlite3
 from functools import partial
@@ -297,7 +298,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         await pilot.press("enter")
         assert session.record.title == "Renamed" and "Renamed" in app.tabs.get_tab("chat-" + session.id).label.plain
 
-        session.record.settings.temperature = 0.0
+        session.record.settings = dataclasses.replace(session.record.settings, temperature=0.0)
         await send(pilot, "write code")
         await replied(pilot, session)
         assert session.record.messages[-1].stats.generated_tokens == 12

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedchat.engine.core import Phase
+from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.engine import Engine
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatSettings, ReplyStats
@@ -23,6 +24,19 @@ class Broken(BaseException):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("stopped-model"), seed=1, max_positions=2048)
+
+
+def test_chat_settings_follow_the_request_rule_and_old_saved_values_fall_back():
+    from pagedchat.config import AppConfig, ConfigError
+
+    with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or at least 0.01"):
+        ChatSettings(temperature=1e-40)
+    with pytest.raises(ConfigError, match="sampling: top_p must be in"):
+        AppConfig().with_overrides(top_p=2.0)
+    saved = ChatSettings.from_dict({"max_tokens": 64, "temperature": 0.001, "top_k": 3, "unknown": 1})
+    assert saved == ChatSettings(max_tokens=64, top_k=3)  # the refused temperature takes its default
+    assert ChatSettings(temperature=0.5, seed=3).params(max_tokens=9) == \
+        SamplingParams(max_tokens=9, temperature=0.5, top_p=0.95, seed=3)
 
 
 def test_a_reply_at_the_context_limit_says_context_full():

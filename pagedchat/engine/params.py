@@ -4,7 +4,9 @@ config can check settings before the engine is loaded."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from pagedchat.errors import RequestError
 
 # Below this, logits / temperature overflows or rounds every probability but one to zero; vLLM clamps at the
 # same floor. 0 itself means greedy.
@@ -36,11 +38,31 @@ class SamplingParams:
         if problem is None and not all(isinstance(s, str) and s for s in self.stop):
             problem = "stop strings must be non-empty text"
         if problem:
-            raise ValueError(problem)
+            raise RequestError(problem)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Sampling as a user picks it: config.toml's [sampling] defaults, and each chat's own settings (seed None: a
+    fresh seed per reply). The same rule as SamplingParams checks it, so no chat holds settings it cannot run."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        problem = sampling_problem(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+        if problem:
+            raise RequestError(problem)
+
+    def params(self, **overrides) -> SamplingParams:
+        return SamplingParams(**{**asdict(self), **overrides})
 
 
 def sampling_problem(max_tokens, temperature, top_p, top_k, seed=None) -> str | None:

@@ -10,7 +10,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 from textual.widgets.option_list import Option
 
-from pagedchat.engine.params import sampling_problem
 from pagedchat.tui.records import ChatSettings
 
 
@@ -109,16 +108,11 @@ class ChatSettingsScreen(_Modal):
 
         try:
             seed = val("seed")
-            settings = ChatSettings(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
-                                    top_p=float(val("top_p")), top_k=int(val("top_k")),
-                                    seed=int(seed) if seed else None)
+            numbers = dict(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
+                           top_p=float(val("top_p")), top_k=int(val("top_k")), seed=int(seed) if seed else None)
         except ValueError:
             raise ValueError("every field needs a number") from None
-        problem = sampling_problem(settings.max_tokens, settings.temperature, settings.top_p, settings.top_k,
-                                   settings.seed)
-        if problem:  # exactly what a request would refuse
-            raise ValueError(problem)
-        return settings
+        return ChatSettings(**numbers)  # refuses, with its reason, exactly what a request would
 
     def action_save(self) -> None:
         try:
