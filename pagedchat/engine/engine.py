@@ -129,7 +129,7 @@ class Engine:
         rids = [rid or f"req-{next(self._ids)}" for rid in request_ids or [None] * len(prompts)]
         seqs = [self._new_sequence(ids, params, rid) for ids, rid in zip(encoded, rids)]
         handles = self._register(seqs, on_update)
-        for seq, handle in zip(seqs, handles):
+        for seq in seqs:
             self._inbox.put(("add", seq))
         self._kick()
         return handles
