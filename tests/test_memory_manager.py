@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.core import Phase
 from pagedchat.errors import RequestError
 from parity import assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
@@ -318,7 +319,21 @@ OPS = st.one_of(
     st.tuples(st.just("fork"), st.integers(0, 20), st.integers(1, 8)),
     st.tuples(st.just("cancel"), st.integers(0, 20)),
     st.tuples(st.just("finish"), st.integers(0, 20)),
+    st.tuples(st.just("fault"), st.sampled_from(list(Phase))),
+    st.tuples(st.just("shutdown")),
 )
+
+
+class OneFault:
+    """A fault hook that raises once, at the end of the armed phase."""
+
+    def __init__(self):
+        self.armed: Phase | None = None
+
+    def __call__(self, phase: Phase, request_id: str | None) -> None:
+        if phase is self.armed:
+            self.armed = None
+            raise RuntimeError(f"injected into {phase.value}")
 
 
 @settings(max_examples=30 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
@@ -326,8 +341,9 @@ OPS = st.one_of(
 @given(ops=st.lists(OPS, min_size=10, max_size=30), swap_pages=st.sampled_from([0, 3, 20]))
 def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, ops, swap_pages):
     folder, ref, isolated = small_model
+    fault = OneFault()
     eng = manual(folder, kv_cache_memory=5 * SMALL_PAGE, swap_space=swap_pages * SMALL_PAGE,
-                 max_tokens_per_step=24, max_seqs=4)
+                 max_tokens_per_step=24, max_seqs=4, fault_hook=fault)
     bases = [ids_of(eng.tokenizer, 60, salt) for salt in range(3)]
     handles, wanted = [], {}  # wanted: request id -> max_tokens
 
@@ -369,11 +385,24 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
                 step(eng)
                 check()
             assert target.done
+        elif kind == "fault":
+            fault.armed = op[1]
+            step(eng)
+            check()
+            if fault.armed is None:
+                event(f"fault in {op[1].value}")
+            fault.armed = None
+        elif kind == "shutdown":
+            eng.shutdown()
+            assert all(h.done for h in handles), "shutdown left a request waiting"
+            break
         step(eng)  # the engine keeps running while requests come and go
         check()
-    drain(eng, check=check)
+    else:
+        drain(eng, check=check)
+        snap = eng.memory()
+        assert snap.free_blocks == snap.total_blocks and not snap.ref_counts and snap.cpu_swapped == 0
     snap = eng.memory()
-    assert snap.free_blocks == snap.total_blocks and not snap.ref_counts and snap.cpu_swapped == 0
     for name, count in snap.counters.items():  # what the examples exercised (--hypothesis-show-statistics)
         if count and name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
             event(name)
@@ -384,5 +413,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             if done.token_ids != isolated(done.prompt_token_ids, len(done.token_ids)):  # a float near-tie at most
                 expected = reference(ref, done.prompt_token_ids, len(done.token_ids))
                 assert_same_greedy(ref, done.prompt_token_ids, done.token_ids, expected)
+        elif done.finish_reason == "error":
+            assert "RuntimeError: injected into" in done.error, done.error
         else:
             assert done.finish_reason == "cancelled"
