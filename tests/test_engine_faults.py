@@ -127,6 +127,27 @@ def test_faults_no_request_explains_stop_the_engine(tiny_llama):
         engine.submit(A, PARAMS)
 
 
+def test_blameless_faults_with_progress_between_them_do_not_stop_the_engine(tiny_llama):
+    idle = {"fail": True}
+
+    def on_idle_copies(phase, request_id):
+        if phase is Phase.COPY and idle["fail"]:
+            raise OSError("flaky")
+
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False, fault_hook=on_idle_copies)
+    for _ in range(2):
+        engine.step()
+    idle["fail"] = False
+    done = engine.submit(A, PARAMS)
+    drain(engine)
+    idle["fail"] = True
+    for _ in range(2):
+        engine.step()
+    assert engine.failure is None and done.result(timeout=0).finish_reason == "length"
+    engine.step()
+    assert engine.failure == "page copies failed 3 times in a row (OSError: flaky)"
+
+
 def test_shutdown_ends_running_and_queued_requests_within_a_second(tiny_llama):
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", max_seqs=1)
     running = engine.submit(A, SamplingParams(max_tokens=400, ignore_eos=True))

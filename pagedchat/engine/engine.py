@@ -283,10 +283,10 @@ class Engine:
             # Requests the core finished in this step before the fault dropped their final deltas.
             out += [(h._seq, h._final_delta()) for h in self._handles.values()
                     if h._seq.status is SeqStatus.FINISHED]
-        if out or self.core.steps != self._steps_at_fault:
-            self._blameless_faults = 0              # faults in a row, with no progress between, that failed no request
-        self._steps_at_fault = 0
-        self._blameless_faults += not out
+        if out or self.core.steps != self._steps_at_fault:  # it blamed a request, or steps ran since the last
+            self._blameless_faults = 0
+        if not out:
+            self._blameless_faults += 1
         self._steps_at_fault = self.core.steps
         if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
             self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
