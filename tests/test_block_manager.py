@@ -41,7 +41,7 @@ def state(bm: BlockManager):
 
 
 def seq_state(seq: Sequence):
-    return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.admitted)
+    return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.prefix_counted)
 
 
 # ---- prefix sharing and the cached pool ----------------------------------------------------------------------

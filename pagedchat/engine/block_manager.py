@@ -281,8 +281,8 @@ class BlockManager:
             self._pinned.append(source)
             self._ops.cow.append((source, seq.block_table[hit_pages]))
             self.counters.cow_copies += 1
-        if not seq.admitted:
-            seq.admitted = True
+        if not seq.prefix_counted:
+            seq.prefix_counted = True
             seq.cached_tokens = start
             self.counters.prefix_queries += len(seq.token_ids)
             self.counters.prefix_hits += start

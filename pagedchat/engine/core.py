@@ -102,7 +102,7 @@ class EngineCore:
         if parent is not None and parent.status is SeqStatus.RUNNING and \
                 len(self.scheduler.running) < self.scheduler.max_seqs:
             self.blocks.fork(parent, child)
-            child.admitted = True
+            child.prefix_counted = True
             child.cached_tokens = parent.num_computed
             self.scheduler.add_running(child)
         else:

@@ -72,7 +72,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     emitted: int = 0                     # characters of text already streamed
-    admitted: bool = False
+    prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
