@@ -237,7 +237,7 @@ async def test_branch_shares_pages(config):
         assert len(fork_text) > 20 and fork_text[:20] == parent_text[:20]
 
         # Branching at the question of a finished chat answers it again in a new tab, from the prefix cache.
-        parent.record.settings.max_tokens = 16  # the branch copies the chat's settings
+        parent.record.settings = dataclasses.replace(parent.record.settings, max_tokens=16)  # the branch copies them
         view = app.chat_view(parent).view_at(0)
         view.focus()
         await pilot.press("b")
