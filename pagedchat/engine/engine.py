@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
@@ -42,6 +43,25 @@ __all__ = ["Engine", "Completion", "RequestHandle", "StreamDelta"]
 
 # Faults in a row that failed no request: the engine is stuck on something no request explains.
 MAX_BLAMELESS_FAULTS = 3
+
+
+@dataclass(frozen=True)
+class _Add:
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class _Fork:
+    seq: Sequence
+    parent_id: str
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+_Message = Union[_Add, _Fork, _Cancel]  # what other threads post to the inbox
 
 
 class Engine:
@@ -130,7 +150,7 @@ class Engine:
         seqs = [self._new_sequence(ids, params, rid) for ids, rid in zip(encoded, rids)]
         handles = self._register(seqs, on_update)
         for seq in seqs:
-            self._inbox.put(("add", seq))
+            self._inbox.put(_Add(seq))
         self._kick()
         return handles
 
@@ -149,12 +169,12 @@ class Engine:
         self.core.check_fits(tokens, params)
         seq = self._new_sequence(tokens, params, f"req-{next(self._ids)}")
         [handle] = self._register([seq], on_update)
-        self._inbox.put(("fork", seq, request_id))
+        self._inbox.put(_Fork(seq, request_id))
         self._kick()
         return handle
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(_Cancel(request_id))
         self._kick()
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[Completion]:
@@ -302,26 +322,25 @@ class Engine:
                 return out
             try:
                 output = self._apply(msg)
-            except Exception as exc:  # e.g. a fork whose parent vanished mid-way: fail that request only
-                log.exception("engine could not take %s", msg[0])
-                seq = msg[1] if isinstance(msg[1], Sequence) else self.core.sequence(msg[1])
+            except Exception as exc:  # fail the request it was about, and only that one
+                log.exception("engine could not take %s", msg)
+                seq = self.core.sequence(msg.request_id) if isinstance(msg, _Cancel) else msg.seq
                 output = self.core.fail(seq, f"{type(exc).__name__}: {exc}") if seq is not None else None
             if output is not None:
                 out.append(output)
 
-    def _apply(self, msg: tuple) -> Output | None:
-        kind = msg[0]
-        if kind == "add":
-            self.core.add(msg[1])
+    def _apply(self, msg: _Message) -> Output | None:
+        if isinstance(msg, _Add):
+            self.core.add(msg.seq)
             return None
-        if kind == "fork":
-            seq = msg[1]
-            output = self.core.fork(seq, msg[2])
+        if isinstance(msg, _Fork):
+            seq = msg.seq
+            output = self.core.fork(seq, msg.parent_id)
             handle = self._handles.get(seq.request_id)
             if handle is not None:  # the child starts from the parent's tokens as they are now
                 handle.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
             return output
-        return self.core.cancel(msg[1])
+        return self.core.cancel(msg.request_id)
 
     def _deliver(self, out: list[Output]) -> list[StreamDelta]:
         with self._lock:
