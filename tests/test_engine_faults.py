@@ -87,6 +87,26 @@ def test_a_fault_in_one_requests_phase_fails_that_request_only(tiny_llama, alone
     assert all_pages_free(engine)
 
 
+def test_a_fault_after_the_batch_bookkeeping_keeps_what_it_finished(tiny_llama, alone):
+    """A ends in the step whose batch bookkeeping then fails: A keeps its finished completion, and B, still
+    running in that step, fails; nothing is left waiting."""
+    engines = []
+
+    def after_third_step(phase, request_id):
+        if phase is Phase.BOOKKEEPING and request_id is None and engines[0].steps == 3:
+            raise RuntimeError("late")
+
+    engines.append(Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False, fault_hook=after_third_step))
+    engine = engines[0]
+    a = engine.submit(A, SamplingParams(max_tokens=3, ignore_eos=True))
+    b = engine.submit(B, PARAMS)
+    drain(engine)
+    assert a.result(timeout=0).finish_reason == "length" and a.result().token_ids == alone[tuple(A)][:3]
+    assert b.result(timeout=0).finish_reason == "error"
+    assert b.result().error == "bookkeeping failed: RuntimeError: late"
+    assert all_pages_free(engine)
+
+
 def test_a_fault_on_the_engine_thread_ends_the_requests_instead_of_hanging_them(tiny_llama, alone):
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", fault_hook=Once(Phase.FORWARD, at=2))
     a, b = engine.generate([A, B], PARAMS)  # both in the faulted step

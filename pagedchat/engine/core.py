@@ -42,7 +42,6 @@ class Phase(enum.Enum):
 # inject a fault with everything that phase changed left in place (the hardest point to recover from).
 FaultHook = Callable[[Phase, "str | None"], None]
 Output = tuple[Sequence, StreamDelta]
-BATCH_PHASES = (Phase.SCHEDULE, Phase.COPY, Phase.FORWARD, Phase.SAMPLE)
 
 
 class EngineCore:
@@ -57,6 +56,7 @@ class EngineCore:
         self.phase = Phase.SCHEDULE            # the phase this step reached
         self.steps = 0                          # steps that ran a forward pass
         self._live: dict[str, Sequence] = {}
+        self._outputs: list[Output] = []        # postprocess's outputs so far: a fault there must not lose them
         self._history: dict[str, list[int]] = {}
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class EngineCore:
         """After the forward pass: count what each chunk computed, append the sampled tokens, and stream,
         stop or finish each request. A fault here fails only the request it concerns."""
         self.phase = Phase.BOOKKEEPING
-        out = []
+        self._outputs = out = []
         token_iter = iter(tokens)
         for item in plan.scheduled:
             seq = item.seq
@@ -148,7 +148,9 @@ class EngineCore:
                 out.append(output)
         if plan.scheduled:
             self.steps += 1
+        self.fault(Phase.BOOKKEEPING)  # the whole batch's
         self.blocks.end_step()
+        self._outputs = []
         return out
 
     def _advance(self, seq: Sequence, n: int, token: int | None, now: float) -> Output | None:
@@ -181,16 +183,16 @@ class EngineCore:
         return None
 
     def abort_step(self, exc: BaseException) -> list[Output]:
-        """A batch phase failed: fail the requests it concerns, then make the pool agree with the survivors."""
-        phase = self.phase if self.phase in BATCH_PHASES else Phase.FORWARD
-        error = f"{phase.value} failed: {type(exc).__name__}: {exc}"
-        bad_gpu, bad_cpu = self.blocks.abort_step(copies_ran=phase not in (Phase.SCHEDULE, Phase.COPY))
+        """A step failed outside one request's phases: fail the requests it concerns (after handing over what
+        its bookkeeping had already produced), then make the pool agree with the survivors."""
+        error = f"{self.phase.value} failed: {type(exc).__name__}: {exc}"
+        out, self._outputs = self._outputs, []
+        bad_gpu, bad_cpu = self.blocks.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
         queued = {id(s) for s in self.scheduler.all_seqs()}
         concerned = [item.seq for item in self.scheduler.plan.scheduled]
         concerned += [s for s in self.scheduler.all_seqs()
                       if not bad_gpu.isdisjoint(s.block_table) or not bad_cpu.isdisjoint(s.cpu_table)]
         concerned += [s for s in self._live.values() if id(s) not in queued]  # lost by a half-done plan
-        out = []
         for seq in dict.fromkeys(concerned):
             if seq.status is not SeqStatus.FINISHED:
                 out.append(self.fail(seq, error))

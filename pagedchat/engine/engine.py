@@ -29,7 +29,7 @@ from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sampling import Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
-from pagedchat.engine.sequence import Completion, SeqStatus, Sequence, StreamDelta
+from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model.config import ModelConfig
@@ -300,9 +300,6 @@ class Engine:
         log.exception("engine step failed in %s", self.core.phase.value)
         with self._lock:
             out = self.core.abort_step(exc)
-            # Requests the core finished in this step before the fault dropped their final deltas.
-            out += [(h._seq, h._final_delta()) for h in self._handles.values()
-                    if h._seq.status is SeqStatus.FINISHED]
         if out or self.core.steps != self._steps_at_fault:  # it blamed a request, or steps ran since the last
             self._blameless_faults = 0
         if not out:
