@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from pagedchat.errors import PagedChatError
+from pagedchat.text import visible_controls
 
 EPILOG = """\
 commands:
@@ -120,7 +121,8 @@ def cmd_ask(args) -> int:
     handle = engine.submit(messages, params)
     try:
         for delta in handle:
-            print(delta.text, end="", flush=True)
+            # A pipe often ends in a terminal too (less -R, cat): the model's controls are shown, never run.
+            print(visible_controls(delta.text), end="", flush=True)
     except KeyboardInterrupt:
         handle.cancel()
     print()
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (PagedChatError, ValueError) as exc:
-        _Progress().done(f"pagedchat: error: {exc}")
+        _Progress().done(f"pagedchat: error: {visible_controls(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 130

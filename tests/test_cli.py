@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 from pagedchat.cli import main
+from pagedchat.text import visible_controls
+from tui_support import ScriptedEngine
 
 
 def run_cli(*args, env=None):
@@ -29,7 +31,17 @@ def test_ask_matches_generate(tiny_llama, capsys):
     main(["ask", "paged blocks?", "--system", "Be brief.", "--model", str(tiny_llama), "--max-tokens", "20",
           "--kv-cache-memory", "4MiB"])
     assert expected.token_ids, "the tiny model should say something"
-    assert capsys.readouterr().out == expected.text + "\n"
+    assert capsys.readouterr().out == visible_controls(expected.text) + "\n"
+
+
+def test_ask_shows_the_models_terminal_controls_instead_of_sending_them(monkeypatch, capsys):
+    import pagedchat
+
+    reply = "Done.\x1b]2;pwned\x07 \x1b]52;c;cHduZWQ=\x07 \x1b[31mred\x1b[0m \x9b2J"
+    monkeypatch.setattr(pagedchat, "Engine", lambda *args, **kwargs: ScriptedEngine([reply]))
+    assert main(["ask", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert out == "Done.␛]2;pwned␇ ␛]52;c;cHduZWQ=␇ ␛[31mred␛[0m ␛[2J\n"
 
 
 def test_bad_input_is_one_clear_line(tmp_path, tiny_llama, capsys):
