@@ -18,7 +18,10 @@ few that insist on parsing a string as markup (the command palette).
 
 from __future__ import annotations
 
-from textual.content import Content
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from textual.content import Content
 
 _KEEP = {"\t", "\n"}
 _DROP = {"\r"}
@@ -46,6 +49,8 @@ def visible_controls(text: str) -> str:
 
 def plain(text: str) -> Content:
     """User or model text as a Textual Content: never parsed as markup, controls made visible."""
+    from textual.content import Content  # here, not at the top: the CLI uses this module and starts without Textual
+
     return Content(visible_controls(text))
 
 

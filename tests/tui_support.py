@@ -68,7 +68,9 @@ class ScriptedEngine:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif prompt and isinstance(prompt[0], dict):
-            prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            from pagedchat.engine.chat import chat_prompt_ids
+
+            prompt = chat_prompt_ids(self.tokenizer, prompt)
         self._count += 1
         handle = ScriptedHandle(request_id or f"scripted-{self._count}", list(prompt), on_update)
         self.prompts.append(handle.prompt_token_ids)
