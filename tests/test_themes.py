@@ -49,6 +49,7 @@ def test_user_themes_add_and_broken_ones_are_skipped(tmp_path):
     ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = 3', "text-muted must be a string"),
     ('name = "x"\nprimary = "#fff"\nvariables = 3', r"\[variables\] must be a table"),
     ('name = "x"\nprimary = "#fff"\ntext_alpha = "half"', "text_alpha must be a number"),
+    ('name = "[/] x"\nprimary = "#fff"', "may only hold letters, digits"),
 ])
 def test_parse_errors_name_file_and_problem(text, message):
     with pytest.raises(ThemeFileError, match=message):

@@ -11,6 +11,7 @@ accepts makes the file a ThemeFileError naming the field, and load_themes skips 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,6 +26,7 @@ _COLOURS = ("primary", "secondary", "accent", "foreground", "background", "surfa
             "success", "warning", "error")
 _NUMBERS = ("luminosity_spread", "text_alpha")
 _KNOWN = {"name", "dark", "variables", "ansi", *_COLOURS, *_NUMBERS}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 CHAT_VARIABLES = tuple(f"chat-{i}" for i in range(1, 9))   # pagedchat's own: the chats' colours in the page map
 # Every variable a Textual theme sets; a [variables] entry outside these and CHAT_VARIABLES is a typo.
 _TEXTUAL_VARIABLES = frozenset(Theme(name="reference", primary="#000000").to_color_system().generate())
@@ -62,6 +64,9 @@ def parse_theme(text: str, path: Path) -> Theme:
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ThemeFileError(f"{path.name}: needs a name = \"...\"")
+    if not _NAME.fullmatch(name.strip()):
+        # Textual puts the name in a CSS class and in the palette's theme list, which reads it as markup.
+        raise ThemeFileError(f"{path.name}: name {name!r} may only hold letters, digits, '-', '_' and '.'")
     if "primary" not in raw:
         raise ThemeFileError(f"{path.name}: needs a primary colour")
     fields: dict = {"name": name.strip()}
