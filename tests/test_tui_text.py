@@ -20,7 +20,7 @@ from pagedchat.tui.chat import MessageView
 from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.store import Store
-from tui_support import ScriptedEngine, make_config, screen_text, wait_for
+from tui_support import ScriptedEngine, make_config, screen_text, static_text, wait_for
 
 SIZE = (120, 36)
 MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.quit]quit", "unbalanced [b",
@@ -211,3 +211,18 @@ async def test_an_unchanged_dialog_keeps_the_exact_text(tmp_path):
         await wait_for(pilot, lambda: not session.busy and session.record.messages[-1].content == "second",
                        "the resent reply")
         assert session.record.messages[0].content == "q \x1b]2;t\x07"
+
+
+async def test_a_stopped_engines_reason_is_shown_as_text(tmp_path):
+    reason = "[/] RuntimeError: shape [1, 2] \x1b]2;pwned\x07"
+    app = scripted_app(tmp_path, ["hi"])
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await chat_once(pilot, "hello")
+        app.engine.failure = reason
+        await wait_for(pilot, lambda: "engine stopped" in static_text(app, "#status"), "the status line")
+        assert static_text(app, "#status") == f"engine stopped: {visible_controls(reason)}"
+        await pilot.pause()
+        assert f"engine stopped: {visible_controls(reason)}. Restart it" in toasts(app)
+        assert raw_controls(screen_text(app)) == []
+        palette = await open_palette_entry(pilot, "restart")
+        assert f"The engine stopped ({visible_controls(reason)}); load it again" in palette

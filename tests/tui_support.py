@@ -61,6 +61,7 @@ class ScriptedEngine:
         self.replies = list(replies)
         self.chunks = chunks
         self.prompts: list[list[int]] = []  # every submitted prompt, in order
+        self.failure: str | None = None     # as Engine.failure: a test sets it to stop the engine
         self._cancelled: set[str] = set()
         self._count = 0
 

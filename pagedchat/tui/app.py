@@ -779,7 +779,8 @@ class PagedChatApp(App):
         if self.engine is None:
             return
         if self.engine.failure is not None:
-            self.query_one("#status", Label).update(Content.styled(f"engine stopped: {self.engine.failure}", "$error"))
+            self.query_one("#status", Label).update(
+                Content.styled(visible_controls(f"engine stopped: {self.engine.failure}"), "$error"))
             return
         busy = sum(1 for s in self.sessions.values() if s.busy)
         model = visible_controls(Path(str(getattr(self.engine, "model_path", "model"))).name)
@@ -837,7 +838,8 @@ class PagedChatApp(App):
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
         if self.engine is not None and self.engine.failure is not None:
-            yield SystemCommand("Restart engine", f"The engine stopped ({self.engine.failure}); load it again",
+            yield SystemCommand("Restart engine",
+                                f"The engine stopped ({escaped_markup(self.engine.failure)}); load it again",
                                 self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
