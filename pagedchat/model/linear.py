@@ -24,6 +24,21 @@ from pagedchat.model import quant
 QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
 
 
+def resident(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory a tensor keeps alive. oneDNN's packed weights are opaque (no storage to
+    ask): their bytes are their elements', which the blocked layout holds, padded at most to its block."""
+    try:
+        storage = t.untyped_storage()
+    except NotImplementedError:
+        return id(t), t.numel() * t.element_size()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the memory behind tensors, each piece once."""
+    return sum(dict(resident(t) for t in tensors).values())
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
         self.bias = bias
@@ -36,7 +51,7 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+        return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
@@ -55,7 +70,7 @@ class Concat:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+        return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.linear import Builder, Placement
+from pagedchat.model.linear import Builder, Placement, nbytes
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -144,8 +144,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Resident bytes of every weight, each storage once (a tied head and its table share theirs): what
         competes with the KV cache for memory."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._held()}
-        return sum(storages.values())
+        return nbytes(self._held())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -183,7 +183,7 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())  # plain tensors, never shared
 
     @property
     def gathers_rows(self) -> bool:
