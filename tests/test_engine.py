@@ -229,11 +229,12 @@ DEFAULT_CHATS = [
     ("bfloat16", 24, NEAR_TIE_BF16),
 ])
 def test_default_model_matches_transformers(default_model, dtype, max_tokens, near_tie):
-    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
-    from transformers import AutoModelForCausalLM
+    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together. In bf16 its
+    weights run packed (Q4_1 as int4, the Q8_0 table and head as two int4 halves)."""
+    from gguf_reference import transformers_from_gguf
 
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs):
@@ -247,13 +248,13 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
                                                                      dtype, near_tie):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
-    from transformers import AutoModelForCausalLM
+    from gguf_reference import transformers_from_gguf
 
     from pagedchat import attention
 
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
               "euros, and never promise delivery dates. Repairs take two to five working days. ") * 2
     questions = ["How much is a new chain?", "Can you fix a flat tyre today?", "Do you sell helmets?"]

@@ -84,10 +84,10 @@ class LlamaModel:
         get = (lambda name: None) if cached else weights.__getitem__  # noqa: E731
         try:
             tied = config.tie_word_embeddings
+            self.layers = [Layer(weights, f"model.layers.{i}", config, build) for i in range(config.num_layers)]
             self.lm_head = build.projection("lm_head", [get("model.embed_tokens.weight" if tied else "lm_head.weight")])
             self.norm = build.dense("norm", get("model.norm.weight"))
             self.embed = self._embedding(get("model.embed_tokens.weight"), tied, build)
-            self.layers = [Layer(weights, f"model.layers.{i}", config, build) for i in range(config.num_layers)]
         except KeyError as exc:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
@@ -105,6 +105,8 @@ class LlamaModel:
         sin[:, : config.head_dim // 2].neg_()
         self.sin = sin.to(device=device, dtype=dtype)
         self.use_triton = backend(device) == "triton"
+        self._views_of: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _embedding(self, weight, tied: bool, build: Builder):
         """The token table: the packed head itself when tied and readable by rows, a packed copy of a
@@ -154,22 +156,28 @@ class LlamaModel:
         kv_cache is [layers, 2, pages, block_size, kv_heads, head_dim]."""
         cfg = self.config
         t = input_ids.shape[0]
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        for layer, (k_cache, v_cache) in zip(self.layers, self._cache_views(kv_cache)):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
             # q and k sit side by side in qkv: one rotary call turns both.
             qk = apply_rope(qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton)
-            x = x + layer.o(attn.reshape(t, -1))
+            x.add_(layer.o(attn.reshape(t, -1)))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x.add_(layer.down(F.silu(gate, inplace=True).mul(up)))  # SiLU in place: one new tensor, not two
         x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(x).float()
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V pages, sliced once per cache rather than twice per layer in every step."""
+        if self._views_of is not kv_cache:
+            self._views = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+            self._views_of = kv_cache
+        return self._views
