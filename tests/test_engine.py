@@ -240,7 +240,8 @@ def test_default_model_matches_transformers(default_model, dtype, max_tokens, ne
     for prompt, out in zip(prompts, outs):
         expected = hf_greedy(ref, prompt, max_tokens, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
-    assert "Paris" in outs[0].text
+    if dtype == "float32":  # in bf16 the first token is a near-tie ("The" 25.33, "L'" 25.24 in float32) it may flip
+        assert "Paris" in outs[0].text
 
 
 @pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])

@@ -73,7 +73,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
 def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=QUANTIZED,
                     tokenizer: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0, blocks=None) -> Path:
     """A GGUF of the tiny HF model in folder, laid out the way llama.cpp's converter writes it: the tensors
-    named in quantized as qtype, by gguf's quantizer or, given, by blocks(name, array) -> raw blocks."""
+    named in quantized as qtype (or {"attn_v": type, "*": type}: by kind), by gguf's quantizer or, given, by
+    blocks(name, array) -> raw blocks."""
     cfg = config_of(folder)
     weights = load_file(folder / "model.safetensors")
     w = gguf.GGUFWriter(out, arch)
@@ -96,8 +97,9 @@ def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=Q
             heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             arr = llama_cpp_permute(arr, heads)
         if gname in quantized:
-            raw = blocks(gname, arr) if blocks else gguf.quants.quantize(arr, qtype)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            kind = qtype.get(gname.split(".")[-2], qtype["*"]) if isinstance(qtype, dict) else qtype
+            raw = blocks(gname, arr) if blocks else gguf.quants.quantize(arr, kind)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
     w.write_header_to_file()

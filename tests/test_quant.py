@@ -15,6 +15,7 @@ from tiny_models import hf_greedy, make_tiny_model
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.model import packed_cache, quant
+from pagedchat.model.linear import Concat, Linear
 from pagedchat.model.loader import convert_gguf
 
 T = gguf.GGMLQuantizationType
@@ -194,6 +195,26 @@ def test_quantize_a_safetensors_model(tmp_path, monkeypatch, quantize, kind):
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(q, T[kind])))
     for prompt, out in zip(PROMPTS, outs):
         assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 10), near_tie=NEAR_TIE_BF16)
+
+
+def test_mixed_types_as_in_a_q4_k_m_file(tmp_path, monkeypatch):
+    """Files mix types within a layer (Q4_K_M keeps attn_v and ffn_down in Q6_K): q and k stay one packed
+    matmul beside v dequantized to bf16, and the tokens still match transformers up to near-ties."""
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    src = make_tiny_model(tmp_path / "src", tie=False, seed=5)
+    types = {"attn_v": T.Q5_0, "ffn_down": T.Q5_0, "token_embd": T.Q8_0, "*": T.Q4_0}
+    folder = convert_gguf(write_tiny_gguf(src, tmp_path / "mixed.gguf", quantized=_linear_names(src), qtype=types),
+                          tmp_path / "out")
+    ref = transformers_from_gguf(folder)
+    engine = Engine(str(folder), kv_cache_memory="4MiB", dtype="bfloat16")
+    model = engine.model
+    assert model.weight_precision == "Q4_0 as int4 + Q5_0 as bfloat16 + Q8_0 as 2×int4"
+    assert isinstance(model.layers[0].qkv, Concat) and isinstance(model.layers[0].down, Linear)
+    assert isinstance(model.embed, quant.Int4Linear) and model.embed is not model.lm_head  # untied, packed
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.shutdown()
+    for prompt, out in zip(PROMPTS, outs):
+        assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 12), near_tie=NEAR_TIE_BF16)
 
 
 def test_unknown_quantize_is_one_line():

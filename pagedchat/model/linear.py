@@ -131,10 +131,9 @@ class Placement:
         runs = str(self.dtype).removeprefix("torch.")
         if groups is not None:
             runs = "2×int4" if groups.doubled else "int4"
-        source = groups.source if groups is not None else getattr(w, "kind", None)
-        if isinstance(w, torch.Tensor):
+        if isinstance(w, torch.Tensor):  # a safetensors weight: as stored, or packed by --quantize
             return f"{runs} (quantized at load)" if groups is not None else runs
-        return f"{source} as {runs}"
+        return f"{w.kind} as {runs}"
 
 
 class Builder:
