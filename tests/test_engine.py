@@ -222,6 +222,7 @@ DEFAULT_CHATS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,max_tokens,near_tie", [
     ("float32", 40, NEAR_TIE),
     # The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
@@ -244,6 +245,7 @@ def test_default_model_matches_transformers(default_model, dtype, max_tokens, ne
         assert "Paris" in outs[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])
 def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, shared_prefix_reads,
                                                                      dtype, near_tie):
