@@ -465,15 +465,14 @@ def load_tokenizer(folder: str | os.PathLike):
 
     A plain tokenizer.json (what every converted GGUF has) is loaded as the class AutoTokenizer would pick,
     without AutoTokenizer's registry lookups, several times faster at start; any other class goes through it."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    loader = AutoTokenizer
     try:
         declared = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-        if declared in _PLAIN_TOKENIZERS and (Path(folder) / "tokenizer.json").is_file():
-            loader = PreTrainedTokenizerFast
     except (OSError, ValueError, AttributeError):
-        pass  # no readable config: AutoTokenizer decides, and reports what is wrong
+        declared = None  # no readable config: AutoTokenizer decides, and reports what is wrong
+    if declared in _PLAIN_TOKENIZERS and (Path(folder) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
     try:
         return loader.from_pretrained(str(folder))
     except Exception as exc:
