@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pagedchat.errors import ModelError
 from pagedchat.model import quant
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.llama import LlamaModel
@@ -87,7 +88,7 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
     if cached is not None:
         try:
             return LlamaModel(config, None, device, dtype, quantize, cached)
-        except (KeyError, ValueError, RuntimeError) as exc:
+        except (ModelError, KeyError, ValueError, RuntimeError) as exc:  # written by another version, say
             log.warning("rebuilding the packed-weights cache %s: %s", path, exc)
     model = LlamaModel(config, read_weights(folder, dtype, device), device, dtype, quantize)
     if model.built.packs:
