@@ -92,7 +92,7 @@ class LlamaModel:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         self.weight_precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
-        self.built = build
+        self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qk_size = q_size + kv_size

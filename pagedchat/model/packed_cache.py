@@ -23,6 +23,7 @@ import torch
 from pagedchat.errors import ModelError
 from pagedchat.model import quant
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.linear import Builder
 from pagedchat.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,10 @@ def read(path: Path) -> PackedWeights | None:
         return None
 
 
-def write(path: Path, model: LlamaModel) -> None:
+def write(path: Path, model: LlamaModel, built: Builder) -> None:
     """Save the model's built tensors atomically (temporary file, then rename): a crash leaves no half entry."""
     from safetensors.torch import save_file
 
-    built = model.built
     tensors = {name: t.contiguous() for name, t in built.tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
@@ -87,10 +87,13 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
     cached = read(path) if device.type == "cpu" else None
     if cached is not None:
         try:
-            return LlamaModel(config, None, device, dtype, quantize, cached)
+            model = LlamaModel(config, None, device, dtype, quantize, cached)
+            model.built = None  # its record holds plain copies of weights oneDNN packed: let them go
+            return model
         except (ModelError, KeyError, ValueError, RuntimeError) as exc:  # written by another version, say
             log.warning("rebuilding the packed-weights cache %s: %s", path, exc)
     model = LlamaModel(config, read_weights(folder, dtype, device), device, dtype, quantize)
-    if model.built.packs:
-        write(path, model)
+    built, model.built = model.built, None
+    if built.packs:
+        write(path, model, built)
     return model
