@@ -29,3 +29,21 @@ def test_plain_tokenizer_loads_as_autotokenizer_would(tiny_llama):
     assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
     assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == \
         (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
+
+
+def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama):
+    """F2's summary gains a weights line (bytes and precision) once the app knows the model's; the status line
+    reads the same public attribute."""
+    from pagedchat import Engine
+    from pagedchat.tui.app import weight_precision
+    from pagedchat.tui.inspector import render_summary
+
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16", quantize="int4")
+    precision = weight_precision(engine)
+    assert precision == engine.model.weight_precision == "int4 (quantized at load)"
+    snap = engine.memory()
+    engine.shutdown()
+    text = render_summary(snap, 80, (precision, engine.model.weight_bytes())).plain
+    assert "weights" in text and precision in text
+    assert "weights" not in render_summary(snap, 80).plain
+    assert weight_precision(object()) is None  # a stand-in engine without a model shows nothing
