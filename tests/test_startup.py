@@ -31,10 +31,12 @@ def test_plain_tokenizer_loads_as_autotokenizer_would(tiny_llama):
         (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
 
 
-def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama):
+def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama, tmp_path, monkeypatch):
     """F2's summary gains a weights line (bytes and precision) once the app knows the model's; the status line
     reads the same public attribute."""
     from pagedchat import Engine
+
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))  # the packed weights are saved there
     from pagedchat.tui.app import weight_precision
     from pagedchat.tui.inspector import render_summary
 
