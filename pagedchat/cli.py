@@ -48,6 +48,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads on the CPU (default: one per core)")
+    p.add_argument("--quantize", choices=("int4", "int8"),
+                   help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
+                   "files keep their own quantization without it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +182,8 @@ def cmd_ask(args) -> int:
                             top_k=args.top_k, seed=args.seed)
     progress = _Progress()
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress)
+                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress,
+                    quantize=args.quantize)
     progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": question})
@@ -201,8 +205,8 @@ def cmd_app(args) -> int:
 
     config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
                          swap_space=args.swap_space, device=args.device, dtype=args.dtype, threads=args.threads,
-                         system_prompt=args.system, theme=args.theme, max_tokens=args.max_tokens,
-                         temperature=args.temperature)
+                         quantize=args.quantize, system_prompt=args.system, theme=args.theme,
+                         max_tokens=args.max_tokens, temperature=args.temperature)
     run_app(config)
     return 0
 

@@ -85,6 +85,7 @@ class AppConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None               # torch threads on the CPU; None: one per core
+    quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     theme: str | None = None                 # None: the theme last picked in the app, else DEFAULT_THEME
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -118,7 +119,8 @@ class AppConfig:
 
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
-        "device": (str,), "dtype": (str,), "threads": (int,), "system_prompt": (str,), "theme": (str,)}
+        "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "system_prompt": (str,),
+        "theme": (str,)}
 _SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
 
 

@@ -30,8 +30,9 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sampling import Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
-from pagedchat.engine.sizing import parse_bytes, parse_dtype, plan_cache
+from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
+from pagedchat.model import packed_cache
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.llama import LlamaModel
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
@@ -71,7 +72,7 @@ class Engine:
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
-                 autostart: bool = True, fault_hook: FaultHook | None = None):
+                 autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -79,6 +80,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids(folder, self.config.eos_token_ids, self.tokenizer))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, self.device)
+        self.quantize = parse_quantize(quantize)
         if progress:
             progress("loading weights", None)
         self._compute = ComputeThread("pagedchat-engine", threads)
@@ -113,7 +115,7 @@ class Engine:
         self._steps_at_fault = 0
 
     def _load_model(self, folder) -> LlamaModel:
-        return LlamaModel(self.config, load_weights(folder, self.dtype, self.device), self.device, self.dtype)
+        return packed_cache.load_model(folder, self.config, self.device, self.dtype, self.quantize, load_weights)
 
     @property
     def steps(self) -> int:

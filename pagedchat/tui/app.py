@@ -49,9 +49,14 @@ def default_engine_factory(config: AppConfig) -> EngineFactory:
         # loop, whose timer then fired late by 8-12 ms at p95 and 26 ms at worst (6 and 16 with the core left).
         return Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
                       device=config.device, dtype=config.dtype, swap_space=config.swap_space,
-                      threads=config.threads, progress=progress)
+                      threads=config.threads, progress=progress, quantize=config.quantize)
 
     return make
+
+
+def weight_precision(engine) -> str | None:
+    """How the engine's weights run ("Q4_1 as int4 + Q8_0 as 2×int4"), where it says."""
+    return getattr(getattr(engine, "model", None), "weight_precision", None)
 
 
 class PagedChatApp(App):
@@ -762,6 +767,9 @@ class PagedChatApp(App):
             return
         self.engine = event.engine
         bar.display = False
+        model = getattr(self.engine, "model", None)
+        if weight_precision(self.engine):
+            self.query_one(InspectorView).weights = (weight_precision(self.engine), model.weight_bytes())
         self._update_status()
         self._tick(force=True)
 
@@ -789,6 +797,9 @@ class PagedChatApp(App):
         device = getattr(self.engine, "device", "")
         dtype = getattr(self.engine, "dtype", None)
         precision = f" · {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        weights = weight_precision(self.engine)
+        if weights and weights != str(dtype).removeprefix("torch."):
+            precision += f" · weights {weights}"
         activity = f" · {busy} generating" if busy else ""
         self.query_one("#status", Label).update(
             Content.assemble((model, "bold"), (f" on {device}{precision}{pages}{activity}", "$text-muted")))

@@ -77,7 +77,7 @@ def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[in
     return live, idle
 
 
-def render_summary(snap, width: int = 80) -> Content:
+def render_summary(snap, width: int = 80, weights: tuple[str, int] | None = None) -> Content:
     used = snap.used_blocks
     pct = used / snap.total_blocks if snap.total_blocks else 0.0
     bar_w = max(8, min(24, width - 10))
@@ -96,6 +96,8 @@ def render_summary(snap, width: int = 80) -> Content:
     if snap.cpu_total:
         lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
                          f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached", width))
+    if weights is not None:  # how the weights run, and what they take beside the pool
+        lines.append(_kv("weights", fmt_bytes(weights[1]), weights[0], width))
     return Content("\n").join(lines)
 
 
@@ -274,6 +276,7 @@ class InspectorView(VerticalScroll):
         super().__init__(**kwargs)
         self._last_key = None
         self.last_snapshot = None
+        self.weights: tuple[str, int] | None = None  # (precision, bytes), once the model is loaded
 
     def compose(self) -> ComposeResult:
         yield Static(Content.styled("loading the model…", MUTED), id="insp-summary")
@@ -293,7 +296,7 @@ class InspectorView(VerticalScroll):
             return
         self._last_key = key
         self.last_snapshot = snap
-        self.query_one("#insp-summary", Static).update(render_summary(snap, width))
+        self.query_one("#insp-summary", Static).update(render_summary(snap, width, self.weights))
         self.query_one("#insp-map", Static).update(render_map(snap, chats, width))
         self.query_one("#insp-sharing", Static).update(render_sharing(snap, width))
         self.query_one("#insp-chats", Static).update(render_chats(snap, chats, width))
