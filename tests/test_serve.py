@@ -336,3 +336,25 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path, capsy
 
     assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(_free_port())]) == 1
     assert "no such model" in capsys.readouterr().err
+
+
+def test_the_end_of_the_context_is_length_with_vllms_stop_reason(tmp_path):
+    """In-process over the real app (Starlette's TestClient runs its lifespan), on a model with a 128-token
+    context (CHAT takes 73): OpenAI clients see "length", and vLLM's stop_reason says it was the context."""
+    from starlette.testclient import TestClient
+
+    from pagedchat import Engine
+    from pagedchat.serve.app import create_app
+
+    folder = make_tiny_model(tmp_path / "short", max_positions=128)
+    app = create_app(lambda: Engine(folder, kv_cache_memory=CACHE, dtype="float32"), "short")
+    with TestClient(app) as http:
+        while http.get("/health").status_code != 200:
+            time.sleep(0.05)
+        chat = http.post("/v1/chat/completions", json={"messages": CHAT, "temperature": 0,
+                                                        "ignore_eos": True}).json()
+        assert chat["usage"]["total_tokens"] == 128
+        assert (chat["choices"][0]["finish_reason"], chat["choices"][0]["stop_reason"]) == ("length", "context_full")
+        capped = http.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 8, "temperature": 0,
+                                                     "ignore_eos": True}).json()["choices"][0]
+        assert (capped["finish_reason"], capped["stop_reason"]) == ("length", None)

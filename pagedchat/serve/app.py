@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedchat.engine.engine import Engine
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sequence import Completion
 from pagedchat.errors import RequestError
 from pagedchat.serve.metrics import ServeMetrics
@@ -145,14 +145,17 @@ class Server:
         return await self._respond(request, engine, reply, ids, req, "prompt", lambda done: None)
 
     def _params(self, engine: Engine, ids: list[int], req, prompt_field: str) -> SamplingParams:
-        """The request's sampling; max_tokens defaults to what the context and the cache leave."""
+        """The request's sampling; max_tokens defaults to all that the context and the cache leave."""
         context = engine.config.max_position_embeddings
         if len(ids) >= context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {context}",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
-            max_tokens = min(context, engine.cache_plan.num_pages * engine.block_size) - len(ids)
+            cache_tokens = engine.cache_plan.num_pages * engine.block_size
+            # Where the context is the limit, the engine stops there and says so (context_full); where the
+            # cache is the smaller one, the reply may take all of it.
+            max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
             if max_tokens < 1:
                 raise ApiError(400, f"the prompt's {len(ids)} tokens fill the KV cache", param=prompt_field)
         try:

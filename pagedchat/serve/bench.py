@@ -22,7 +22,7 @@ import httpx
 import uvicorn
 
 from pagedchat.engine.engine import Engine
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 from pagedchat.serve.app import create_app
 
 CLIENTS = 8

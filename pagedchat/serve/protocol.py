@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 
 
 class ApiError(Exception):

@@ -9,7 +9,7 @@ import anyio
 from starlette.requests import Request
 
 from pagedchat.engine.engine import Engine
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sequence import Completion, StreamDelta
 
 T = TypeVar("T")
