@@ -23,12 +23,17 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes this projection keeps resident, in whatever layout it holds them."""
         held = [t for t in (self.weight, self._packed, self.bias) if t is not None]
-        return sum(t.untyped_storage().nbytes() for t in held)
+        return sum(_resident_bytes(t) for t in held)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    # oneDNN's packed tensor is opaque (no storage to ask): count its elements, which its blocked layout holds.
+    return t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
 
 
 def packing_is_exact(weight: torch.Tensor) -> bool:
