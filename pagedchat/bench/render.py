@@ -155,7 +155,8 @@ def _first_token(report: Report) -> Section:
             ["pagedchat, warm (cached)", ms(w.warm_s), f"{w.warm_cached_tokens:,}", f"{w.warm_over_cold:.2f}x cold"]]
     ours = report.cold_first_token[0].median_s
     for t in report.cold_first_token[1:]:
-        rows.append([f"{t.label}, cold", ms(t.median_s), "0", f"pagedchat's cold is {times(ratio(t.median_s, ours))} faster"])
+        rows.append([f"{t.label}, cold", ms(t.median_s), "0",
+                     f"pagedchat's cold is {times(ratio(t.median_s, ours))} as fast"])
     return Section(f"   First token of a new chat alone ({w.prompt_tokens} prompt tokens, median of {w.repeats})",
                    ["runner, system prompt", "TTFT ms", "prompt tokens from cache", ""], rows)
 
