@@ -264,7 +264,8 @@ def test_rounds_alternate_over_every_peer_and_show_the_median(tiny_llama, report
     assert [(t.runner, t.median_s) for t in rep.cold_first_token] == [
         ("pagedchat", rep.ttft_cold_warm.cold_s), ("llama.cpp", 0.5)]
     assert rep.startup == ()
-    assert "3 rounds per level of pagedchat, transformers, padded batch, llama.cpp, shared prompt" in header_lines(rep)[1]
+    assert ("3 rounds per level of pagedchat, transformers, padded batch, llama.cpp, shared prompt"
+            in header_lines(rep)[1])
     buf = io.StringIO()
     from rich.console import Console
 

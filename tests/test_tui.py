@@ -272,8 +272,8 @@ async def test_regenerate_and_edit(config):
         app.screen.query_one("#text").text = "second question"
         await pilot.press("ctrl+s")
         # The edit cuts the chat to nothing, then adds the new message: wait past that moment.
-        await wait_for(pilot, lambda: session.record.messages and session.record.messages[0].content == "second question",
-                       "the edit")
+        await wait_for(pilot, lambda: (session.record.messages
+                                       and session.record.messages[0].content == "second question"), "the edit")
         await replied(pilot, session)
         assert len(session.record.messages) == 2
         assert len(app.chat_view(session).views) == 2

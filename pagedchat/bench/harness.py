@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
@@ -27,7 +27,7 @@ from pagedchat.bench.workload import Workload, build_workload
 DEFAULT_POOL_CONTEXTS = 16
 
 
-def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, object] = LOADERS) -> Report:
+def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..., Peer]] = LOADERS) -> Report:
     import torch
 
     progress = progress or NoProgress()

@@ -81,7 +81,8 @@ def peer(engine, work) -> Peer:
     model = on_own_thread(load_model, engine.model_path, engine.dtype, engine.device)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids or {0})
-    on_own_thread(generate, model, [work.cold_prefix(1)[:32]], 2, pad_id, NoProgress())  # first-call costs off the clock
+    # First-call costs off the clock.
+    on_own_thread(generate, model, [work.cold_prefix(1)[:32]], 2, pad_id, NoProgress())
 
     def runner(fn):
         return lambda prompts, max_tokens, progress: on_own_thread(fn, model, prompts, max_tokens, pad_id, progress)

@@ -122,7 +122,8 @@ class LlamaCpp:
         ctx = lib.llama_init_from_model(self.model, params)
         if not ctx:
             raise BenchError(f"llama.cpp could not create a context of {n_ctx} tokens for {n_seqs} sequences")
-        batch = Batch(lib, max(params.n_batch, n_seqs), n_seqs)
+        # llama_decode takes at most n_batch tokens, which llama.cpp may have lowered to fit n_ctx.
+        batch = Batch(lib, lib.llama_n_batch(ctx), n_seqs)
         try:
             yield ctx, batch
         finally:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from pagedchat.bench.progress import Progress
 from pagedchat.bench.stats import RunStats
 
 # prompts, tokens per chat, progress -> the level's figures
-RunLevel = Callable[[list[list[int]], int, object], RunStats]
+RunLevel = Callable[[list[list[int]], int, Progress], RunStats]
 
 
 @dataclass(frozen=True)
