@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedchat.argtypes import positive_int
 from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
 
@@ -27,17 +28,6 @@ models (--model): a Hugging Face model folder, a .gguf file, or a hub id (needs 
   default: SmolLM2-135M-Instruct, pulled on first use into the user cache dir.
 settings: config.toml in the user config dir (see README); flags override it.
 """
-
-
-def positive_int(value: str) -> int:
-    """argparse type for counts (threads, tokens, rounds): a whole number of at least 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
-    return n
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:

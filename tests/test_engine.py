@@ -333,6 +333,8 @@ def test_packed_weights_give_f_linear_bits():
     for b in (None, bias):
         packed = Linear(weight, b, packed=True)
         assert packed.weight is None  # the plain copy is dropped, so packing costs no memory
+        # The packed tensor is opaque (no storage): its bytes are its bf16 elements, plus the bias.
+        assert packed.nbytes == weight.numel() * 2 + (0 if b is None else b.numel() * 2)
         for rows in (1, 2, 8, 16, 45, 300):
             x = torch.randn(rows, 64, generator=gen).bfloat16()
             assert torch.equal(packed(x), F.linear(x, weight, b))

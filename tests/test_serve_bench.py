@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedchat import Engine
-from pagedchat.bench import build_workload
+from pagedchat.bench.workload import build_workload
 from pagedchat.cli import main
 from pagedchat.serve.bench import CLIENTS, run_serve_bench
 from tiny_models import make_tiny_model

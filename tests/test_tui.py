@@ -19,7 +19,7 @@ from textual._wait import wait_for_idle
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat import PromptInput
-from pagedchat.tui.inspector import InspectorView
+from pagedchat.tui.inspector import InspectorView, fmt_bytes
 from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
 from pagedchat.tui.store import DB_NAME, Store
@@ -189,6 +189,11 @@ async def test_inspector_numbers_match_the_engine(config):
         await wait_for(pilot, lambda: inspector.last_snapshot == snap
                        and f"{len(pages)} pages" in static_text(app, "#insp-table"), "the inspector to catch up")
         assert _inspector_numbers(app) == (snap.free_blocks, snap.total_blocks, snap.cached_blocks)
+        # The weights beside the pool they share the memory with.
+        assert snap.weight_bytes == app.engine.model.weight_bytes() > 0
+        assert re.search(rf"weights\s+{re.escape(fmt_bytes(snap.weight_bytes))}\s+pool "
+                         rf"{re.escape(fmt_bytes(snap.total_blocks * snap.page_bytes))}",
+                         static_text(app, "#insp-summary"))
         # The chat's full pages are now cached (free to reuse, drawn in the chat's colour in the map); a
         # partly filled last page holds nothing reusable and goes back to the free pool.
         full = session.page_tokens // snap.block_size
@@ -266,7 +271,9 @@ async def test_regenerate_and_edit(config):
         await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen), "the edit dialog")
         app.screen.query_one("#text").text = "second question"
         await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: session.record.messages[0].content == "second question", "the edit")
+        # The edit cuts the chat to nothing, then adds the new message: wait past that moment.
+        await wait_for(pilot, lambda: (session.record.messages
+                                       and session.record.messages[0].content == "second question"), "the edit")
         await replied(pilot, session)
         assert len(session.record.messages) == 2
         assert len(app.chat_view(session).views) == 2

@@ -94,6 +94,7 @@ class Engine:
         except BaseException:
             self._compute.close()
             raise
+        self.weight_bytes = self.model.weight_bytes()  # fixed once loaded; F2 and the bench show it beside the pool
         # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
         # daemon, and a live loop would make close() wait there.
         weakref.finalize(self, self._compute.close, 0).atexit = False
@@ -190,7 +191,7 @@ class Engine:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
             return snapshot(self.blocks, self.scheduler, self.config.max_position_embeddings,
-                            self.cache_plan.page_bytes)
+                            self.cache_plan.page_bytes, self.weight_bytes)
 
     def has_work(self) -> bool:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""

