@@ -42,7 +42,7 @@ log = logging.getLogger("pagedchat.engine")
 Prompt = Union[str, list[int], list[dict]]
 __all__ = ["Engine", "Completion", "RequestHandle", "StreamDelta"]
 
-# Faults in a row that failed no request: the engine is stuck on something no request explains.
+# Steps in a row that failed and failed no request: the engine is stuck on something no request explains.
 MAX_BLAMELESS_FAULTS = 3
 
 
@@ -112,8 +112,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # every request submitted and not yet ended
         self._stopped = False
         self._looping = False
-        self._blameless_faults = 0              # faults in a row, with no progress between, that failed no request
-        self._steps_at_fault = 0
+        self._blameless_faults = 0              # failed steps in a row that failed no request
 
     def _load_model(self, folder) -> LlamaModel:
         return packed_cache.load_model(folder, self.config, self.device, self.dtype, self.quantize, load_weights)
@@ -277,6 +276,7 @@ class Engine:
             tokens = self._sample(plan, self._run(plan))
             with self._lock:
                 out += self.core.postprocess(plan, tokens, time.perf_counter())
+            self._blameless_faults = 0
         except Exception as exc:  # a batch phase failed: the core fails the requests it concerns
             out += self._recover(exc)
         return self._deliver(out)
@@ -303,11 +303,7 @@ class Engine:
         log.exception("engine step failed in %s", self.core.phase.value)
         with self._lock:
             out = self.core.abort_step(exc)
-        if out or self.core.steps != self._steps_at_fault:  # it blamed a request, or steps ran since the last
-            self._blameless_faults = 0
-        if not out:
-            self._blameless_faults += 1
-        self._steps_at_fault = self.core.steps
+        self._blameless_faults = 0 if out else self._blameless_faults + 1
         if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
             self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
                                    f"({type(exc).__name__}: {exc})")
