@@ -266,7 +266,8 @@ async def test_regenerate_and_edit(config):
         view = app.chat_view(session).view_at(0)
         view.focus()
         await pilot.press("e")
-        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen), "the edit dialog")
+        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen) and app.screen.query("#text"),
+                       "the edit dialog")
         app.screen.query_one("#text").text = "second question"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: session.record.messages[0].content == "second question", "the edit")

@@ -343,11 +343,6 @@ class PagedChatApp(App):
         if await self._start_reply(session, ask=event.text):
             event.prompt.clear()  # only now: a refused message stays in the input
 
-    async def _append(self, session: ChatSession, message: ChatMessage) -> MessageView | None:
-        session.record.messages.append(message)
-        view = self.chat_view(session)
-        return await view.add_message(message, len(session.record.messages) - 1) if view else None
-
     async def _start_reply(self, session: ChatSession, keep: int | None = None, ask: str | None = None) -> bool:
         """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
         by the user's new message `ask` if given. Messages from `keep` on (a reply being regenerated, a message
@@ -368,17 +363,24 @@ class PagedChatApp(App):
         except Exception as exc:  # a template or settings problem, RequestError: say so, keep the chat as is
             self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
             return False
-        await self._cut(session, keep)
+        # The record changes in one go (no await between the cut and the new messages), then the screen.
+        dropped = session.truncate(keep)
+        if dropped:
+            self.saver.removed(record, dropped)
         if ask is not None:
             if not record.messages and record.title == "New chat":
                 record.title = title_from(ask)
-            await self._append(session, ChatMessage("user", ask))
-        view = await self._append(session, ChatMessage("assistant", ""))
+            record.messages.append(ChatMessage("user", ask))
+        record.messages.append(ChatMessage("assistant", ""))
         index = len(record.messages) - 1
-        if view is not None:
-            await view.start_stream()
         self._track(session, handle, index)
         self._save(session, *range(keep, index + 1), row=True)
+        chat = self.chat_view(session)
+        if chat is not None:
+            await chat.truncate(keep)
+            for i in range(keep, index + 1):
+                view = await chat.add_message(record.messages[i], i)
+            await view.start_stream()
         return True
 
     def _track(self, session: ChatSession, handle, index: int, prefix: str = "") -> None:

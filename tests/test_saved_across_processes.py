@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from app_process import AppProcess, saved, wait_until
+from pty_app import AppProcess, saved, wait_until
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord
 from pagedchat.tui.store import Store
