@@ -67,7 +67,10 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
+    said = len(app._notifications)
     await pilot.press("enter")
+    # Handled: the input is cleared once the reply has started, or a notice says why it did not.
+    await wait_for(pilot, lambda: not prompt.text or len(app._notifications) > said, "the message to be handled")
     return session
 
 
@@ -268,7 +271,8 @@ async def test_regenerate_and_edit(config):
         view = app.chat_view(session).view_at(0)
         view.focus()
         await pilot.press("e")
-        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen), "the edit dialog")
+        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen) and app.screen.query("#text"),
+                       "the edit dialog")
         app.screen.query_one("#text").text = "second question"
         await pilot.press("ctrl+s")
         # The edit cuts the chat to nothing, then adds the new message: wait past that moment.
@@ -333,12 +337,12 @@ async def test_chats_are_restored_after_restart(config):
         custom = ChatSettings(max_tokens=LONG, temperature=0.0, top_p=0.8, top_k=5, seed=42)
         first.record.settings = custom
         first.record.system_prompt = "Custom system prompt."
-        app._save(first)
+        app._save(first, row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 2, "a second tab")
         second = app.active_session
         second.record.title = "Second"
-        app._save(second)
+        app._save(second, row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 3, "a third tab")
         await pilot.press("ctrl+w")  # closed chats are kept, but do not come back as tabs
@@ -370,13 +374,13 @@ async def test_chats_are_restored_after_restart(config):
         assert any(t.startswith("Reopen chat: New chat") for t in commands)
 
 
-async def test_corrupt_database_is_moved_aside_and_reported(config):
+async def test_corrupt_database_is_kept_aside_and_reported(config):
     config.data_dir.mkdir(parents=True)
     (config.data_dir / DB_NAME).write_bytes(b"\x00garbage" * 500)
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
-        await wait_for(pilot, lambda: any("moved to" in n for n in notes(app)), "the corrupt-database notice")
+        await wait_for(pilot, lambda: any("kept untouched" in n for n in notes(app)), "the corrupt-database notice")
         assert len(app.sessions) == 1 and list(config.data_dir.glob(f"{DB_NAME}.corrupt-*"))
         await ready(pilot)
         session = await send(pilot, "works", max_tokens=4)
