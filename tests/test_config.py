@@ -63,11 +63,11 @@ def test_with_overrides_rejects_unknown_fields():
 def test_the_app_hands_its_thread_setting_to_the_engine(tmp_path, monkeypatch):
     """threads (config.toml or --threads) reaches the engine; unset, the engine keeps torch's one per core."""
     import pagedchat.engine.engine as engine_module
-    from pagedchat.tui.app import default_engine_factory
+    from pagedchat.tui.app import default_backend_factory
 
     made = []
     monkeypatch.setattr(engine_module, "Engine", lambda *args, **kwargs: made.append(kwargs))
     for threads in (None, 1):
         config = load_config(config_dir=tmp_path, threads=threads)
-        default_engine_factory(config)(lambda *a: None)
+        default_backend_factory(config)(lambda *a: None)
     assert [kwargs["threads"] for kwargs in made] == [None, 1]

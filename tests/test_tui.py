@@ -51,8 +51,8 @@ def config(tmp_path, tui_model):
 
 async def ready(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.engine is not None or app.engine_error, "the model to load")
-    assert app.engine is not None, app.engine_error
+    await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the model to load")
+    assert app.backend is not None, app.backend_error
     return app
 
 
@@ -135,7 +135,7 @@ async def test_escape_stops_the_reply(config):
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "cancelled" and reply.stats.generated_tokens < LONG
         assert "stopped" in static_text(app, ".message.-assistant .stats")
-        assert not app.engine.memory().seqs  # its pages went back to the pool
+        assert not app.backend.memory().seqs  # its pages went back to the pool
 
 
 async def test_two_tabs_generate_at_once(config):
@@ -146,14 +146,14 @@ async def test_two_tabs_generate_at_once(config):
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=VERY_LONG)
-        await wait_for(pilot, lambda: len(app.engine.memory().seqs) == 2, "both requests in the engine")
+        await wait_for(pilot, lambda: len(app.backend.memory().seqs) == 2, "both requests in the engine")
         await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
         await pilot.press("escape")  # stops the chat in view only
         await wait_for(pilot, lambda: not second.busy, "the second chat to stop")
         assert first.busy
-        app.engine.cancel(first.request_id)  # the first one ends while not in view ...
+        first.handle.cancel()  # the first one ends while not in view ...
         await wait_for(pilot, lambda: not first.busy, "the first chat to end")
         assert first.unseen and "●" in label(first)  # ... and stays marked until looked at
         await pilot.press("ctrl+pageup")
@@ -182,7 +182,7 @@ async def test_inspector_numbers_match_the_engine(config):
         await wait_for(pilot, lambda: inspector.last_snapshot is not None and inspector.last_snapshot.seqs,
                        "a live request in the inspector")
         await replied(pilot, session)
-        snap = app.engine.memory()  # idle now: the figures no longer move
+        snap = app.backend.memory()  # idle now: the figures no longer move
         pages = session.pages
         await wait_for(pilot, lambda: inspector.last_snapshot == snap
                        and f"{len(pages)} pages" in static_text(app, "#insp-table"), "the inspector to catch up")
@@ -216,7 +216,7 @@ async def test_branch_shares_pages(config):
         seen = set()
 
         def sharing() -> bool:
-            if any(len(owners) == 2 for owners in app.engine.memory().shared_pages.values()):
+            if any(len(owners) == 2 for owners in app.backend.memory().shared_pages.values()):
                 seen.add("engine")
             if "◆" in static_text(app, "#insp-map"):
                 seen.add("map")
@@ -392,7 +392,7 @@ async def test_broken_theme_is_reported_and_skipped(config):
 async def test_bad_model_is_reported_in_the_app(tmp_path):
     app = PagedChatApp(make_config(tmp_path, tmp_path / "no-such-model"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine_error, "the load error")
+        await wait_for(pilot, lambda: app.backend_error, "the load error")
         assert "could not be loaded" in static_text(app, "#status")
         app.chat_view(app.active_session).prompt.text = "hello"
         await pilot.press("enter")
@@ -433,13 +433,13 @@ async def test_model_pull_progress_shows_in_the_app(tmp_path):
         release.wait(10)
         raise RuntimeError("no network in this test")
 
-    app = PagedChatApp(make_config(tmp_path), engine_factory=slow_factory)
+    app = PagedChatApp(make_config(tmp_path), backend_factory=slow_factory)
     async with app.run_test(size=SIZE) as pilot:
         bar = app.query_one("#load-progress", ProgressBar)
         await wait_for(pilot, lambda: bar.percentage == 0.5, "the progress fraction")
         assert "converting SmolLM2" in static_text(app, "#status") and bar.display
         release.set()
-        await wait_for(pilot, lambda: app.engine_error, "the failure")
+        await wait_for(pilot, lambda: app.backend_error, "the failure")
         assert "no network in this test" in static_text(app, "#status") and not bar.display
 
 

@@ -1,11 +1,15 @@
-"""Helpers for the app tests: configs on temporary dirs, waiting on conditions, reading the screen."""
+"""Helpers for the app tests: configs on temporary dirs, a stand-in backend, waiting on conditions, reading
+the screen."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
+from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.config import AppConfig, load_config
+from pagedchat.errors import PagedChatError
 
 WAIT_S = 30.0
 
@@ -38,3 +42,25 @@ def static_text(app, selector: str) -> str:
     """The plain text a Static (or Label) shows."""
     content = app.query_one(selector).content
     return getattr(content, "plain", str(content))
+
+
+class StandInBackend:
+    """The backend face with no model behind it: a fixed picture of memory, and no replies (submit refuses).
+    For screens that must not move, such as the snapshot tests."""
+
+    def __init__(self, memory: Callable[[], MemoryView], info: BackendInfo) -> None:
+        self._memory = memory
+        self.info = info
+
+    def submit(self, messages, params, *, previous=None, on_update=None):
+        raise PagedChatError("the stand-in backend writes no replies")
+
+    def fork(self, parent, params, *, on_update=None):
+        raise PagedChatError("the stand-in backend writes no replies")
+
+    def memory(self) -> MemoryView:
+        return self._memory()
+
+    def shutdown(self) -> None:
+        pass
+
