@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from dataclasses import replace
+from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate, Outcome, Update
@@ -31,6 +32,7 @@ API_KEY_ENV = "PAGEDCHAT_API_KEY"
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
 READ_S = 600.0         # between two chunks: a queued request may wait long for its first token
 REFRESH_S = 0.25       # the inspector's memory picture is at most this old (plus one round trip)
+LOADING_S = 600.0      # how long to wait for a server that answers 503 while it loads its model
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
 
@@ -178,8 +180,10 @@ class RemoteReply:
 class RemoteBackend:
     """An OpenAI-compatible server. Construct it off the UI thread: it connects and asks for the model."""
 
-    def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
+                 progress: Callable[[str, float | None], None] | None = None) -> None:
         self.base = api_base(url)
+        self._progress = progress or (lambda stage, fraction: None)
         self.root = server_root(self.base)
         self._api_key = api_key
         self._ids = itertools.count()
@@ -192,7 +196,7 @@ class RemoteBackend:
         self._refreshed = 0.0
         try:
             self._call(self._open())
-            self.model, context = self._call(self._model(model))
+            self.model, context = self._call(self._model(model), timeout=LOADING_S + CONNECT_S * 3)
             self._memory_url, self._view = self._call(self._probe_memory())
         except BaseException:
             self.shutdown()
@@ -266,7 +270,12 @@ class RemoteBackend:
         return response
 
     async def _model(self, wanted: str | None) -> tuple[str, int | None]:
+        deadline = time.monotonic() + LOADING_S
         response = await self._get(self.base + "/models")
+        while response.status_code == 503 and time.monotonic() < deadline:  # vLLM and pagedchat serve, loading
+            self._progress(f"{self.base} is loading its model", None)
+            await asyncio.sleep(0.5)
+            response = await self._get(self.base + "/models")
         try:
             response.raise_for_status()
             models = response.json()["data"]

@@ -48,7 +48,7 @@ def default_backend_factory(config: AppConfig) -> BackendFactory:
         from pagedchat.backends.remote import RemoteBackend
 
         progress(f"connecting to {config.server}", None)
-        return RemoteBackend(config.server, config.api_key, config.model)
+        return RemoteBackend(config.server, config.api_key, config.model, progress)
 
     def load(progress) -> Backend:
         from pagedchat.backends.local import LocalBackend
