@@ -22,7 +22,7 @@ from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
 from pagedchat.tui.store import DB_NAME, Store
 from tiny_models import make_tiny_model
-from tui_support import make_config, screen_text, static_text, wait_for
+from tui_support import make_config, screen_text, send, static_text, wait_for
 
 SIZE = (100, 32)
 LONG = 400  # tokens: about a second of generation on a CPU core
@@ -54,19 +54,6 @@ async def ready(pilot) -> PagedChatApp:
     await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the model to load")
     assert app.backend is not None, app.backend_error
     return app
-
-
-async def send(pilot, text: str, max_tokens: int | None = None):
-    """Type into the active chat's input and press Enter; returns the chat's session."""
-    app = pilot.app
-    session = app.active_session
-    if max_tokens is not None:
-        session.record.settings = ChatSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
-    prompt = app.chat_view(session).prompt
-    prompt.focus()
-    prompt.text = text
-    await pilot.press("enter")
-    return session
 
 
 async def replied(pilot, session) -> None:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.config import AppConfig, load_config
+from pagedchat.tui.records import ChatSettings
 from pagedchat.errors import PagedChatError
 
 WAIT_S = 30.0
@@ -30,6 +31,19 @@ async def wait_for(pilot, condition, what: str = "condition", timeout: float = W
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         await pilot.pause(0.01)
+
+
+async def send(pilot, text: str, max_tokens: int | None = None):
+    """Type into the active chat's input and press Enter; returns the chat's session."""
+    app = pilot.app
+    session = app.active_session
+    if max_tokens is not None:
+        session.record.settings = ChatSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+    prompt = app.chat_view(session).prompt
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    return session
 
 
 def screen_text(app) -> str:

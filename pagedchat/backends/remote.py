@@ -24,14 +24,15 @@ from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate, Outcome, Update
-from pagedchat.backends.metrics import parse_metrics
+from pagedchat.backends.metrics import ServerMetrics, parse_metrics
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.errors import PagedChatError
 
 API_KEY_ENV = "PAGEDCHAT_API_KEY"
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
 READ_S = 600.0         # between two chunks: a queued request may wait long for its first token
-REFRESH_S = 0.25       # the inspector's memory picture is at most this old (plus one round trip)
+REFRESH_S = 0.25       # the inspector's page map is at most this old (plus one round trip)
+METRICS_REFRESH_S = 1.0  # /metrics: server-wide totals, a larger page that every client would poll
 LOADING_S = 600.0      # how long to wait for a server that answers 503 while it loads its model
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
@@ -221,7 +222,8 @@ class RemoteBackend:
 
     def memory(self) -> MemoryView:
         now = time.monotonic()
-        if not self._refreshing and now - self._refreshed >= REFRESH_S and self._loop.is_running():
+        every = METRICS_REFRESH_S if isinstance(self._view, ServerMetrics) else REFRESH_S
+        if not self._refreshing and now - self._refreshed >= every and self._loop.is_running():
             self._refreshing = True
             asyncio.run_coroutine_threadsafe(self._refresh(), self._loop)
         return self._view

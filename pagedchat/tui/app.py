@@ -324,20 +324,16 @@ class PagedChatApp(App):
         except ValueError as exc:  # settings out of range: say so, keep the chat as it is
             self.notify(f"Cannot use these settings: {exc}", severity="error")
             return
-        previous = session.previous(len(record.messages))
-        view = await self._append(session, ChatMessage("assistant", ""))
-        index = len(record.messages) - 1
+        index = len(record.messages)  # the reply's: it is appended once the backend has taken the request
         try:
-            handle = backend.submit(record.conversation(index), params, previous=previous,
+            handle = backend.submit(record.conversation(), params, previous=session.previous(index),
                                     on_update=self.inbox.callback(session.id))
         except Exception as exc:  # the prompt cannot be built, or is too long for the context or the cache
-            session.truncate(index)
-            chat = self.chat_view(session)
-            if chat is not None:
-                await chat.truncate(index)
             self.notify(str(exc), severity="error", timeout=10)
             self._save(session)
             return
+        # Updates wait in the inbox until this handler returns, so none is lost while the view mounts.
+        view = await self._append(session, ChatMessage("assistant", ""))
         if view is not None:
             await view.start_stream()
         self._track(session, handle, index)
