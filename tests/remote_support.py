@@ -39,7 +39,8 @@ class ServerProcess:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagedchat serve exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+                tail = self.log.read_text()[-2000:]
+                raise RuntimeError(f"pagedchat serve exited with {self.proc.returncode}: {tail}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1.0).status_code == 200:
                     return

@@ -92,7 +92,8 @@ def parse_metrics(text: str) -> ServerMetrics | None:
             block_size=int(block) if block and block.isdigit() else None,
             running=_int(_total(samples, p + "num_requests_running")),
             waiting=_int(_total(samples, p + "num_requests_waiting")),
-            prefix_queries=_total(samples, p + "prefix_cache_queries_total", p + "gpu_prefix_cache_queries_total") or 0.0,
+            prefix_queries=_total(samples, p + "prefix_cache_queries_total",
+                                  p + "gpu_prefix_cache_queries_total") or 0.0,
             prefix_hits=_total(samples, p + "prefix_cache_hits_total", p + "gpu_prefix_cache_hits_total") or 0.0,
             preemptions=_int(_total(samples, p + "num_preemptions_total")),
         )

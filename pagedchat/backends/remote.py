@@ -35,6 +35,7 @@ REFRESH_S = 0.25       # the inspector's page map is at most this old (plus one 
 METRICS_REFRESH_S = 1.0  # /metrics: server-wide totals, a larger page that every client would poll
 LOADING_S = 600.0      # how long to wait for a server that answers 503 while it loads its model
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+FINISH_REASONS = {"abort": "cancelled"}   # vLLM's (and pagedchat serve's) word for a request it cancelled
 
 
 class ServerUnavailable(PagedChatError):
@@ -137,7 +138,7 @@ class RemoteReply:
         for choice in chunk.choices:
             text = (choice.delta.content or "") if choice.delta else ""
             if choice.finish_reason:
-                self.finish_reason = choice.finish_reason
+                self.finish_reason = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
             if text:
                 now = time.perf_counter()
                 self.first_at = self.first_at or now

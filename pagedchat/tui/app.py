@@ -2,8 +2,9 @@
 
 The backend (pagedchat.backends) is the in-process engine or an OpenAI-compatible server; the app sees only
 its face. Threads: the backend streams on its own thread and hands updates to DeltaInbox, which wakes the UI
-with one DeltasReady message at a time; the backend starts (model load, or server connect) on a daemon thread. Everything else, including SQLite writes
-(a few ms, only when a chat changes), runs on Textual's event loop, so no widget is ever touched off-thread.
+with one DeltasReady message at a time; the backend starts (model load, or server connect) on a daemon
+thread. Everything else, including SQLite writes (a few ms, only when a chat changes), runs on Textual's
+event loop, so no widget is ever touched off-thread.
 """
 
 from __future__ import annotations
