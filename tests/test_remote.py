@@ -7,6 +7,7 @@ the server's real /v1/memory, and a real process is killed under it mid-reply.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from functools import partial
 
 import httpx
@@ -18,7 +19,7 @@ from textual._wait import wait_for_idle
 from pagedchat.backends.base import Backend, MemoryUnavailable
 from pagedchat.backends.remote import RemoteBackend, ServerUnavailable, api_base, server_root
 from pagedchat.engine.memory import MemorySnapshot
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.store import Store
@@ -156,7 +157,7 @@ async def test_app_over_the_server(server, tmp_path):
         await wait_for(pilot, lambda: not server_seqs(server), "the server to free both", timeout=60)
 
         # Regenerate asks the server again; the reply finishes with the server's usage figures.
-        second.record.settings.max_tokens = 8
+        second.record.settings = replace(second.record.settings, max_tokens=8)
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: not second.busy and second.record.messages[-1].stats.finish_reason != "cancelled",
                        "the regenerated reply", timeout=120)
@@ -192,7 +193,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
 
             # The server back on the same address: regenerate works again.
             with running_server(model, tmp_path, port):
-                session.record.settings.max_tokens = 6
+                session.record.settings = replace(session.record.settings, max_tokens=6)
                 await pilot.press("ctrl+r")
                 await wait_for(pilot, lambda: session.record.messages[-1].stats is not None and not session.busy,
                                "the new reply", timeout=120)

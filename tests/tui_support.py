@@ -62,6 +62,8 @@ class StandInBackend:
     """The backend face with no model behind it: a fixed picture of memory, and no replies (submit refuses).
     For screens that must not move, such as the snapshot tests."""
 
+    failure = None
+
     def __init__(self, memory: Callable[[], MemoryView], info: BackendInfo) -> None:
         self._memory = memory
         self.info = info

@@ -14,7 +14,7 @@ from pagedchat.backends.metrics import ServerMetrics
 
 if TYPE_CHECKING:  # both import torch, which the app loads off its UI thread, with the backend
     from pagedchat.engine.memory import MemorySnapshot
-    from pagedchat.engine.sampling import SamplingParams
+    from pagedchat.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class ReplyHandle(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     info: BackendInfo
+    failure: str | None   # why it stopped for good (the local engine's loop broke), else None
 
     def submit(self, messages: list[dict], params: "SamplingParams", *, previous: Outcome | None = None,
                on_update: OnUpdate | None = None) -> ReplyHandle:

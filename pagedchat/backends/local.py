@@ -88,6 +88,10 @@ class LocalBackend:
         reply = LocalReply(self, on_update, parent_prompt_len=len(parent.handle.prompt_token_ids))
         return reply.bind(self.engine.fork(parent.request_id, params, on_update=reply.on_delta))
 
+    @property
+    def failure(self) -> str | None:
+        return self.engine.failure
+
     def memory(self) -> MemorySnapshot:
         return self.engine.memory()
 

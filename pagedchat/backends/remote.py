@@ -139,6 +139,8 @@ class RemoteReply:
             text = (choice.delta.content or "") if choice.delta else ""
             if choice.finish_reason:
                 self.finish_reason = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
+                if (choice.model_extra or {}).get("stop_reason") == "context_full":  # vLLM's word, in an extra
+                    self.finish_reason = "context_full"
             if text:
                 now = time.perf_counter()
                 self.first_at = self.first_at or now
@@ -181,6 +183,8 @@ class RemoteReply:
 
 class RemoteBackend:
     """An OpenAI-compatible server. Construct it off the UI thread: it connects and asks for the model."""
+
+    failure = None   # a server that fails, fails requests: each says why, and the next one tries again
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  progress: Callable[[str, float | None], None] | None = None) -> None:

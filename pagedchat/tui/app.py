@@ -95,6 +95,7 @@ class PagedChatApp(App):
         self.config = config
         self.backend: Backend | None = None
         self.backend_error: str | None = None
+        self._stop_noted = False                      # the backend's failure has been shown
         self._factory = backend_factory or default_backend_factory(config)
         self.inbox = DeltaInbox(self)
         self.sessions: dict[str, ChatSession] = {}
@@ -275,7 +276,10 @@ class PagedChatApp(App):
 
     # ---- sending and streaming -----------------------------------------------------------------------------
     def _backend_or_say(self) -> Backend | None:
-        """The backend, or a notice why there is none yet; one that failed to start is started again."""
+        """The backend, or a notice why there is none; one that failed to start is started again."""
+        if self.backend is not None and self.backend.failure is not None:
+            self.notify(f"{self._stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
+            return None
         if self.backend is None and self.backend_error:
             self.notify(f"{self.backend_error} Trying again; your message is kept in the input.",
                         severity="error", timeout=8)
@@ -289,7 +293,30 @@ class PagedChatApp(App):
         bar = self._load_bar()
         if bar is not None:
             bar.display = True
+            bar.update(total=None)
         start_loading(self, self._factory)
+
+    # ---- an engine that stopped, and its restart ------------------------------------------------------------
+    def _stopped_text(self) -> str:
+        return f"engine stopped: {self.backend.failure}. Restart it from the command palette (Restart engine)."
+
+    def _note_engine_stopped(self) -> bool:
+        """Once per failure: say in the status bar and a notice that the engine stopped, and how to restart."""
+        if self.backend.failure is None:
+            return False
+        if not self._stop_noted:
+            self._stop_noted = True
+            self._update_status()
+            self.notify(self._stopped_text(), severity="error", timeout=15)
+        return True
+
+    def restart_engine(self) -> None:
+        """Load a fresh engine in place of one that stopped; the chats stay as they are."""
+        old, self.backend, self._stop_noted = self.backend, None, False
+        if old is not None:
+            old.shutdown()
+        self.query_one("#status", Label).update("loading the model…")
+        self._start_backend()
 
     @on(PromptInput.Submitted)
     async def _submitted(self, event: PromptInput.Submitted) -> None:
@@ -767,6 +794,9 @@ class PagedChatApp(App):
     def _update_status(self) -> None:
         if self.backend is None:
             return
+        if self.backend.failure is not None:
+            self.query_one("#status", Label).update(Content.styled(f"engine stopped: {self.backend.failure}", "$error"))
+            return
         info = self.backend.info
         busy = sum(1 for s in self.sessions.values() if s.busy)
         pages = f" · {info.num_pages} pages" if info.num_pages else ""
@@ -780,7 +810,7 @@ class PagedChatApp(App):
 
     def _tick(self, force: bool = False) -> None:
         """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
-        if self.backend is None or not self.is_running:
+        if self.backend is None or not self.is_running or self._note_engine_stopped():
             return
         try:
             inspector = self.query_one(InspectorView)
@@ -816,6 +846,9 @@ class PagedChatApp(App):
         yield SystemCommand("Memory inspector", "Show or hide the KV-cache page inspector (F2)",
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
+        if self.backend is not None and self.backend.failure is not None:
+            yield SystemCommand("Restart engine", f"The engine stopped ({self.backend.failure}); load it again",
+                                self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
                             self.action_regenerate)
