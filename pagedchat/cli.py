@@ -1,4 +1,4 @@
-"""`pagedchat`: the chat app, and `pull`, `ask`, `bench`.
+"""`pagedchat`: the chat app, and `pull`, `ask`, `bench`, `serve`.
 
 Heavy imports (torch, transformers, textual) happen inside the commands, so `--help` answers at once.
 """
@@ -16,6 +16,7 @@ commands:
   pagedchat pull            fetch and convert the default model (SmolLM2-135M-Instruct)
   pagedchat ask "question"  stream one answer to stdout
   pagedchat bench           measure memory and speed, optionally against transformers
+  pagedchat serve           an OpenAI-compatible HTTP server over the engine
 
 models (--model): a Hugging Face model folder, a .gguf file, or a hub id (needs internet);
   default: SmolLM2-135M-Instruct, pulled on first use into the user cache dir.
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedchat import bench
 
     bench.add_arguments(sub.add_parser("bench", help="measure memory and speed"))
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require Authorization: Bearer KEY on /v1 paths (default: $PAGEDCHAT_API_KEY, else none)")
+    _add_engine_flags(serve)
     return parser
 
 
@@ -149,7 +157,18 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
-COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, None: cmd_app}
+def cmd_serve(args) -> int:
+    try:
+        from pagedchat.serve.server import ServeOptions, serve
+    except ImportError as exc:
+        raise PagedChatError(f"pagedchat serve needs its extra ({exc.name} is missing): "
+                             "pip install 'pagedchat[serve]'") from None
+    return serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                              kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
+                              dtype=args.dtype, threads=args.threads))
+
+
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, None: cmd_app}
 
 
 def main(argv: list[str] | None = None) -> int:
