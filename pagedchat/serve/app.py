@@ -171,24 +171,22 @@ class Server:
                 on_done(done)
 
         try:
-            stream = EngineStream(engine, ids, params, reply.id)
+            stream = EngineStream(engine, ids, params, reply.id, finished)
         except RequestError as exc:  # e.g. max_tokens more than the cache can ever hold
             raise ApiError(400, str(exc), param="max_tokens") from None
         if req.stream:
-            return EventStream(self._events(reply, stream, len(ids), req.include_usage, finished), stream)
+            return EventStream(self._events(reply, stream, len(ids), req.include_usage), stream)
         try:
             done = await until_disconnect(request, stream.completion())
         finally:
             stream.close()
         if done is None:  # the client went away; its request is cancelled and its pages freed
             return Response(status_code=499)
-        finished(done)
         if done.finish_reason == "error":
             raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
         return JSONResponse(reply.whole(len(ids), done))
 
-    async def _events(self, reply: Reply, stream: EngineStream, prompt_tokens: int, include_usage: bool,
-                      finished: Callable[[Completion], None]):
+    async def _events(self, reply: Reply, stream: EngineStream, prompt_tokens: int, include_usage: bool):
         if reply.kind is Kind.CHAT:
             yield reply.chunk("", role=True, with_usage=include_usage)
         async for delta in stream.deltas():
@@ -197,7 +195,6 @@ class Server:
                     yield reply.chunk(delta.text, with_usage=include_usage)
                 continue
             done = delta.completion
-            finished(done)
             if done.finish_reason == "error":
                 yield sse(ApiError(500, f"generation failed: {done.error}", kind="server_error").body())
                 break

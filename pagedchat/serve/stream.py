@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -16,15 +16,24 @@ T = TypeVar("T")
 
 
 class EngineStream:
-    """Submits ids to the engine; the engine thread's on_update puts each delta on this loop's queue."""
+    """Submits ids to the engine; the engine thread's on_update puts each delta on this loop's queue.
 
-    def __init__(self, engine: Engine, ids: list[int], params: SamplingParams, request_id: str):
+    on_finish runs on the loop with the request's Completion however it ended, read to the end or not (a
+    client that disconnects still counts in the metrics, as cancelled)."""
+
+    def __init__(self, engine: Engine, ids: list[int], params: SamplingParams, request_id: str,
+                 on_finish: Callable[[Completion], None]):
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._finished = False
 
+        def arrive(delta: StreamDelta) -> None:  # on the loop
+            self._queue.put_nowait(delta)
+            if delta.finished:
+                on_finish(delta.completion)
+
         def on_update(delta: StreamDelta) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+            loop.call_soon_threadsafe(arrive, delta)
 
         self.handle = engine.submit(ids, params, on_update=on_update, request_id=request_id)
 
