@@ -138,10 +138,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None,
                         help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--serve", action="store_true",
+                        help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
+                             "in-process, on the same workload (the HTTP overhead in tokens/s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench as the CLI asked; print the tables (and JSON). Returns the exit status."""
+    if getattr(args, "serve", False):
+        from pagedchat.serve import bench as serve_bench
+
+        return serve_bench.run(args)
     from rich.console import Console
 
     out = Console()
