@@ -262,6 +262,19 @@ def test_non_finite_numbers_and_broken_json_get_400(server):
         assert response.json()["error"]["message"]
 
 
+def test_content_parts_and_the_developer_role_read_as_text_and_system(server):
+    client = server.client()
+    plain = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    parts = client.chat.completions.create(
+        model=server.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "developer", "content": CHAT[0]["content"]},
+                  {"role": "user", "content": [{"type": "text", "text": "The quick brown fox "},
+                                               {"type": "text", "text": "jumps over the lazy dog."}]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 def test_unknown_model_path_and_method(server):
     response = server.http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": CHAT})
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
@@ -316,3 +329,10 @@ def test_sigterm_stops_the_server_within_seconds(server):
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
     assert server.proc.returncode in (0, -signal.SIGTERM) and stopped < 6
     assert "Application shutdown complete" in server.log.read_text()
+
+
+def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path, capsys):
+    from pagedchat.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(_free_port())]) == 1
+    assert "no such model" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -116,8 +117,12 @@ class InProcessServer:
         self.thread.join(30)
 
 
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_serve_bench(engine: Engine, prompts: list[list[int]], max_tokens: int, repeat: int, system_tokens: int,
-                    progress=print) -> ServeBenchReport:
+                    progress=_progress) -> ServeBenchReport:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rounds: list[Round] = []
     with InProcessServer(engine) as server:
