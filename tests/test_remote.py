@@ -213,3 +213,21 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(tmp_path):
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
         assert any("Trying again" in n.message for n in app._notifications)
         await wait_for(pilot, lambda: app.backend_error, "the retry to fail again")
+
+
+def test_server_continues_a_final_assistant_message_when_asked(server):
+    """continue_final_message leaves the last (assistant) message open: no end of turn and no new assistant
+    header, so the prompt is shorter than the same chat answered after that message."""
+    chat = HI + [{"role": "assistant", "content": "Hello! Pages are"}]
+
+    def prompt_tokens(**extra) -> int:
+        body = {"messages": chat, "max_tokens": 1, "temperature": 0, **extra}
+        response = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(continue_final_message=True, add_generation_prompt=False) < prompt_tokens()
+    refused = httpx.post(server.url + "/chat/completions", timeout=60,
+                         json={"messages": HI, "max_tokens": 1, "continue_final_message": True,
+                               "add_generation_prompt": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
