@@ -52,7 +52,7 @@ class LocalReply:
                                    outcome=outcome))
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        self._backend.engine.cancel(self.request_id)
 
     def so_far(self) -> Outcome:
         h = self.handle

@@ -27,6 +27,7 @@ from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 from pagedchat.backends.base import Backend, Outcome, request_pages
 from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.errors import PagedChatError
+from pagedchat.text import escaped_markup, visible_controls
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
 from pagedchat.tui.inspector import ChatPages, InspectorView
@@ -107,6 +108,13 @@ class PagedChatApp(App):
             self.register_theme(theme)
         for error in loaded.errors:
             self._startup_notes.append((f"Theme skipped: {error}", "warning"))
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every notification is plain text, controls shown as pictures: they carry chat titles, paths and
+        error messages. `markup` is accepted for Widget.notify, which passes True by default, and ignored."""
+        super().notify(visible_controls(message), title=visible_controls(title), severity=severity,
+                       timeout=timeout, markup=False)
 
     # ---- layout -----------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -214,7 +222,7 @@ class PagedChatApp(App):
         return colours[session.colour % len(colours)]
 
     def _label(self, session: ChatSession) -> Content:
-        parts: list = [("■", self._colour_of(session)), " ", session.record.title]
+        parts: list = [("■", self._colour_of(session)), " ", visible_controls(session.record.title)]
         if session.busy:
             parts.append((" ●", "$warning"))   # generating: shown in every tab, and visible from the others
         elif session.unseen:
@@ -352,16 +360,17 @@ class PagedChatApp(App):
         except ValueError as exc:  # settings out of range: say so, keep the chat as it is
             self.notify(f"Cannot use these settings: {exc}", severity="error")
             return
-        index = len(record.messages)  # the reply's: it is appended once the backend has taken the request
+        previous = session.previous(len(record.messages))
+        view = await self._append(session, ChatMessage("assistant", ""))
+        index = len(record.messages) - 1
         try:
-            handle = backend.submit(record.conversation(), params, previous=session.previous(index),
+            handle = backend.submit(record.conversation(index), params, previous=previous,
                                     on_update=self.inbox.callback(session.id))
         except Exception as exc:  # the prompt cannot be built, or is too long for the context or the cache
+            await self._cut(session, index)
             self.notify(str(exc), severity="error", timeout=10)
             self._save(session)
             return
-        # Updates wait in the inbox until this handler returns, so none is lost while the view mounts.
-        view = await self._append(session, ChatMessage("assistant", ""))
         if view is not None:
             await view.start_stream()
         self._track(session, handle, index)
@@ -705,7 +714,8 @@ class PagedChatApp(App):
         path = folder / f"{slug(session.record.title)}-{time.strftime('%Y%m%d-%H%M%S')}.md"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(session.record.to_markdown(), encoding="utf-8")
+            # Shown with `cat` or a pager, the file is a terminal path too: its controls are pictures.
+            path.write_text(visible_controls(session.record.to_markdown()), encoding="utf-8")
         except OSError as exc:
             self.notify(f"Export failed: {exc}", severity="error")
             return None
@@ -769,7 +779,8 @@ class PagedChatApp(App):
             bar.update(total=None)
         else:
             bar.update(total=100, progress=event.fraction * 100)
-        self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"), event.stage))
+        self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"),
+                                                                 visible_controls(event.stage)))
 
     def on_engine_ready(self, event: EngineReady) -> None:
         bar = self._load_bar()
@@ -787,7 +798,7 @@ class PagedChatApp(App):
         if bar is None:
             return
         bar.display = False
-        self.query_one("#status", Label).update(Content.styled(self.backend_error, "$error"))
+        self.query_one("#status", Label).update(Content.styled(visible_controls(self.backend_error), "$error"))
         self.query_one(InspectorView).show_message(self.backend_error)
         self.notify(self.backend_error, severity="error", timeout=15)
 
@@ -795,14 +806,16 @@ class PagedChatApp(App):
         if self.backend is None:
             return
         if self.backend.failure is not None:
-            self.query_one("#status", Label).update(Content.styled(f"engine stopped: {self.backend.failure}", "$error"))
+            self.query_one("#status", Label).update(
+                Content.styled(visible_controls(f"engine stopped: {self.backend.failure}"), "$error"))
             return
         info = self.backend.info
         busy = sum(1 for s in self.sessions.values() if s.busy)
         pages = f" · {info.num_pages} pages" if info.num_pages else ""
         activity = f" · {busy} generating" if busy else ""
         self.query_one("#status", Label).update(
-            Content.assemble((info.model, "bold"), (f" {info.where}{pages}{activity}", "$text-muted")))
+            Content.assemble((visible_controls(info.model), "bold"),
+                             (f" {visible_controls(info.where)}{pages}{activity}", "$text-muted")))
 
     def chat_pages(self) -> list[ChatPages]:
         return [ChatPages(s.id, s.record.title, self._colour_of(s), s.request_id, s.pages, s.page_tokens)
@@ -833,7 +846,9 @@ class PagedChatApp(App):
     # ---- the command palette -----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        if screen is not self.screen or isinstance(screen, (HelpScreen,)):
+        # `screen` is the one the palette opened over (self.screen is the palette itself): chat commands are for
+        # the chats' own screen, not over a dialog.
+        if screen is not self.screen_stack[0]:
             return
         yield SystemCommand("New chat", "Open a chat in a new tab (ctrl+n)", self.action_new_chat)
         yield SystemCommand("Close chat", "Close this tab; it stays saved and can be reopened (ctrl+w)",
@@ -847,7 +862,8 @@ class PagedChatApp(App):
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
         if self.backend is not None and self.backend.failure is not None:
-            yield SystemCommand("Restart engine", f"The engine stopped ({self.backend.failure}); load it again",
+            yield SystemCommand("Restart engine",
+                                f"The engine stopped ({escaped_markup(self.backend.failure)}); load it again",
                                 self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
@@ -861,10 +877,12 @@ class PagedChatApp(App):
         yield SystemCommand("Copy last reply", "To the clipboard (OSC 52)", lambda: self._copy_last(False))
         yield SystemCommand("Copy a code block from the last reply", "To the clipboard (OSC 52)",
                             lambda: self._copy_last(True))
-        yield SystemCommand("Export chat to Markdown", f"Write it to {self.config.data_dir / 'exports'} (ctrl+o)",
+        yield SystemCommand("Export chat to Markdown",
+                            f"Write it to {escaped_markup(str(self.config.data_dir / 'exports'))} (ctrl+o)",
                             self.action_export_chat)
         for chat_id, title, count in self.store.closed_chats():
-            yield SystemCommand(f"Reopen chat: {title}", f"Closed chat, {count} messages",
+            # The palette parses titles as markup.
+            yield SystemCommand(f"Reopen chat: {escaped_markup(title)}", f"Closed chat, {count} messages",
                                 lambda cid=chat_id: self.reopen_chat(cid), discover=False)
 
     def _stop_active(self) -> None:

@@ -13,6 +13,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from pagedchat.backends.base import has_page_map
+from pagedchat.text import visible_controls
 from pagedchat.tui.inspector_parts import (CACHED, FREE, GLYPH_CACHED, GLYPH_FREE, GLYPH_SHARED, GLYPH_USED, MUTED,
                                            USED, ChatPages, fmt_bytes)
 from pagedchat.tui.inspector_parts import clip as _clip
@@ -276,4 +277,4 @@ class InspectorView(VerticalScroll):
     def show_message(self, text: str) -> None:
         self._last_key = None
         self._show_parts(())
-        self.query_one("#insp-summary", Static).update(Content.styled(text, MUTED))
+        self.query_one("#insp-summary", Static).update(Content.styled(visible_controls(text), MUTED))

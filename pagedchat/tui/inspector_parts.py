@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from textual.content import Content
 
+from pagedchat.text import visible_controls
+
 FREE, USED, CACHED = "free", "used", "cached"
 GLYPH_USED, GLYPH_SHARED, GLYPH_CACHED, GLYPH_FREE = "█", "◆", "░", "·"
 MUTED = "$foreground-muted"
@@ -48,5 +50,7 @@ def kv(key: str, value: str | Content, note: str = "", width: int = 80) -> Conte
     return Content.assemble(line, "\n", Content.styled(" " * KEY_W + note, MUTED))
 
 
-def clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[:n - 1] + "…"
+def clip(title: str, n: int) -> str:
+    """A chat's title in at most n cells, its terminal controls shown as pictures."""
+    title = visible_controls(title)
+    return title if len(title) <= n else title[:n - 1] + "…"
