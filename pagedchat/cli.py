@@ -19,6 +19,7 @@ from pagedchat.text import visible_controls
 EPILOG = """\
 commands:
   pagedchat                 start the chat app (tabs, streaming, memory inspector on F2)
+  pagedchat --server URL    the same app over an OpenAI-compatible server (vLLM, llama-server, ...)
   pagedchat pull            fetch and convert the default model (SmolLM2-135M-Instruct)
   pagedchat ask "question"  stream one answer to stdout (cat notes.txt | pagedchat ask "summarize this")
   pagedchat bench           measure memory and speed, optionally against transformers
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--theme", help="colour theme (pick others with ctrl+p in the app)")
     parser.add_argument("--max-tokens", type=int, help="reply length limit for new chats")
     parser.add_argument("--temperature", type=float, help="sampling temperature for new chats (0 = greedy)")
+    parser.add_argument("--server", metavar="URL", help="run on an OpenAI-compatible server instead of in-process "
+                        "(vLLM, llama-server, pagedchat serve), e.g. http://127.0.0.1:8000/v1; --model then "
+                        "picks one of its models")
+    parser.add_argument("--api-key", metavar="KEY", help="the server's API key (default: $PAGEDCHAT_API_KEY)")
     sub = parser.add_subparsers(dest="command", metavar="")
 
     pull = sub.add_parser("pull", help="fetch and convert the default model")
@@ -204,7 +209,8 @@ def cmd_app(args) -> int:
     config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
                          swap_space=args.swap_space, device=args.device, dtype=args.dtype, threads=args.threads,
                          quantize=args.quantize, system_prompt=args.system, theme=args.theme,
-                         max_tokens=args.max_tokens, temperature=args.temperature)
+                         max_tokens=args.max_tokens, temperature=args.temperature, server=args.server,
+                         api_key=args.api_key)
     run_app(config)
     return 0
 

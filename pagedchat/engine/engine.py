@@ -190,7 +190,7 @@ class Engine:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
             return snapshot(self.blocks, self.scheduler, self.config.max_position_embeddings,
-                            self.cache_plan.page_bytes, self.weight_bytes)
+                            self.cache_plan.page_bytes, self.weight_bytes, self.model.weight_precision)
 
     def has_work(self) -> bool:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""

@@ -40,6 +40,7 @@ class MemorySnapshot:
     live_tokens: int          # tokens held by live sequences
     contiguous_bytes: int     # what reserving the model's full context per live sequence would take
     weight_bytes: int = 0     # the model's resident weights, which share the memory with the pool (0: unknown)
+    weight_precision: str = ""  # how they run, e.g. "Q4_1 as int4 + Q8_0 as 2×int4" ("": unknown)
 
     def to_json(self) -> dict:
         """Plain JSON types (the page-keyed maps get string keys), as `pagedchat serve` sends it at /v1/memory."""
@@ -77,7 +78,7 @@ def _rate(queried: int, hit: int) -> float:
 
 
 def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int,
-             weight_bytes: int = 0) -> MemorySnapshot:
+             weight_bytes: int = 0, weight_precision: str = "") -> MemorySnapshot:
     seqs = scheduler.all_seqs()
     owners: dict[int, list[str]] = {}
     for seq in seqs:
@@ -106,4 +107,5 @@ def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_
         live_tokens=sum(len(s.token_ids) for s in seqs),
         contiguous_bytes=len(seqs) * max_context * page_bytes // blocks.block_size,
         weight_bytes=weight_bytes,
+        weight_precision=weight_precision,
     )

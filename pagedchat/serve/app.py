@@ -125,7 +125,7 @@ class Server:
         req = parse(ChatRequest, await request.body())
         self._check_model(req.model)
         ids, rendered = await self._off_loop(build_chat_prompt, engine.tokenizer, req.template_messages(),
-                                             self.exchanges)
+                                             self.exchanges, req.continue_final_message)
 
         def remember(done: Completion) -> None:
             self.exchanges.remember(rendered, done.text, ids + done.token_ids)

@@ -51,8 +51,10 @@ class ExchangeMemory:
             return ids.tolist()
 
 
-def build_chat_prompt(tokenizer, messages: list[dict], memory: ExchangeMemory) -> tuple[list[int], str]:
-    """The prompt ids for messages, and their rendered text (the key under which to remember the reply)."""
+def build_chat_prompt(tokenizer, messages: list[dict], memory: ExchangeMemory,
+                      continue_final: bool = False) -> tuple[list[int], str]:
+    """The prompt ids for messages, and their rendered text (the key under which to remember the reply).
+    continue_final: the last message is an assistant reply to go on with (vLLM's continue_final_message)."""
     if not tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template: send a plain prompt to /v1/completions",
                        param="messages")
@@ -60,4 +62,5 @@ def build_chat_prompt(tokenizer, messages: list[dict], memory: ExchangeMemory) -
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
     if last > 0:  # an exchange before the last assistant message may be one this server answered
         previous = memory.recall(render_chat(tokenizer, messages[:last]), messages[last]["content"])
-    return chat_prompt_ids(tokenizer, messages, previous), render_chat(tokenizer, messages)
+    return (chat_prompt_ids(tokenizer, messages, previous, continue_final),
+            render_chat(tokenizer, messages, continue_final))

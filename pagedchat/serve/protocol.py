@@ -107,6 +107,10 @@ class ChatRequest(_Request):
     logprobs: bool = False
     tools: list[dict] | None = None
     response_format: dict | None = None
+    # vLLM's extra fields: continue the last (assistant) message rather than answer after it. The app's fork of
+    # a live reply over HTTP sends the reply so far this way.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -120,6 +124,12 @@ class ChatRequest(_Request):
             raise ApiError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type") != "text":
             raise ApiError(400, "only the text response_format is supported", param="response_format")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ApiError(400, "continue_final_message needs add_generation_prompt false and an assistant "
+                           "message last", param="continue_final_message")
+        if not self.continue_final_message and not self.add_generation_prompt:
+            raise ApiError(400, "add_generation_prompt false is supported only with continue_final_message",
+                           param="add_generation_prompt")
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
