@@ -24,12 +24,15 @@ from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
 from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
+from pagedchat.tui import context
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
+from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import ChatPages, InspectorView
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, slug, title_from
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.session import ChatSession
+from pagedchat.tui.search import recent_prompts
 from pagedchat.tui.store import Store
 from pagedchat.tui.themes import chat_colours, load_themes
 
@@ -103,6 +106,7 @@ class PagedChatApp(App):
 
     async def on_mount(self) -> None:
         self.store = self._open_store()
+        self.prompt_history = PromptHistory(recent_prompts(self.store.conn))
         self._apply_theme()
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
@@ -241,6 +245,7 @@ class PagedChatApp(App):
             if not isinstance(self.focused, MessageView) or self.focused not in view.views:
                 view.prompt.focus()
         self.store.set_state("active_chat", session.id)
+        context.show_fill(self, session)
         self._tick(force=True)
 
     def _save_order(self) -> None:
@@ -275,12 +280,21 @@ class PagedChatApp(App):
             return
         if self._engine_or_say() is None:
             return
+        if (notice := context.prompt_too_long(self, session, event.text)) is not None:
+            self.notify(notice, severity="warning", timeout=10)
+            return
         event.prompt.clear()
+        self.prompt_history.add(event.text)
+        self.prompt_history.forget_walk(event.prompt)
         record = session.record
         if not record.messages and record.title == "New chat":
             record.title = title_from(event.text)
         await self._append(session, ChatMessage("user", event.text))
         await self._start_reply(session)
+
+    @on(PromptInput.Recall)
+    def _recall(self, event: PromptInput.Recall) -> None:
+        self.prompt_history.step(event.prompt, event.step)
 
     async def _append(self, session: ChatSession, message: ChatMessage) -> MessageView | None:
         session.record.messages.append(message)
@@ -397,6 +411,7 @@ class PagedChatApp(App):
         self._tick()  # the inspector shows the chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
         self._save(session)
+        context.after_reply(self, session, completion.finish_reason)
 
     async def _abandon(self, session: ChatSession) -> None:
         """Stop a reply now, without waiting for the engine's final delta (closing, quitting, editing)."""
@@ -723,6 +738,8 @@ class PagedChatApp(App):
         self.engine = event.engine
         bar.display = False
         self._update_status()
+        for session in self.sessions.values():
+            context.show_fill(self, session)
         self._tick(force=True)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
@@ -769,6 +786,7 @@ class PagedChatApp(App):
             seq = snap.seqs.get(session.request_id)
             if seq is not None and seq.pages:
                 session.pages, session.page_tokens = tuple(seq.pages), seq.num_tokens
+            context.show_fill(self, session)
         if inspector.display:
             pages = self.chat_pages()
             active = self.active_session

@@ -75,7 +75,8 @@ class ReplyStats:
             parts.append(f"TTFT {self.ttft * 1000:.0f} ms" if self.ttft < 1 else f"TTFT {self.ttft:.2f} s")
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
-        ending = {"length": "hit max tokens", "cancelled": "stopped", "error": f"error: {self.error}"}
+        ending = {"length": "hit max tokens", "context_full": "context full", "cancelled": "stopped",
+                  "error": f"error: {self.error}"}
         if self.finish_reason in ending:
             parts.append(ending[self.finish_reason])
         return " · ".join(parts)

@@ -1,0 +1,125 @@
+"""How full a chat's context is: the figure on its input's border, the check before sending, and carrying a
+full chat over into a new one.
+
+A chat's size is what its last request held (prompt plus generated tokens): the engine's own count, so it
+needs no re-tokenising. While a reply streams it grows with each delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.content import Content
+
+from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.session import ChatSession
+
+WARN_AT = 0.70      # the theme's warning colour from here
+ERROR_AT = 0.90     # and its error colour from here
+CARRY_SHARE = 0.5   # a continued chat starts with at most this share of the context, leaving room to talk
+
+CONTINUE_HINT = "ctrl+p → “Continue in a new chat” carries the system prompt and the last turns over"
+
+
+@dataclass(frozen=True)
+class ContextFill:
+    used: int
+    limit: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.limit if self.limit else 0.0
+
+    def style(self) -> str:
+        if self.fraction >= ERROR_AT:
+            return "$error"
+        if self.fraction >= WARN_AT:
+            return "$warning"
+        return "$text-muted"
+
+    def content(self) -> Content:
+        return Content.styled(f" {self.used:,} / {self.limit:,} ", self.style())
+
+
+def context_length(engine) -> int:
+    """The model's context in tokens (the engine refuses prompts that reach it)."""
+    return engine.config.max_position_embeddings
+
+
+def tokens_in_use(session: ChatSession) -> int:
+    """Tokens the chat holds: the live request's so far, else what its last reply's request held."""
+    if session.busy and session.handle is not None:
+        return len(session.handle.prompt_token_ids) + session.received_tokens
+    for message in reversed(session.record.messages):
+        if message.role == "assistant" and message.stats is not None:
+            return message.stats.prompt_tokens + message.stats.generated_tokens
+    return 0
+
+
+def show_fill(app, session: ChatSession) -> None:
+    """Write the chat's figure on its input's bottom border (nothing until the engine is there)."""
+    view = app.chat_view(session)
+    if view is None or app.engine is None:
+        return
+    fill = ContextFill(tokens_in_use(session), context_length(app.engine))
+    view.prompt.border_subtitle = fill.content()
+
+
+def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
+    """A notice when sending `text` would not leave the reply a single token of context, else None."""
+    from pagedchat.engine.chat import chat_prompt_ids
+
+    engine = app.engine
+    record = session.record
+    messages = record.conversation() + [{"role": "user", "content": text}]
+    try:
+        ids = chat_prompt_ids(engine.tokenizer, messages, session.previous_ids(len(record.messages)))
+    except Exception:  # a template problem: the send path reports it with its own words
+        return None
+    limit = context_length(engine)
+    if len(ids) < limit:
+        return None
+    return (f"This message would make the chat {len(ids):,} tokens, over the model's context of {limit:,}; "
+            f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
+
+
+def after_reply(app, session: ChatSession, finish_reason: str | None) -> None:
+    show_fill(app, session)
+    if finish_reason == "context_full":
+        app.notify(f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}.",
+                   severity="warning", timeout=10)
+
+
+def carried_messages(record: ChatRecord, count_tokens, budget: int) -> list[ChatMessage]:
+    """The longest run of whole last turns (each from a user message on) whose prompt fits `budget`."""
+    starts = [i for i, m in enumerate(record.messages) if m.role == "user"]
+    keep: list[ChatMessage] = []
+    for start in reversed(starts):
+        candidate = record.messages[start:]
+        trial = ChatRecord(system_prompt=record.system_prompt, messages=candidate)
+        if count_tokens(trial.conversation()) > budget:
+            break
+        keep = candidate
+    return [ChatMessage(m.role, m.content, m.stats) for m in keep]
+
+
+async def continue_in_new_chat(app) -> ChatSession | None:
+    """A new tab with the active chat's system prompt, settings and the last turns that fit half the context."""
+    from copy import deepcopy
+
+    from pagedchat.engine.chat import chat_prompt_ids
+
+    session = app.active_session
+    if session is None or app._engine_or_say() is None:
+        return None
+    record = session.record
+    budget = int(context_length(app.engine) * CARRY_SHARE)
+    messages = carried_messages(record, lambda conv: len(chat_prompt_ids(app.engine.tokenizer, conv)), budget)
+    new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
+                                 settings=deepcopy(record.settings), messages=messages))
+    await app._open_session(new, after=session)
+    app._save(new)
+    dropped = len(record.messages) - len(messages)
+    app.notify(f"Continued in a new chat with the last {len(messages)} messages ({dropped} left behind).",
+               timeout=6)
+    return new
