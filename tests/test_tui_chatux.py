@@ -11,7 +11,7 @@ from pagedchat.tui.context import ContextFill, carried_messages
 from pagedchat.tui.records import ChatMessage, ChatRecord, ReplyStats
 from test_tui import SIZE, _quick_pilot, notes, ready, replied, send  # noqa: F401  (_quick_pilot: autouse)
 from tiny_models import make_tiny_model
-from tui_support import make_config, wait_for
+from tui_support import make_config, screen_text, wait_for
 
 CONTEXT = 256   # the tiny model's context: small, so a chat can fill it
 
@@ -135,3 +135,166 @@ async def test_up_recalls_earlier_prompts_across_chats_and_down_comes_back(confi
         prompt.text = ""
         prompt.focus()
         await press_for(pilot, "up", lambda: prompt.text == "second prompt")
+
+
+async def test_prompt_history_palette_puts_a_fuzzy_match_in_the_input(config):
+    from textual.command import CommandPalette
+
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for text in ("explain paged attention", "write a haiku about caches"):
+            session = await send(pilot, text, max_tokens=4)
+            await replied(pilot, session)
+        await open_entry(pilot, "Prompt history…")
+        await wait_for(pilot, lambda: "Search earlier prompts…" in screen_text(app), "the history palette")
+        await pilot.press(*"hku")  # fuzzy: h..k..u of "haiku"
+        await wait_for(pilot, lambda: palette_lines(app) == ["write a haiku about caches"], "the fuzzy match")
+        await pilot.press("enter")
+        prompt = app.chat_view(app.active_session).prompt
+        await wait_for(pilot, lambda: prompt.text == "write a haiku about caches", "the prompt in the input")
+
+
+def palette_lines(app) -> list[str]:
+    """The hits the open palette lists, as plain text."""
+    from textual.command import CommandList
+
+    commands = app.screen.query_one(CommandList)
+    return [commands.get_option_at_index(i).hit.text for i in range(commands.option_count)]
+
+
+async def open_entry(pilot, title: str) -> None:
+    """ctrl+p, type the entry's title, Enter: as a user reaches any palette entry."""
+    from textual.command import CommandPalette
+
+    app = pilot.app
+    await pilot.press("ctrl+p")
+    await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), "the palette")
+    app.screen.query_one("CommandInput").value = title
+    await wait_for(pilot, lambda: title in screen_text(app), f"{title!r} listed")
+    await pilot.press("enter")
+
+
+# ---- search across chats ----------------------------------------------------------------------------------
+async def test_search_finds_a_closed_chat_and_opens_it_at_the_message(config):
+    from pagedchat.tui.chat import MessageView
+
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = await send(pilot, "tell me about aardvarks", max_tokens=4)
+        await replied(pilot, first)
+        first.record.title = "Animals"
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a second tab")
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.active_session is first, "the first tab")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: first.id not in app.sessions, "the close")
+
+        await open_entry(pilot, "Search chats…")
+        await wait_for(pilot, lambda: "Search all chats…" in screen_text(app), "the search palette")
+        await pilot.press(*"aardv")
+        await wait_for(pilot, lambda: "Animals · You: tell me about aardvarks" in screen_text(app), "the hit")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.active_session is not None and app.active_session.id == first.id,
+                       "the chat reopened")
+        await wait_for(pilot, lambda: isinstance(app.focused, MessageView) and app.focused.index == 0,
+                       "the message focused")
+
+
+# ---- delete -----------------------------------------------------------------------------------------------
+async def test_f8_deletes_a_chat_for_good_after_asking(config):
+    from pagedchat.tui.screens.ask import ConfirmScreen
+    from pagedchat.tui.store import Store
+
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        doomed = await send(pilot, "secret zebra plans", max_tokens=4)
+        await replied(pilot, doomed)
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+        await pilot.press("n")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmScreen), "no")
+        assert doomed.id in app.sessions
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question again")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: any(n.startswith("Deleted") for n in notes(app)), "the delete")
+        assert doomed.id not in app.sessions
+        assert len(app.sessions) == 1 and app.active_session.record.messages == []   # a fresh chat in its place
+        assert "secret zebra plans" not in app.prompt_history.prompts
+    store = Store.open(config.data_dir)
+    assert doomed.id not in {r.id for r in store.load_chats()}
+    assert store.search("zebra") == []
+    store.close()
+    app = PagedChatApp(config)   # and after a restart
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "the chats")
+        assert doomed.id not in app.sessions
+        assert all(r.id != doomed.id for r in app.store.load_chats())
+
+
+# ---- export and import ------------------------------------------------------------------------------------
+async def test_ctrl_o_json_export_imports_back(config):
+    from pagedchat.tui.chat_ops import import_chat
+    from pagedchat.tui.screens.modals import PickScreen
+
+    app = PagedChatApp(config.with_overrides(system_prompt="Be kind."))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "export me", max_tokens=6)
+        await replied(pilot, session)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the format question")
+        await pilot.press("up", "enter")   # from Markdown up to JSON
+        folder = config.data_dir / "exports"
+        await wait_for(pilot, lambda: folder.exists() and list(folder.glob("*.json")), "the JSON file")
+        [path] = folder.glob("*.json")
+        imported = await import_chat(app, path)
+        assert app.active_session is imported and imported.id != session.id
+        assert imported.record.system_prompt == "Be kind." and imported.record.title == session.record.title
+        assert [(m.role, m.content) for m in imported.record.messages] == \
+               [(m.role, m.content) for m in session.record.messages]
+        assert imported.record.settings == session.record.settings
+        bad = folder / "bad.json"
+        bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+        assert await import_chat(app, bad) is None
+        await wait_for(pilot, lambda: any("bad.json: message 1 has role 'tool'" in n for n in notes(app)),
+                       "the one-line refusal")
+
+
+# ---- compare ----------------------------------------------------------------------------------------------
+async def test_compare_writes_two_answers_at_once_and_keeps_one(config):
+    from pagedchat.tui.screens.compare import CompareScreen, CompareSetupScreen
+
+    app = PagedChatApp(config)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "compare this", max_tokens=8)
+        await replied(pilot, session)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareSetupScreen), "the form")
+        app.screen.query_one("#max_tokens-A").value = "150"
+        app.screen.query_one("#max_tokens-B").value = "150"
+        app.screen.query_one("#temperature-B").value = "1.5"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen), "the split view")
+        screen = app.screen
+        a, b = screen.sides
+        # Both generate at once: each has streamed tokens while the other is still running.
+        await wait_for(pilot, lambda: a.tokens > 0 and b.tokens > 0 and a.running and b.running, "both running")
+        snap = app.engine.memory()
+        shared = set(snap.seqs[a.request_id].pages) & set(snap.seqs[b.request_id].pages)
+        assert shared, "both answers map the chat's prompt pages"
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: screen.inspector.display and "◆" in screen_text(app), "the shared pages")
+        await wait_for(pilot, lambda: not a.running and not b.running, "both done", timeout=60)
+        assert a.completion.text != b.completion.text and b.variant.settings.temperature == 1.5
+        await pilot.press("2")
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "the kept answer as a chat")
+        kept = app.active_session
+        assert kept is not session and kept.record.settings.temperature == 1.5
+        assert kept.record.messages[-1].content == b.completion.text
+        assert [m.content for m in kept.record.messages[:-1]] == [session.record.messages[0].content]

@@ -7,7 +7,6 @@ DeltasReady message at a time; the model loads on a daemon thread. Everything el
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from copy import deepcopy
 from pathlib import Path
@@ -24,15 +23,16 @@ from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
 from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
-from pagedchat.tui import context
+from pagedchat.tui import chat_ops, context
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
+from pagedchat.tui.commands import ChatCommands
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import ChatPages, InspectorView
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, slug, title_from
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
+from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.search import recent_prompts
 from pagedchat.tui.store import Store
 from pagedchat.tui.themes import chat_colours, load_themes
 
@@ -59,6 +59,7 @@ def default_engine_factory(config: AppConfig) -> EngineFactory:
 class PagedChatApp(App):
     CSS_PATH = "pagedchat.tcss"
     TITLE = "pagedchat"
+    COMMANDS = App.COMMANDS | {ChatCommands}   # search, history, delete, import, compare (tui/commands.py)
 
     # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the
     # TextArea also uses (it takes f6/f7, ctrl+w, ...) still reaches the app.
@@ -75,6 +76,8 @@ class PagedChatApp(App):
         Binding("ctrl+r", "regenerate", "Regenerate", show=False, priority=True, id="regenerate"),
         Binding("ctrl+b", "branch", "Branch", show=False, priority=True, id="branch"),
         Binding("ctrl+o", "export_chat", "Export", show=False, priority=True, id="export_chat"),
+        Binding("f5", "compare", "Compare", show=False, priority=True, id="compare"),
+        Binding("f8", "delete_chat", "Delete chat", show=False, priority=True, id="delete_chat"),
     ]
 
     def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
@@ -106,7 +109,7 @@ class PagedChatApp(App):
 
     async def on_mount(self) -> None:
         self.store = self._open_store()
-        self.prompt_history = PromptHistory(recent_prompts(self.store.conn))
+        self.prompt_history = PromptHistory(self.store.recent_prompts())
         self._apply_theme()
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
@@ -462,6 +465,11 @@ class PagedChatApp(App):
         await self._abandon(session)
         session.record.is_open = False
         self._save(session)
+        await self._remove_tab(session)
+        self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
+
+    async def _remove_tab(self, session: ChatSession) -> None:
+        await self._abandon(session)
         del self.sessions[session.id]
         await self.tabs.remove_pane(PANE_PREFIX + session.id)
         if not self.sessions:
@@ -469,7 +477,12 @@ class PagedChatApp(App):
         else:
             await self._activated(self.active_session)
         self._save_order()
-        self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
+
+    def action_delete_chat(self) -> None:
+        chat_ops.confirm_delete(self)
+
+    def action_compare(self) -> None:
+        start_compare(self)
 
     async def reopen_chat(self, chat_id: str) -> None:
         record = next((r for r in self.store.load_chats(open_only=False) if r.id == chat_id), None)
@@ -491,6 +504,9 @@ class PagedChatApp(App):
         self._switch(-1)
 
     def action_toggle_inspector(self) -> None:
+        if isinstance(self.screen, CompareScreen):   # it has an inspector of its own, for its two requests
+            self.screen.toggle_inspector()
+            return
         inspector = self.query_one(InspectorView)
         inspector.display = not inspector.display
         self._tick(force=True)
@@ -656,20 +672,8 @@ class PagedChatApp(App):
         self.copy_to_clipboard(text)
         self.notify(f"Copied the {what} ({len(text)} characters) to the clipboard via OSC 52.", timeout=3)
 
-    def action_export_chat(self) -> Path | None:
-        session = self.active_session
-        if session is None:
-            return None
-        folder = self.config.data_dir / "exports"
-        path = folder / f"{slug(session.record.title)}-{time.strftime('%Y%m%d-%H%M%S')}.md"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(session.record.to_markdown(), encoding="utf-8")
-        except OSError as exc:
-            self.notify(f"Export failed: {exc}", severity="error")
-            return None
-        self.notify(f"Exported to {path}", timeout=8)
-        return path
+    def action_export_chat(self) -> None:
+        chat_ops.offer_export(self)
 
     def pick_message(self, title: str, then: Callable[[int], object], role: str | None = None) -> None:
         session = self.active_session
@@ -821,8 +825,8 @@ class PagedChatApp(App):
         yield SystemCommand("Copy last reply", "To the clipboard (OSC 52)", lambda: self._copy_last(False))
         yield SystemCommand("Copy a code block from the last reply", "To the clipboard (OSC 52)",
                             lambda: self._copy_last(True))
-        yield SystemCommand("Export chat to Markdown", f"Write it to {self.config.data_dir / 'exports'} (ctrl+o)",
-                            self.action_export_chat)
+        yield SystemCommand("Export chat…", f"Markdown, or JSON that imports back, in "
+                            f"{self.config.data_dir / 'exports'} (ctrl+o)", self.action_export_chat)
         for chat_id, title, count in self.store.closed_chats():
             yield SystemCommand(f"Reopen chat: {title}", f"Closed chat, {count} messages",
                                 lambda cid=chat_id: self.reopen_chat(cid), discover=False)

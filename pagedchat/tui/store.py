@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.search import SearchHit, install_index, recent_prompts, search_messages
 
 DB_NAME = "chats.db"
 SCHEMA_VERSION = 1
@@ -85,6 +86,8 @@ class Store:
                 raise sqlite3.DatabaseError(f"written by a newer pagedchat (schema {version})")
             with conn:
                 conn.executescript(SCHEMA)
+                if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages_fts'").fetchone():
+                    install_index(conn)  # a database from before search: index what it holds
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except BaseException:
             conn.close()  # or the file stays open and cannot be moved aside on Windows
@@ -182,3 +185,10 @@ class Store:
         with self.conn:
             self.conn.execute("INSERT INTO state (key, value) VALUES (?, ?) "
                               "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+
+    # ---- across all chats (tui/search.py) --------------------------------------------------------------------
+    def search(self, text: str, limit: int = 30) -> list[SearchHit]:
+        return search_messages(self.conn, text, limit)
+
+    def recent_prompts(self, limit: int = 500) -> list[str]:
+        return recent_prompts(self.conn, limit)
