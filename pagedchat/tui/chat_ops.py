@@ -6,12 +6,14 @@ reached from here behaves like one opened with ctrl+n.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from pagedchat.tui.records import ChatRecord
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
+from pagedchat.tui.store import describe
 from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, read_chat_file, render
 
 
@@ -60,7 +62,12 @@ async def delete_chat(app, chat_id: str, title: str) -> None:
     session = app.sessions.get(chat_id)
     if session is not None:
         await app._remove_tab(session)
-    app.store.delete_chat(chat_id)
+    app.saver.forget(chat_id)
+    try:
+        app.store.delete_chat(chat_id)
+    except sqlite3.Error as exc:
+        app.notify(f"Could not delete “{title}” ({describe(exc)}); it is still saved.", severity="error")
+        return
     app.prompt_history.prompts = app.store.recent_prompts()   # its prompts go too
     app.notify(f"Deleted “{title}”.", timeout=4)
 
@@ -97,7 +104,7 @@ async def import_chat(app, path: Path) -> ChatSession | None:
         return None
     session = ChatSession(record)
     await app._open_session(session, after=app.active_session)
-    app._save(session)
+    app._save(session, messages=True)
     app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
     return session
 

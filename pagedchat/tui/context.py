@@ -118,7 +118,7 @@ async def continue_in_new_chat(app) -> ChatSession | None:
     new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
                                  settings=deepcopy(record.settings), messages=messages))
     await app._open_session(new, after=session)
-    app._save(new)
+    app._save(new, messages=True)
     dropped = len(record.messages) - len(messages)
     app.notify(f"Continued in a new chat with the last {len(messages)} messages ({dropped} left behind).",
                timeout=6)

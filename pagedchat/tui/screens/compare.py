@@ -279,7 +279,7 @@ def start_compare(app) -> None:
     async def keep(kept: ChatSession | None) -> None:
         if kept is not None and session.id in app.sessions:
             await app._open_session(kept, after=session)
-            app._save(kept)
+            app._save(kept, messages=True)
             app.notify(f"Kept as “{kept.record.title}”.", timeout=4)
 
     def chosen(variants: tuple[Variant, Variant] | None) -> None:
