@@ -38,3 +38,28 @@ def test_bad_input_is_one_clear_line(tmp_path, tiny_llama, capsys):
     assert len(err) == 1 and "no such model" in err[0]
     assert main(["ask", "hi", "--model", str(tiny_llama), "--kv-cache-memory", "lots"]) == 1
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, capsys):
+    import json
+
+    from pagedchat.tui.store import Store
+
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    export = tmp_path / "chat.json"
+    export.write_text(json.dumps({"title": "Capitals", "system": "Be brief.", "settings": {"temperature": 0.2},
+                                  "messages": [{"role": "user", "content": "Capital of France?"},
+                                               {"role": "assistant", "content": "Paris."}]}))
+    assert main(["import", str(export)]) == 0
+    assert "Imported “Capitals” (2 messages)" in capsys.readouterr().out
+    [chat] = Store.open(tmp_path / "data").load_chats()
+    assert chat.title == "Capitals" and chat.system_prompt == "Be brief." and chat.settings.temperature == 0.2
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "Capital of France?"), ("assistant", "Paris.")]
+    assert chat.is_open
+
+    export.write_text('{"messages": "hello"}')
+    assert main(["import", str(export)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == 'pagedchat: error: not imported: chat.json: "messages" must be a list of {"role", "content"}'
+    assert len(Store.open(tmp_path / "data").load_chats()) == 1   # nothing written for the bad file
