@@ -32,8 +32,8 @@ def border_text(app, session) -> str:
 
 # ---- context fill -----------------------------------------------------------------------------------------
 def test_fill_colours_at_70_and_90_percent():
-    assert ContextFill(0, 8192).style() == "$text-muted"
-    assert ContextFill(5734, 8192).style() == "$text-muted"   # 69.99%
+    assert ContextFill(0, 8192).style() == ""
+    assert ContextFill(5734, 8192).style() == ""   # 69.99%: still the border's own colour
     assert ContextFill(5735, 8192).style() == "$warning"
     assert ContextFill(7373, 8192).style() == "$error"
     assert ContextFill(1234, 8192).content().plain.strip() == "1,234 / 8,192"

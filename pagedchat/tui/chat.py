@@ -46,8 +46,7 @@ class PromptInput(TextArea):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
-                         placeholder="Message  (Enter sends · ctrl+j newline · ↑ earlier prompts · F1 help)",
-                         **kwargs)
+                         placeholder="Message  (Enter sends · ctrl+j newline · F1 help)", **kwargs)
         self.recalling = False   # the text is a recalled prompt (tui/history.py)
 
     def _recall_step(self, key: str) -> int | None:

@@ -35,15 +35,17 @@ class ContextFill:
             return "$error"
         if self.fraction >= WARN_AT:
             return "$warning"
-        return "$text-muted"
+        return ""   # the border's own subtitle colour (pagedchat.tcss)
 
     def content(self) -> Content:
         return Content.styled(f" {self.used:,} / {self.limit:,} ", self.style())
 
 
-def context_length(engine) -> int:
-    """The model's context in tokens (the engine refuses prompts that reach it)."""
-    return engine.config.max_position_embeddings
+def context_length(engine) -> int | None:
+    """The model's context in tokens (the engine refuses prompts that reach it); None from an engine that does
+    not say (a stand-in, a remote server that does not report it): then no figure is shown and nothing is
+    checked before sending, and the engine's own refusal is what the user sees."""
+    return getattr(getattr(engine, "config", None), "max_position_embeddings", None)
 
 
 def tokens_in_use(session: ChatSession) -> int:
@@ -61,8 +63,9 @@ def show_fill(app, session: ChatSession) -> None:
     view = app.chat_view(session)
     if view is None or app.engine is None:
         return
-    fill = ContextFill(tokens_in_use(session), context_length(app.engine))
-    view.prompt.border_subtitle = fill.content()
+    limit = context_length(app.engine)
+    if limit is not None:
+        view.prompt.border_subtitle = ContextFill(tokens_in_use(session), limit).content()
 
 
 def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
@@ -77,7 +80,7 @@ def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
     except Exception:  # a template problem: the send path reports it with its own words
         return None
     limit = context_length(engine)
-    if len(ids) < limit:
+    if limit is None or len(ids) < limit:
         return None
     return (f"This message would make the chat {len(ids):,} tokens, over the model's context of {limit:,}; "
             f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
@@ -90,7 +93,7 @@ def after_reply(app, session: ChatSession, finish_reason: str | None) -> None:
                    severity="warning", timeout=10)
 
 
-def carried_messages(record: ChatRecord, count_tokens, budget: int) -> list[ChatMessage]:
+def carried_messages(record: ChatRecord, count_tokens, budget: float) -> list[ChatMessage]:
     """The longest run of whole last turns (each from a user message on) whose prompt fits `budget`."""
     starts = [i for i, m in enumerate(record.messages) if m.role == "user"]
     keep: list[ChatMessage] = []
@@ -113,7 +116,8 @@ async def continue_in_new_chat(app) -> ChatSession | None:
     if session is None or app._engine_or_say() is None:
         return None
     record = session.record
-    budget = int(context_length(app.engine) * CARRY_SHARE)
+    limit = context_length(app.engine)
+    budget = int(limit * CARRY_SHARE) if limit is not None else float("inf")   # unknown: carry every turn
     messages = carried_messages(record, lambda conv: len(chat_prompt_ids(app.engine.tokenizer, conv)), budget)
     new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
                                  settings=deepcopy(record.settings), messages=messages))
