@@ -5,9 +5,11 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 from pagedchat.tui.migrations import SCHEMA_VERSION
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
+from pagedchat.tui.records import (INTERRUPTED, MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
+                                    ReplyStats, title_from)
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
 
@@ -160,12 +162,17 @@ def test_write_held_past_the_timeout_is_retried(tmp_path):
     saver = Saver(store, reports)
     chat = _chat("during the lock")
     saver.chat(chat, messages=True)
-    assert not saver.flush() and not saver.flush()
+    assert not saver.flush() and not saver.retry()
     assert len(reports) == 1 and reports[0][0] == "error" and "locked" in reports[0][1], reports
+    chat.messages.append(ChatMessage("user", "still typing"))
+    saver.message(chat, 2)
+    started = time.monotonic()
+    assert not saver.flush() and time.monotonic() - started < 0.05  # while failing, only retries wait
     holder.execute("COMMIT")
-    assert saver.flush() and not saver.pending
+    assert saver.retry() and not saver.pending
     assert reports[-1] == ("information", "Chats are being saved again.")
-    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello"]
+    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello", "still typing"]
+    assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 100  # a retry's shorter wait is undone
 
 
 FULL_DISK = """
@@ -192,7 +199,7 @@ assert not saver.flush(), "the write should not fit"
 assert saver.pending and len(reports) == 1, reports
 print(reports[0])
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again: the retry writes it
-assert saver.flush(), "the retry should succeed"
+assert saver.retry(), "the retry should succeed"
 print("retried")
 """
 
@@ -308,3 +315,37 @@ def test_markdown_export_and_titles():
     assert title_from("") == "New chat"
     m = ChatMessage("assistant", "text\n```python\nprint(1)\n```\nmore\n~~~\nx\n~~~\n")
     assert m.code_blocks() == ["print(1)", "x"]
+
+
+def test_search_survives_the_migration_of_an_old_database(tmp_path):
+    """A version-1 file gets its index at migration, and the index then follows every save and delete."""
+    _v1_file(tmp_path / DB_NAME, [("c1", [("user", "how do lighthouses work"), ("assistant", "a lamp and a lens")]),
+                                  ("c2", [("user", "paged attention, please"), ("assistant", "pages of the cache")])])
+    store = Store.open(tmp_path)
+    assert store.notice is None
+    [hit] = store.search("lens")
+    assert (hit.chat_id, hit.title, hit.message_index, hit.role) == ("c1", "chat c1", 1, "assistant")
+    assert hit.snippet == f"a lamp and a {MATCH_OPEN}lens{MATCH_CLOSE}"
+    assert [h.chat_id for h in store.search("page")] == ["c2", "c2"]  # the last word matches as a prefix
+    assert store.search('"') == [] and store.search("   ") == []   # typed punctuation is only text
+
+    saver = Saver(store, Reports())
+    chat = store.load_chat("c1")
+    chat.messages.append(ChatMessage("assistant", "the keeper climbs"))
+    saver.message(chat, 2)
+    saver.flush()
+    assert [(h.chat_id, h.message_index) for h in store.search("keeper")] == [("c1", 2)]
+    chat.messages[2].content = "the keeper sleeps"  # a streaming reply saved again: old words leave the index
+    saver.message(chat, 2)
+    saver.flush()
+    assert store.search("climbs") == [] and len(store.search("sleeps")) == 1
+    store.set_open("c1", False)  # closed chats are searched too
+    assert [h.is_open for h in store.search("sleeps")] == [False]
+
+    saver.delete_chat("c1")
+    saver.message(chat, 2)  # a late save of a deleted chat does not bring it back
+    saver.flush()
+    assert store.search("sleeps") == [] and store.search("lens") == [] and store.load_chat("c1") is None
+    assert len(store.search("attention")) == 1
+    store.close()
+    assert len(Store.open(tmp_path).search("attention")) == 1

@@ -6,14 +6,12 @@ reached from here behaves like one opened with ctrl+n.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 from pagedchat.tui.records import ChatRecord
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.store import describe
 from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, read_chat_file, render
 
 
@@ -46,10 +44,10 @@ def confirm_delete(app, chat_id: str | None = None) -> None:
             return
         chat_id = app.active_session.id
     session = app.sessions.get(chat_id)
-    title = session.record.title if session else next((t for cid, t, _ in app.store.closed_chats(10**6)
-                                                       if cid == chat_id), None)
-    if title is None:
+    record = session.record if session else app.store.load_chat(chat_id)
+    if record is None:
         return
+    title = record.title
 
     async def answered(yes: bool | None) -> None:
         if yes:
@@ -62,12 +60,8 @@ async def delete_chat(app, chat_id: str, title: str) -> None:
     session = app.sessions.get(chat_id)
     if session is not None:
         await app._remove_tab(session)
-    app.saver.forget(chat_id)
-    try:
-        app.store.delete_chat(chat_id)
-    except sqlite3.Error as exc:
-        app.notify(f"Could not delete “{title}” ({describe(exc)}); it is still saved.", severity="error")
-        return
+    app.saver.delete_chat(chat_id)   # a failed write is retried, and nothing unsaved brings the chat back
+    app.saver.flush()
     app.prompt_history.prompts = app.store.recent_prompts()   # its prompts go too
     app.notify(f"Deleted “{title}”.", timeout=4)
 

@@ -11,7 +11,7 @@ from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider
 from textual.content import Content
 
 from pagedchat.tui import chat_ops, context
-from pagedchat.tui.search import HIT_CLOSE, HIT_OPEN, SearchHit
+from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, SearchHit
 from pagedchat.tui.screens.compare import start_compare
 
 
@@ -95,7 +95,7 @@ class PromptHistorySearch(Provider):
 def snippet_content(hit: SearchHit) -> Content:
     """"Title · You: …the matched words…", the matched words in bold."""
     parts: list = [(hit.title, "bold"), (" · You: " if hit.role == "user" else " · Assistant: ", "$text-muted")]
-    for n, piece in enumerate(hit.snippet.replace(HIT_CLOSE, HIT_OPEN).split(HIT_OPEN)):
+    for n, piece in enumerate(hit.snippet.replace(MATCH_CLOSE, MATCH_OPEN).split(MATCH_OPEN)):
         parts.append((piece, "bold $text-accent") if n % 2 else piece)
     if not hit.is_open:
         parts.append(("  (closed)", "$text-muted"))
@@ -109,4 +109,4 @@ class ChatSearch(Provider):
         hits = self.app.store.search(query)
         for rank, hit in enumerate(hits):
             yield Hit(1.0 - rank / (len(hits) + 1), snippet_content(hit),
-                      partial(chat_ops.open_at, self.app, hit.chat_id, hit.index), text=hit.title)
+                      partial(chat_ops.open_at, self.app, hit.chat_id, hit.message_index), text=hit.title)

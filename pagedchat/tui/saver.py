@@ -17,7 +17,8 @@ from typing import Callable
 from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.store import Store, describe
 
-RETRY_S = 2.0  # how often the app retries a failed write
+RETRY_S = 2.0       # how often the app retries a failed write
+RETRY_WAIT_S = 0.1  # how long a retry waits for a lock: the UI thread waits with it, every RETRY_S
 Report = Callable[[str, str], None]  # (text, severity)
 
 
@@ -38,10 +39,14 @@ class Saver:
         self._chats: dict[str, _Changes] = {}
         self._order: list[str] | None = None
         self._state: dict[str, str] = {}
+        self._deleted: set[str] = set()
+        self._gone: set[str] = set()       # deleted chats: a late mark must not bring one back
         self.failing: str | None = None    # the last write error, while writes fail
 
     # ---- marking --------------------------------------------------------------------------------------------
     def _changes(self, record: ChatRecord) -> _Changes:
+        if record.id in self._gone:
+            return _Changes(record)  # marked, and never written
         changes = self._chats.setdefault(record.id, _Changes(record))
         changes.record = record
         return changes
@@ -67,9 +72,11 @@ class Saver:
             changes.messages.pop(message.id, None)
             changes.removed.add(message.id)
 
-    def forget(self, chat_id: str) -> None:
-        """The chat is being deleted: drop its unsaved changes, or a retried write would bring it back."""
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete the chat for good; anything still unsaved of it is dropped."""
         self._chats.pop(chat_id, None)
+        self._deleted.add(chat_id)
+        self._gone.add(chat_id)
 
     def order(self, open_ids: list[str]) -> None:
         self._order = list(open_ids)
@@ -79,11 +86,24 @@ class Saver:
 
     @property
     def pending(self) -> bool:
-        return bool(self._chats or self._order is not None or self._state)
+        return bool(self._chats or self._deleted or self._order is not None or self._state)
 
     # ---- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Write everything marked, in one transaction. False (and the marks kept) if the write failed."""
+        """Write everything marked, in one transaction. False (and the marks kept) if the write failed.
+        While writes fail, only retry() writes: each change would otherwise wait out the busy timeout."""
+        if self.failing is not None:
+            return False
+        return self._flush()
+
+    def retry(self, wait_s: float = RETRY_WAIT_S) -> bool:
+        """Try again what failed (the app's timer), waiting at most wait_s for another writer's lock."""
+        if not self.pending:
+            return True
+        with self.store.busy_timeout(wait_s):
+            return self._flush()
+
+    def _flush(self) -> bool:
         if not self.pending:
             return True
         try:
@@ -93,6 +113,7 @@ class Saver:
             self._failed(describe(exc))
             return False
         self._chats.clear()
+        self._deleted.clear()
         self._order = None
         self._state.clear()
         if self.failing is not None:
@@ -113,6 +134,8 @@ class Saver:
                 store.put_message(record.id, index, message)
             if changes.removed:
                 store.remove_messages(record.id, sorted(changes.removed))
+        for chat_id in self._deleted:
+            store.remove_chat(chat_id)
         if self._order is not None:
             store.put_order(self._order)
         for key, value in self._state.items():
