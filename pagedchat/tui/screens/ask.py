@@ -23,7 +23,7 @@ class ConfirmScreen(_Modal):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self._question, classes="dialog-title")
+            yield Label(self._question, classes="dialog-title -question")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._action, variant="error", id="confirm")
                 yield Button("Cancel", id="cancel")
