@@ -65,7 +65,7 @@ async def test_prompt_that_cannot_fit_is_refused_and_kept(config):
         text = "word " * CONTEXT
         prompt = await send(pilot, text)
         prompt = app.chat_view(session).prompt
-        await wait_for(pilot, lambda: any("over the model's context" in n for n in notes(app)), "the notice")
+        await wait_for(pilot, lambda: any("but the model's context holds 256" in n for n in notes(app)), "the notice")
         assert prompt.text == text and not session.record.messages and not session.busy
         assert any("Continue in a new chat" in n for n in notes(app))
 

@@ -27,8 +27,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
 from pagedchat.config import DEFAULT_THEME, AppConfig
-from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui import chat_ops, context
+from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
 from pagedchat.tui.commands import ChatCommands
 from pagedchat.tui.history import PromptHistory

@@ -27,7 +27,7 @@ class ChatCommands(Provider):
 
     def entries(self) -> list[Entry]:
         app = self.app
-        out = [
+        return [
             Entry("Search chats…", "Find a word in every saved chat, open or closed, and jump to it",
                   partial(open_palette, app, ChatSearch, "Search all chats…")),
             Entry("Prompt history…", "Pick one of your earlier prompts (fuzzy search) into the input; ↑ also "
@@ -41,7 +41,6 @@ class ChatCommands(Provider):
             Entry("Compare…", "Answer the last prompt twice with different settings, side by side (F5)",
                   partial(start_compare, app)),
         ]
-        return out
 
     def closed_entries(self) -> list[Entry]:
         return [Entry(f"Delete chat: {title}", f"Closed chat, {count} messages: delete it for good",

@@ -82,7 +82,7 @@ def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
     limit = context_length(engine)
     if limit is None or len(ids) < limit:
         return None
-    return (f"This message would make the chat {len(ids):,} tokens, over the model's context of {limit:,}; "
+    return (f"This message would make the chat {len(ids):,} tokens, but the model's context holds {limit:,}; "
             f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
 
 
