@@ -1,15 +1,55 @@
-"""The SQLite store: round trips, tab order, closed chats, a corrupt file moved aside."""
+"""The SQLite store: round trips, per-message saves shared by two instances, locks, a full disk, migrations,
+a newer file refused untouched, and damaged files salvaged row by row."""
 
 import sqlite3
+import subprocess
+import sys
+import textwrap
 
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
+from pagedchat.tui.migrations import SCHEMA_VERSION
+from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
+from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
+
+# The schema pagedchat 0.1 wrote (user_version 1): messages keyed by position, whole chats rewritten.
+V1_SCHEMA = """
+CREATE TABLE chats (id TEXT PRIMARY KEY, title TEXT NOT NULL, system_prompt TEXT NOT NULL, settings TEXT NOT NULL,
+    position INTEGER NOT NULL, is_open INTEGER NOT NULL DEFAULT 1, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, idx INTEGER NOT NULL,
+    role TEXT NOT NULL, content TEXT NOT NULL, stats TEXT, PRIMARY KEY (chat_id, idx));
+CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+PRAGMA user_version = 1;
+"""
+
+
+SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def _chat(title="A chat", **kw):
     return ChatRecord(title=title, system_prompt="Be brief.", settings=ChatSettings(max_tokens=32, seed=7),
                       messages=[ChatMessage("user", "hi"),
                                 ChatMessage("assistant", "hello", ReplyStats(5, 2, 3, 0.01, 99.0, "stop"))], **kw)
+
+
+class Reports(list):
+    def __call__(self, text, severity):
+        self.append((severity, text))
+
+
+def _v1_file(path, chats):
+    conn = sqlite3.connect(path)
+    conn.executescript(V1_SCHEMA)
+    for n, (cid, messages) in enumerate(chats):
+        conn.execute("INSERT INTO chats VALUES (?, ?, '', '{}', ?, 1, 1.0, 1.0)", (cid, f"chat {cid}", n))
+        conn.executemany("INSERT INTO messages VALUES (?, ?, ?, ?, NULL)",
+                         [(cid, i, role, text) for i, (role, text) in enumerate(messages)])
+    conn.commit()
+    conn.close()
+
+
+def _aside(tmp_path):
+    """The damaged files renamed aside (without SQLite's -wal/-shm side files)."""
+    return sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name and not p.name.endswith(SIDE_FILES))
 
 
 def test_round_trip(tmp_path):
@@ -23,9 +63,16 @@ def test_round_trip(tmp_path):
     [loaded] = store.load_chats()
     assert loaded.id == chat.id and loaded.title == "A chat" and loaded.system_prompt == "Be brief."
     assert loaded.settings == ChatSettings(max_tokens=32, seed=7)
-    assert [(m.role, m.content) for m in loaded.messages] == [("user", "hi"), ("assistant", "hello")]
+    assert [(m.role, m.content, m.id) for m in loaded.messages] == [(m.role, m.content, m.id) for m in chat.messages]
     assert loaded.messages[1].stats == ReplyStats(5, 2, 3, 0.01, 99.0, "stop")
     assert store.get_state("theme") == "pagedchat-light" and store.get_state("nothing", "x") == "x"
+
+
+def test_wal_mode_and_busy_timeout(tmp_path):
+    store = Store.open(tmp_path, busy_timeout_s=1.5)
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 1500
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_order_and_closed_chats(tmp_path):
@@ -38,40 +85,220 @@ def test_order_and_closed_chats(tmp_path):
     assert [r.title for r in store.load_chats(open_only=True)] == ["c", "b"]
     assert [r.title for r in store.load_chats(open_only=False)] == ["a"]
     assert store.closed_chats() == [(a.id, "a", 2)]
-    a.messages.pop()
-    store.save_chat(a)  # rewriting replaces the messages
-    assert len(next(r for r in store.load_chats() if r.id == a.id).messages) == 1
+    with store.transaction():
+        store.remove_messages(a.id, [a.messages.pop().id])
+    assert len(store.load_chat(a.id).messages) == 1
     store.delete_chat(b.id)
     assert {r.title for r in store.load_chats()} == {"a", "c"}
 
 
-def test_corrupt_database_is_moved_aside(tmp_path):
-    (tmp_path / DB_NAME).write_bytes(b"this is not a database" * 100)
+def test_two_instances_on_one_chat_keep_each_others_messages(tmp_path):
+    """Both instances loaded the same chat; each adds a turn and one regenerates its own reply. Before
+    per-message saves, the last writer's whole-chat rewrite deleted the other's turn."""
+    first = Store.open(tmp_path)
+    first.save_chat(_chat("shared"))
+    second = Store.open(tmp_path)
+    saves = [Saver(first, Reports()), Saver(second, Reports())]
+    copies = [first.load_chats()[0], second.load_chats()[0]]
+    for n, (saver, record) in enumerate(zip(saves, copies)):
+        record.messages += [ChatMessage("user", f"question {n}"), ChatMessage("assistant", f"answer {n}")]
+        saver.message(record, 2)
+        saver.message(record, 3)
+    saves[1].flush()
+    saves[0].flush()
+    regenerated = copies[1].messages.pop()
+    saves[1].removed(copies[1], [regenerated])
+    copies[1].messages.append(ChatMessage("assistant", "answer 1, again"))
+    saves[1].message(copies[1], 3)
+    assert saves[1].flush()
+    texts = [m.content for m in Store.open(tmp_path).load_chats()[0].messages]
+    assert texts[:2] == ["hi", "hello"]
+    assert sorted(texts[2:]) == ["answer 0", "answer 1, again", "question 0", "question 1"]
+
+
+def test_a_saver_writes_only_what_it_marked(tmp_path):
+    """An instance with a stale copy of a chat must not write it back over another instance's changes."""
     store = Store.open(tmp_path)
-    assert store.notice and "moved to" in store.notice
+    chat = _chat("mine")
+    saver = Saver(store, Reports())
+    saver.chat(chat, messages=True)
+    saver.flush()
+    other = Store.open(tmp_path)
+    theirs = other.load_chat(chat.id)
+    theirs.messages[1].content = "hello, edited elsewhere"
+    other.save_chat(theirs)
+    chat.messages.append(ChatMessage("user", "more"))
+    saver.message(chat, 2)  # the stale copy of message 1 is not marked, so it is not written
+    saver.flush()
+    assert [m.content for m in other.load_chat(chat.id).messages] == ["hi", "hello, edited elsewhere", "more"]
+
+
+def test_held_lock_on_an_old_file_is_not_damage(tmp_path):
+    """Another program holds an exclusive lock on a rollback-journal file: pagedchat says so and leaves it."""
+    path = tmp_path / DB_NAME
+    _v1_file(path, [("c1", [("user", "keep me")])])
+    before = path.read_bytes()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    store = Store.open(tmp_path, busy_timeout_s=0.1)
+    assert "locked" in store.notice and "left as it is" in store.notice, store.notice
+    assert store.load_chats() == [] and _aside(tmp_path) == []
+    holder.execute("ROLLBACK")
+    holder.close()
+    assert path.read_bytes() == before
+    store = Store.open(tmp_path, busy_timeout_s=0.1)  # once free, it opens (and migrates) with its chats
+    assert store.notice is None and [m.content for m in store.load_chats()[0].messages] == ["keep me"]
+
+
+def test_write_held_past_the_timeout_is_retried(tmp_path):
+    """Another connection holds BEGIN EXCLUSIVE: the save fails with a report, keeps its marks, and the retry
+    after the lock is released writes them."""
+    store = Store.open(tmp_path, busy_timeout_s=0.1)
+    holder = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    reports = Reports()
+    saver = Saver(store, reports)
+    chat = _chat("during the lock")
+    saver.chat(chat, messages=True)
+    assert not saver.flush() and not saver.flush()
+    assert len(reports) == 1 and reports[0][0] == "error" and "locked" in reports[0][1], reports
+    holder.execute("COMMIT")
+    assert saver.flush() and not saver.pending
+    assert reports[-1] == ("information", "Chats are being saved again.")
+    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello"]
+
+
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.saver import Saver
+from pagedchat.tui.store import Store
+
+folder = Path(sys.argv[1])
+store = Store.open(folder)
+reports = []
+saver = Saver(store, lambda text, severity: reports.append(text))
+chat = ChatRecord(title="big")
+saver.chat(chat, messages=True)
+assert saver.flush()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+used = max(p.stat().st_size for p in folder.iterdir())
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (used + 8192, hard))
+chat.messages.append(ChatMessage("assistant", "x" * 200_000))
+saver.message(chat, 0)
+assert not saver.flush(), "the write should not fit"
+assert saver.pending and len(reports) == 1, reports
+print(reports[0])
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again: the retry writes it
+assert saver.flush(), "the retry should succeed"
+print("retried")
+"""
+
+
+def test_full_disk_is_reported_and_retried(tmp_path):
+    """RLIMIT_FSIZE makes the next write fail as a full disk does; nothing raises, the retry saves it."""
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "Could not save chats" in run.stdout and "retried" in run.stdout, run.stdout
+    [chat] = Store.open(tmp_path).load_chats()
+    assert chat.messages[0].content == "x" * 200_000
+
+
+def test_newer_schema_is_refused_and_untouched(tmp_path):
+    path = tmp_path / DB_NAME
+    conn = sqlite3.connect(path)
+    conn.executescript("CREATE TABLE future (x); INSERT INTO future VALUES (1); PRAGMA user_version = 99;")
+    conn.close()
+    before = path.read_bytes()
+    store = Store.open(tmp_path)
+    assert "newer pagedchat (schema 99" in store.notice and "untouched" in store.notice, store.notice
     assert store.load_chats() == []
-    moved = list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
-    assert len(moved) == 1 and moved[0].read_bytes().startswith(b"this is not")
+    store.save_chat(_chat())  # the session still works, in memory
+    assert path.read_bytes() == before and _aside(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DB_NAME]
+
+
+def test_migration_from_version_1_keeps_every_message(tmp_path):
+    _v1_file(tmp_path / DB_NAME, [("c1", [("user", "one"), ("assistant", "two"), ("user", "three")]),
+                                  ("c2", [("user", "other")])])
+    store = Store.open(tmp_path)
+    assert store.notice is None
+    chats = {c.id: c for c in store.load_chats()}
+    assert [m.content for m in chats["c1"].messages] == ["one", "two", "three"]
+    assert [m.content for m in chats["c2"].messages] == ["other"]
+    ids = [m.id for m in chats["c1"].messages]
+    assert len(set(ids)) == 3 and all(ids)
+    store.close()
+    again = Store.open(tmp_path).load_chats()  # ids are stored, not made up at each load
+    assert [m.id for m in next(c for c in again if c.id == "c1").messages] == ids
+
+
+def test_not_a_database_is_kept_and_a_fresh_one_started(tmp_path):
+    original = b"this is not a database" * 100
+    (tmp_path / DB_NAME).write_bytes(original)
+    store = Store.open(tmp_path)
+    assert "Recovered 0 chats" in store.notice and "kept untouched" in store.notice, store.notice
+    [moved] = _aside(tmp_path)
+    assert moved in store.notice and (tmp_path / moved).read_bytes() == original
     store.save_chat(_chat())  # the fresh database works
     assert len(store.load_chats()) == 1
 
 
-def test_bad_rows_count_as_corrupt(tmp_path):
+def test_bad_rows_hide_nothing_else(tmp_path):
+    """A chat whose settings do not decode keeps its messages; a message row that does not decode is the only
+    thing lost."""
     store = Store.open(tmp_path)
-    store.save_chat(_chat())
-    store.conn.execute("UPDATE chats SET settings = 'not json'")
-    store.conn.commit()
+    good, odd = _chat("good"), _chat("odd settings")
+    store.save_chat(good)
+    store.save_chat(odd)
+    store.conn.execute("UPDATE chats SET settings = 'not json' WHERE id = ?", (odd.id,))
+    store.conn.execute("UPDATE messages SET role = 'wizard' WHERE id = ?", (good.messages[0].id,))
     store.close()
     store = Store.open(tmp_path)
-    assert store.notice and store.load_chats() == []
+    assert "Recovered 2 chats (3 messages)" in store.notice and "1 damaged rows" in store.notice, store.notice
+    chats = {c.title: c for c in store.load_chats()}
+    assert [m.content for m in chats["good"].messages] == ["hello"]
+    assert [m.content for m in chats["odd settings"].messages] == ["hi", "hello"]
+    assert chats["odd settings"].settings == ChatSettings()
+    [moved] = _aside(tmp_path)
+    kept = sqlite3.connect(tmp_path / moved)
+    assert kept.execute("SELECT settings FROM chats WHERE id = ?", (odd.id,)).fetchone() == ("not json",)
 
 
-def test_newer_schema_is_not_overwritten(tmp_path):
-    conn = sqlite3.connect(tmp_path / DB_NAME)
-    conn.execute("PRAGMA user_version = 99")
-    conn.close()
+def test_a_damaged_page_loses_only_its_rows(tmp_path):
     store = Store.open(tmp_path)
-    assert "newer" in store.notice
+    chats = []
+    for n in range(6):
+        chat = ChatRecord(title=f"chat {n}", messages=[ChatMessage("user", f"MARK-{n}-{k}|" + "y" * 3000)
+                                                       for k in range(2)])
+        store.save_chat(chat)
+        chats.append(chat)
+    store.close()  # the last connection checkpoints the WAL into the file
+    path = tmp_path / DB_NAME
+    data = bytearray(path.read_bytes())
+    page_size = 4096
+    start = data.index(b"MARK-3-0|") // page_size * page_size
+    lost = {bytes(m) for m in __import__("re").findall(rb"MARK-\d-\d\|", bytes(data[start:start + page_size]))}
+    data[start:start + page_size] = bytes(page_size)
+    path.write_bytes(bytes(data))
+    damaged = bytes(data)
+
+    store = Store.open(tmp_path)
+    assert "Saved chats were damaged" in store.notice and "Recovered 6 chats (11 messages)" in store.notice, \
+        store.notice
+    found = {m.content.split("|")[0] + "|" for c in store.load_chats() for m in c.messages}
+    every = {f"MARK-{n}-{k}|" for n in range(6) for k in range(2)}
+    assert found == every - {m.decode() for m in lost} and len(lost) == 1
+    [moved] = _aside(tmp_path)
+    assert (tmp_path / moved).read_bytes() == damaged
+
+
+def test_interrupted_replies_say_so():
+    stats = ReplyStats(12, 0, 40, 0.05, 20.0, INTERRUPTED)
+    assert stats.line().endswith("· interrupted")
 
 
 def test_markdown_export_and_titles():

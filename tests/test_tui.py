@@ -325,12 +325,12 @@ async def test_chats_are_restored_after_restart(config):
         custom = ChatSettings(max_tokens=LONG, temperature=0.0, top_p=0.8, top_k=5, seed=42)
         first.record.settings = custom
         first.record.system_prompt = "Custom system prompt."
-        app._save(first)
+        app._save(first, row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 2, "a second tab")
         second = app.active_session
         second.record.title = "Second"
-        app._save(second)
+        app._save(second, row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 3, "a third tab")
         await pilot.press("ctrl+w")  # closed chats are kept, but do not come back as tabs
@@ -362,13 +362,13 @@ async def test_chats_are_restored_after_restart(config):
         assert any(t.startswith("Reopen chat: New chat") for t in commands)
 
 
-async def test_corrupt_database_is_moved_aside_and_reported(config):
+async def test_corrupt_database_is_kept_aside_and_reported(config):
     config.data_dir.mkdir(parents=True)
     (config.data_dir / DB_NAME).write_bytes(b"\x00garbage" * 500)
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
-        await wait_for(pilot, lambda: any("moved to" in n for n in notes(app)), "the corrupt-database notice")
+        await wait_for(pilot, lambda: any("kept untouched" in n for n in notes(app)), "the corrupt-database notice")
         assert len(app.sessions) == 1 and list(config.data_dir.glob(f"{DB_NAME}.corrupt-*"))
         await ready(pilot)
         session = await send(pilot, "works", max_tokens=4)

@@ -2,11 +2,14 @@
 
 Threads: the engine steps on its own thread and hands deltas to DeltaInbox, which wakes the UI with one
 DeltasReady message at a time; the model loads on a daemon thread. Everything else, including SQLite writes
-(a few ms, only when a chat changes), runs on Textual's event loop, so no widget is ever touched off-thread.
+(a few ms, when a chat changes and twice a second per streaming reply), runs on Textual's event loop, so no
+widget is ever touched off-thread. What is saved when is marked through a Saver (`saver.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from collections.abc import Iterable
 from copy import deepcopy
@@ -27,6 +30,7 @@ from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineRe
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
 from pagedchat.tui.inspector import ChatPages, InspectorView
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, slug, title_from
+from pagedchat.tui.saver import RETRY_S, Saver
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.session import ChatSession
@@ -34,6 +38,8 @@ from pagedchat.tui.store import Store
 from pagedchat.tui.themes import chat_colours, load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
+SAVE_EVERY_S = 0.5     # a streaming reply is saved this often, so a crash loses under a second of it
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 PANE_PREFIX = "chat-"
 
 EngineFactory = Callable[[Callable[[str, "float | None"], None]], object]
@@ -74,9 +80,11 @@ class PagedChatApp(App):
         Binding("ctrl+o", "export_chat", "Export", show=False, priority=True, id="export_chat"),
     ]
 
-    def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
+    def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None,
+                 open_store: Callable[[Path], Store] = Store.open) -> None:
         super().__init__()
         self.config = config
+        self._open_store_at = open_store
         self.engine = None
         self.engine_error: str | None = None
         self._stop_noted = False                      # the engine's failure has been shown
@@ -85,6 +93,7 @@ class PagedChatApp(App):
         self.sessions: dict[str, ChatSession] = {}
         self.requests: dict[str, str] = {}           # live request id -> chat id
         self.store: Store | None = None
+        self.saver: Saver | None = None
         self._startup_notes: list[tuple[str, str]] = []
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
@@ -104,6 +113,8 @@ class PagedChatApp(App):
 
     async def on_mount(self) -> None:
         self.store = self._open_store()
+        self.saver = Saver(self.store, lambda text, severity: self.notify(text, severity=severity, timeout=10))
+        self._install_exit_signals()
         self._apply_theme()
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
@@ -112,10 +123,11 @@ class PagedChatApp(App):
             self.notify(text, severity=severity, timeout=10)
         start_loading(self, self._factory)
         self.set_interval(TICK_S, self._tick)
+        self.set_interval(RETRY_S, self.saver.flush)  # a no-op unless a write failed
 
     def _open_store(self) -> Store:
         try:
-            store = Store.open(self.config.data_dir)
+            store = self._open_store_at(self.config.data_dir)
         except OSError as exc:
             store = Store.in_memory(f"Cannot write saved chats in {self.config.data_dir} ({exc.strerror or exc}); "
                                     "chats in this session will not be kept.")
@@ -137,9 +149,10 @@ class PagedChatApp(App):
         self.theme = choice
 
     def _on_theme_changed(self, theme) -> None:
-        if self.store is not None:
-            self.store.set_state("theme", theme.name)
-            self.store.set_state("theme_config", self.config.theme or "")
+        if self.saver is not None:
+            self.saver.state("theme", theme.name)
+            self.saver.state("theme_config", self.config.theme or "")
+            self.saver.flush()
         for session in self.sessions.values():
             self._refresh_label(session)
         self._tick(force=True)
@@ -241,22 +254,32 @@ class PagedChatApp(App):
             await view.populate()
             if not isinstance(self.focused, MessageView) or self.focused not in view.views:
                 view.prompt.focus()
-        self.store.set_state("active_chat", session.id)
+        self.saver.state("active_chat", session.id)
+        self.saver.flush()
         self._tick(force=True)
 
     def _save_order(self) -> None:
         sessions = self.ordered_sessions()
         for i, s in enumerate(sessions):
             s.record.position = i
-        self.store.save_order([s.id for s in sessions])
+        self.saver.order([s.id for s in sessions])
+        self.saver.flush()
 
-    def _save(self, session: ChatSession) -> None:
-        """Write the chat; a reply still streaming is saved with the text it has so far."""
+    def _save(self, session: ChatSession, *indexes: int, row: bool = False, messages: bool = False) -> None:
+        """Save what changed: messages at `indexes`, the chat's row, or (messages=True) all of it. A live
+        reply is saved as its snapshot, marked interrupted until it finishes."""
         record = session.record
-        if session.busy and session.reply_index is not None:
-            record = deepcopy(record)
-            record.messages[session.reply_index].content = session.reply_prefix + session.received_text
-        self.store.save_chat(record)
+        if row or messages:
+            self.saver.chat(record, messages=messages)
+        for index in indexes:
+            self.saver.message(record, index)
+        if session.busy and session.reply_index is not None and (messages or session.reply_index in indexes):
+            self._save_reply(session)
+        self.saver.flush()
+
+    def _save_reply(self, session: ChatSession) -> None:
+        self.saver.message(session.record, session.reply_index, session.reply_snapshot())
+        session.saved_at = time.monotonic()
 
     # ---- sending and streaming -----------------------------------------------------------------------------
     def _engine_or_say(self) -> object | None:
@@ -303,51 +326,46 @@ class PagedChatApp(App):
         if session.busy:
             self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
             return
-        if self._engine_or_say() is None:
-            return
-        event.prompt.clear()
-        record = session.record
-        if not record.messages and record.title == "New chat":
-            record.title = title_from(event.text)
-        await self._append(session, ChatMessage("user", event.text))
-        await self._start_reply(session)
+        if await self._start_reply(session, ask=event.text):
+            event.prompt.clear()  # only now: a refused message stays in the input
 
     async def _append(self, session: ChatSession, message: ChatMessage) -> MessageView | None:
         session.record.messages.append(message)
         view = self.chat_view(session)
         return await view.add_message(message, len(session.record.messages) - 1) if view else None
 
-    async def _start_reply(self, session: ChatSession) -> None:
-        """Ask the engine for a reply to the chat as it stands (its last message is the user's)."""
+    async def _start_reply(self, session: ChatSession, keep: int | None = None, ask: str | None = None) -> bool:
+        """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
+        by the user's new message `ask` if given. Messages from `keep` on (a reply being regenerated, a message
+        being edited and what followed it) are removed only once the engine has accepted the request, so a
+        refused one changes nothing. True if the reply started."""
         from pagedchat.engine.chat import chat_prompt_ids
 
         engine = self._engine_or_say()
         if engine is None:
-            return
+            return False
         record = session.record
+        keep = len(record.messages) if keep is None else keep
+        conversation = record.conversation(keep) + ([{"role": "user", "content": ask}] if ask is not None else [])
         try:
-            ids = chat_prompt_ids(engine.tokenizer, record.conversation(),
-                                  session.previous_ids(len(record.messages)))
+            ids = chat_prompt_ids(engine.tokenizer, conversation, session.previous_ids(keep))
             params = record.settings.params()
-        except Exception as exc:  # a template or settings problem: say so, keep the chat as it is
-            self.notify(f"Cannot build the prompt: {exc}", severity="error")
-            return
+            handle = engine.submit(ids, params, on_update=self.inbox.callback(session.id))
+        except Exception as exc:  # a template or settings problem, RequestError: say so, keep the chat as is
+            self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
+            return False
+        await self._cut(session, keep)
+        if ask is not None:
+            if not record.messages and record.title == "New chat":
+                record.title = title_from(ask)
+            await self._append(session, ChatMessage("user", ask))
         view = await self._append(session, ChatMessage("assistant", ""))
         index = len(record.messages) - 1
-        try:
-            handle = engine.submit(ids, params, on_update=self.inbox.callback(session.id))
-        except Exception as exc:  # RequestError: too long for the context or the cache
-            session.truncate(index)
-            chat = self.chat_view(session)
-            if chat is not None:
-                await chat.truncate(index)
-            self.notify(str(exc), severity="error", timeout=10)
-            self._save(session)
-            return
         if view is not None:
             await view.start_stream()
         self._track(session, handle, index)
-        self._save(session)
+        self._save(session, *range(keep, index + 1), row=True)
+        return True
 
     def _track(self, session: ChatSession, handle, index: int, prefix: str = "") -> None:
         session.request_id = handle.request_id
@@ -376,11 +394,16 @@ class PagedChatApp(App):
             tokens = sum(len(d.token_ids) for d in deltas)
             session.received_text += text
             session.received_tokens += tokens
+            session.record.messages[session.reply_index].content = session.reply_prefix + session.received_text
             final = next((d for d in deltas if d.finished), None)
             if final is not None:
                 await self._finish_reply(session, final.completion)
-            elif view is not None:
+                continue
+            if view is not None:
                 view.feed(text, tokens)
+            if time.monotonic() - session.saved_at >= SAVE_EVERY_S:
+                self._save_reply(session)
+        self.saver.flush()
 
     def _reply_view(self, session: ChatSession) -> MessageView | None:
         chat = self.chat_view(session)
@@ -410,6 +433,7 @@ class PagedChatApp(App):
             session.page_tokens = len(completion.prompt_token_ids) + len(completion.token_ids)
         if not completion.token_ids and not content and completion.finish_reason in ("cancelled", "error"):
             await self._cut(session, index)  # nothing came: drop the empty reply rather than keep a blank one
+            index = None
         else:
             message = session.record.messages[index]
             message.content, message.stats = content, stats
@@ -426,18 +450,15 @@ class PagedChatApp(App):
         self._update_status()
         self._tick()  # the inspector shows the chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
-        self._save(session)
+        self._save(session, *(() if index is None else (index,)))
 
     async def _abandon(self, session: ChatSession) -> None:
         """Stop a reply now, without waiting for the engine's final delta (closing, quitting, editing)."""
         if not session.busy:
             return
-        handle = session.handle
         self.engine.cancel(session.request_id)
         self.requests.pop(session.request_id, None)
-        stats = ReplyStats(prompt_tokens=len(handle.prompt_token_ids), cached_tokens=handle.cached_tokens,
-                           generated_tokens=session.received_tokens, ttft=handle.time_to_first_token,
-                           tokens_per_s=handle.decode_tokens_per_s, finish_reason="cancelled")
+        stats = session.live_stats("cancelled")
         index = session.reply_index
         message = session.record.messages[index]
         if session.fork_parent_len is None:  # (a fork with no delta yet keeps the parent's text it started with)
@@ -453,6 +474,34 @@ class PagedChatApp(App):
         self._refresh_label(session)
         self._update_status()
         self.refresh_bindings()
+        self._save(session, index)
+
+    def _install_exit_signals(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            for sig in EXIT_SIGNALS:
+                loop.add_signal_handler(sig, self._exit_on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):  # no signals here, or not the main thread
+            pass
+
+    def _remove_exit_signals(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            for sig in EXIT_SIGNALS:
+                loop.remove_signal_handler(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+    def _exit_on_signal(self) -> None:
+        """SIGTERM, or SIGHUP (the terminal closed): save each live reply as it stands, marked interrupted
+        (it did not finish, and nobody stopped it), and exit. Saved first: a closed terminal may not let the
+        exit finish."""
+        for session in self.sessions.values():
+            if session.busy:
+                self._save_reply(session)
+                self.requests.pop(session.request_id, None)  # its last deltas are not waited for
+        self.saver.flush()
+        self.exit()
 
     @on(ChatView.StopRequested)
     def _stop(self, event: ChatView.StopRequested) -> None:
@@ -467,7 +516,7 @@ class PagedChatApp(App):
         record = ChatRecord(system_prompt=self.config.system_prompt,
                             settings=ChatSettings.from_defaults(self.config.sampling))
         session = ChatSession(record)
-        self.store.save_chat(record)
+        self.saver.chat(record, messages=True)
         await self._open_session(session, after=self.active_session)
 
     async def action_close_chat(self) -> None:
@@ -476,7 +525,7 @@ class PagedChatApp(App):
             return
         await self._abandon(session)
         session.record.is_open = False
-        self._save(session)
+        self._save(session, row=True)
         del self.sessions[session.id]
         await self.tabs.remove_pane(PANE_PREFIX + session.id)
         if not self.sessions:
@@ -491,7 +540,7 @@ class PagedChatApp(App):
         if record is not None and record.id not in self.sessions:
             record.is_open = True
             await self._open_session(ChatSession(record), after=self.active_session)
-            self._save(self.sessions[record.id])
+            self._save(self.sessions[record.id], row=True)
 
     def _switch(self, step: int) -> None:
         sessions = self.ordered_sessions()
@@ -529,7 +578,7 @@ class PagedChatApp(App):
             if title and session.id in self.sessions:
                 session.record.title = title
                 self._refresh_label(session)
-                self._save(session)
+                self._save(session, row=True)
 
         self.push_screen(RenameScreen(session.record.title), done)
 
@@ -541,7 +590,7 @@ class PagedChatApp(App):
         def done(result) -> None:
             if result and session.id in self.sessions:
                 session.record.system_prompt, session.record.settings = result
-                self._save(session)
+                self._save(session, row=True)
                 self.notify("Settings saved; they apply from the next reply.", timeout=3)
 
         self.push_screen(ChatSettingsScreen(session.record.title, session.record.system_prompt,
@@ -561,12 +610,12 @@ class PagedChatApp(App):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
         await self._abandon(session)
-        if messages[-1].role == "assistant":
-            await self._cut(session, last)
-        await self._start_reply(session)
+        await self._start_reply(session, keep=last if messages[-1].role == "assistant" else last + 1)
 
     async def _cut(self, session: ChatSession, count: int) -> None:
-        session.truncate(count)
+        dropped = session.truncate(count)
+        if dropped:
+            self.saver.removed(session.record, dropped)
         view = self.chat_view(session)
         if view is not None:
             await view.truncate(count)
@@ -584,9 +633,7 @@ class PagedChatApp(App):
             if text is None or session.id not in self.sessions or self._engine_or_say() is None:
                 return
             await self._abandon(session)
-            await self._cut(session, index)
-            await self._append(session, ChatMessage("user", text))
-            await self._start_reply(session)
+            await self._start_reply(session, keep=index, ask=text)
 
         self.push_screen(EditMessageScreen(session.record.messages[index].content), done)
 
@@ -621,7 +668,7 @@ class PagedChatApp(App):
             branch.pages = session.prefix_pages(branch.previous_ids(index + 1), block_size)
             branch.page_tokens = len(branch.pages) * block_size
         await self._open_session(branch, after=session)
-        self._save(branch)
+        self._save(branch, messages=True)
         if messages[-1].role == "user" and self.engine is not None:
             await self._start_reply(branch)
 
@@ -647,7 +694,7 @@ class PagedChatApp(App):
         reply = view.view_at(index)
         if reply is not None:
             reply.set_stats("forked: continuing this reply…")
-        self._save(branch)
+        self._save(branch, messages=True)
 
     def copy_message(self, index: int, code: bool = False) -> None:
         session = self.active_session
@@ -719,14 +766,15 @@ class PagedChatApp(App):
     async def save_all(self) -> None:
         for session in list(self.sessions.values()):
             await self._abandon(session)
-            self._save(session)
         if self.sessions:
             self._save_order()
 
     def on_unmount(self) -> None:
+        self._remove_exit_signals()
         if self.engine is not None:
             self.engine.shutdown()
         if self.store is not None:
+            self.saver.flush()
             self.store.close()
 
     # ---- the engine arriving, and the periodic refresh -------------------------------------------------------

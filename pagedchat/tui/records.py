@@ -35,6 +35,10 @@ class ChatSettings(SamplingSettings):
         return asdict(self)
 
 
+# A reply saved while it was still being written: what a crash, a closed terminal or SIGTERM leaves behind.
+INTERRUPTED = "interrupted"
+
+
 @dataclass
 class ReplyStats:
     """The quiet line under a reply."""
@@ -68,17 +72,24 @@ class ReplyStats:
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
         ending = {"length": "hit max tokens", "context_full": "context full", "cancelled": "stopped",
-                  "error": f"error: {self.error}"}
+                  "error": f"error: {self.error}", INTERRUPTED: "interrupted"}
         if self.finish_reason in ending:
             parts.append(ending[self.finish_reason])
         return " · ".join(parts)
 
 
+def new_message_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 @dataclass
 class ChatMessage:
+    """id is stable for the message's life: saves upsert by it, so two instances never overwrite each other."""
+
     role: str                      # "user" or "assistant"
     content: str
     stats: ReplyStats | None = None
+    id: str = field(default_factory=new_message_id)
 
     def code_blocks(self) -> list[str]:
         return [m.group(2).rstrip("\n") for m in FENCE.finditer(self.content)]

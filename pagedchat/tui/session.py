@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedchat.tui.records import ChatRecord
+from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ReplyStats
 
 
 @dataclass(eq=False)
@@ -27,6 +27,7 @@ class ChatSession:
     pages: tuple[int, ...] = ()                # the pages its last request held (seen while it ran)
     page_tokens: int = 0
     unseen: bool = False                       # a reply finished while the tab was not in view
+    saved_at: float = 0.0                      # monotonic time the live reply was last saved
 
     @property
     def id(self) -> str:
@@ -36,15 +37,30 @@ class ChatSession:
     def busy(self) -> bool:
         return self.request_id is not None
 
+    def live_stats(self, finish_reason: str) -> ReplyStats:
+        """The live reply's stats line as it stands, ended by `finish_reason`."""
+        handle = self.handle
+        return ReplyStats(prompt_tokens=len(handle.prompt_token_ids), cached_tokens=handle.cached_tokens,
+                          generated_tokens=self.received_tokens, ttft=handle.time_to_first_token,
+                          tokens_per_s=handle.decode_tokens_per_s, finish_reason=finish_reason)
+
+    def reply_snapshot(self) -> ChatMessage:
+        """The live reply as saved while it is written: its text so far, marked interrupted, which is what
+        it is if the app dies before the next save. The final save replaces it under the same id."""
+        message = self.record.messages[self.reply_index]
+        return ChatMessage(message.role, message.content, self.live_stats(INTERRUPTED), message.id)
+
     def previous_ids(self, upto: int) -> list[int] | None:
         """Token ids of the latest exchange whose reply comes before message `upto`."""
         earlier = [i for i in self.turn_ids if i < upto]
         return self.turn_ids[max(earlier)] if earlier else None
 
-    def truncate(self, count: int) -> None:
-        """Drop messages from index `count` on, with the token ids that covered them."""
+    def truncate(self, count: int) -> list[ChatMessage]:
+        """Drop messages from index `count` on, with the token ids that covered them; returns the dropped."""
+        dropped = self.record.messages[count:]
         del self.record.messages[count:]
         self.turn_ids = {i: ids for i, ids in self.turn_ids.items() if i < count}
+        return dropped
 
     def prefix_pages(self, ids: list[int] | None, block_size: int) -> tuple[int, ...]:
         """The full pages of `ids` among the remembered pages, when the last request's tokens start with ids."""

@@ -1,8 +1,14 @@
 """Saved chats in SQLite (`chats.db` in the data dir).
 
-Small and synchronous on purpose: a chat is written when it changes (a message sent or finished, settings
-edited, a tab moved), never per token, so each write is a few milliseconds on the UI thread. A database that
-cannot be read is renamed aside with a timestamp and a fresh one is started; the caller tells the user.
+Small and synchronous on purpose: a write is one short transaction on the UI thread. The file is shared:
+several pagedchat instances may keep it open at once. WAL mode lets them read while one writes, a busy
+timeout makes a writer wait its turn, and every save upserts single messages by id, so no instance ever
+rewrites (and so deletes) what another wrote. What is refused or salvaged, and why:
+
+- "busy"/"locked", read-only, a missing permission: not damage. The file is left exactly as it is.
+- a file from a newer pagedchat: refused before anything is written to it.
+- real damage (not a database, failed integrity check, rows that do not decode): the file is renamed aside
+  untouched and every row that still reads is copied into a fresh database (`salvage.py`).
 """
 
 from __future__ import annotations
@@ -10,37 +16,70 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
+from typing import Iterator
 
+from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
 
 DB_NAME = "chats.db"
-SCHEMA_VERSION = 1
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS chats (
-    id TEXT PRIMARY KEY,
-    title TEXT NOT NULL,
-    system_prompt TEXT NOT NULL,
-    settings TEXT NOT NULL,
-    position INTEGER NOT NULL,
-    is_open INTEGER NOT NULL DEFAULT 1,
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS messages (
-    chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
-    idx INTEGER NOT NULL,
-    role TEXT NOT NULL,
-    content TEXT NOT NULL,
-    stats TEXT,
-    PRIMARY KEY (chat_id, idx)
-);
-CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+# How long a write waits for another instance's transaction (a few ms each) before it counts as failed and
+# is retried later. It blocks the UI thread while it waits, so it stays short.
+BUSY_TIMEOUT_S = 2.0
+ROLES = ("user", "assistant")
+
+# SQLite's primary result codes (the low byte of an extended code) that mean the file itself is damaged.
+SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
+
+
+class Damaged(Exception):
+    """The database is damaged: its rows cannot all be read."""
+
+
+# What decoding a row that is not what we wrote raises (bad JSON, a list for a dict, an unknown role).
+DECODE_ERRORS = (Damaged, ValueError, TypeError, KeyError, AttributeError)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """True for errors that say the file is damaged; False for busy, locked, read-only, full, I/O errors."""
+    if isinstance(exc, DECODE_ERRORS):
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in (SQLITE_CORRUPT,
+                                                                                           SQLITE_NOTADB)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the user: SQLite's words, with what "locked" means here."""
+    text = str(exc).strip() or type(exc).__name__
+    if "locked" in text or "busy" in text:
+        return f"{text}: another program (another pagedchat?) is holding chats.db"
+    return text
+
+
+def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S, *, uri: bool = False) -> sqlite3.Connection:
+    # Autocommit: transactions are explicit (Store.transaction, migrate), so none is left open by accident
+    # holding the write lock against another instance.
+    conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, uri=uri)
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def decode_message(role, content, stats, message_id) -> ChatMessage:
+    """A messages row as a ChatMessage; ValueError/TypeError for a row that is not one."""
+    if role not in ROLES or not isinstance(content, str) or not isinstance(message_id, str):
+        raise ValueError(f"not a chat message: role {role!r}")
+    return ChatMessage(role, content, ReplyStats.from_dict(json.loads(stats) if stats else None), message_id)
+
+
+def encode_stats(stats: ReplyStats | None) -> str | None:
+    return json.dumps(asdict(stats)) if stats is not None else None
 
 
 class Store:
-    """The chats database. Use Store.open(); `notice` says what happened if the old file was moved aside."""
+    """The chats database. Use Store.open(); `notice` says what happened at open, if the user should know."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, notice: str | None = None):
         self.conn = conn
@@ -49,67 +88,70 @@ class Store:
 
     # ---- opening -----------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, data_dir: Path) -> Store:
+    def open(cls, data_dir: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> Store:
+        """Open (creating or migrating) the data dir's database. Never raises for a bad or busy file: the
+        returned store is then in memory or salvaged, and `notice` says what happened."""
+        from pagedchat.tui import salvage  # only needed when a file is damaged
+
         data_dir.mkdir(parents=True, exist_ok=True)
         path = data_dir / DB_NAME
-        conn = None
         try:
-            conn = cls._connect(path)
+            return cls._open_file(path, busy_timeout_s)
+        except NewerSchema as exc:
+            return cls.in_memory(f"Saved chats in {path} were {exc}; they are left untouched. Update pagedchat "
+                                 "to see them; chats in this session will not be kept.")
+        except sqlite3.Error as exc:
+            if not is_damage(exc):
+                return cls.in_memory(f"Saved chats in {path} cannot be opened ({describe(exc)}); the file is "
+                                     "left as it is and chats in this session will not be kept.")
+            reason = exc
+        except DECODE_ERRORS as exc:
+            reason = exc
+        return salvage.rebuild(cls, path, reason, busy_timeout_s)
+
+    @classmethod
+    def _open_file(cls, path: Path, busy_timeout_s: float) -> Store:
+        conn = connect(path, busy_timeout_s)
+        try:
+            version = schema_version(conn)  # a read: nothing, not even the WAL switch, touches a newer file
+            if version > SCHEMA_VERSION:
+                raise NewerSchema(version)
+            check = conn.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise Damaged(f"integrity check failed: {check[0] if check else 'no answer'}")
+            conn.execute("PRAGMA journal_mode = WAL")  # persistent: readers and one writer at once
+            migrate(conn)
             store = cls(conn, path)
-            store.load_chats()  # reads every row: a damaged page or bad JSON shows up now, not mid-session
+            store.load_chats()  # reads every row: a bad row shows up now, not mid-session
             return store
-        except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
-            if conn is not None:
-                conn.close()
-            moved = cls._move_aside(path)
-            store = cls(cls._connect(path), path)
-            store.notice = (f"Saved chats could not be read ({exc}); the database was moved to {moved.name} "
-                            f"in {data_dir} and pagedchat started with no saved chats.")
-            return store
+        except BaseException:
+            conn.close()  # or the file stays open and cannot be renamed aside on Windows
+            raise
 
     @classmethod
     def in_memory(cls, notice: str | None = None) -> Store:
-        """A throwaway store, for when the data dir cannot be written: the app still runs, nothing is kept."""
-        return cls(cls._connect(Path(":memory:")), Path(":memory:"), notice)
-
-    @staticmethod
-    def _connect(path: Path) -> sqlite3.Connection:
-        conn = sqlite3.connect(path)
-        try:
-            conn.execute("PRAGMA foreign_keys = ON")
-            check = conn.execute("PRAGMA quick_check").fetchone()
-            if check is None or check[0] != "ok":
-                raise sqlite3.DatabaseError(f"integrity check failed: {check[0] if check else 'no answer'}")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(f"written by a newer pagedchat (schema {version})")
-            with conn:
-                conn.executescript(SCHEMA)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except BaseException:
-            conn.close()  # or the file stays open and cannot be moved aside on Windows
-            raise
-        return conn
-
-    @staticmethod
-    def _move_aside(path: Path) -> Path:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = path.with_name(f"{path.name}.corrupt-{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        path.rename(target)
-        for suffix in ("-journal", "-wal", "-shm"):  # SQLite's side files belong to the moved database
-            side = path.with_name(path.name + suffix)
-            if side.exists():
-                side.rename(target.with_name(target.name + suffix))
-        return target
+        """A throwaway store, for when the data dir cannot be used: the app still runs, nothing is kept."""
+        conn = connect(":memory:")
+        migrate(conn)
+        return cls(conn, Path(":memory:"), notice)
 
     def close(self) -> None:
         self.conn.close()
 
-    # ---- chats -------------------------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; BEGIN IMMEDIATE waits (busy timeout) for the write lock up front, so a
+        transaction never fails half-way for want of it."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # ---- reading -----------------------------------------------------------------------------------------
     def load_chats(self, *, open_only: bool | None = None) -> list[ChatRecord]:
         """Chats in tab order (closed ones last, newest first). open_only: True open, False closed, None all."""
         rows = self.conn.execute(
@@ -121,19 +163,17 @@ class Store:
                 continue
             chats.append(ChatRecord(id=cid, title=title, system_prompt=system,
                                     settings=ChatSettings.from_dict(json.loads(settings)),
-                                    messages=self._messages(cid), position=position, is_open=bool(is_open),
+                                    messages=self.messages(cid), position=position, is_open=bool(is_open),
                                     created=created, updated=updated))
         return chats
 
-    def _messages(self, chat_id: str) -> list[ChatMessage]:
-        rows = self.conn.execute("SELECT role, content, stats FROM messages WHERE chat_id = ? ORDER BY idx",
-                                 (chat_id,)).fetchall()
-        out = []
-        for role, content, stats in rows:
-            if role not in ("user", "assistant"):
-                raise ValueError(f"unknown message role {role!r}")
-            out.append(ChatMessage(role, content, ReplyStats.from_dict(json.loads(stats) if stats else None)))
-        return out
+    def load_chat(self, chat_id: str) -> ChatRecord | None:
+        return next((r for r in self.load_chats() if r.id == chat_id), None)
+
+    def messages(self, chat_id: str) -> list[ChatMessage]:
+        rows = self.conn.execute("SELECT role, content, stats, id FROM messages WHERE chat_id = ? "
+                                 "ORDER BY idx, rowid", (chat_id,)).fetchall()
+        return [decode_message(*row) for row in rows]
 
     def closed_chats(self, limit: int = 20) -> list[tuple[str, str, int]]:
         """(id, title, message count) of closed chats, newest first; cheap enough for every palette opening."""
@@ -141,44 +181,71 @@ class Store:
             "SELECT c.id, c.title, (SELECT count(*) FROM messages m WHERE m.chat_id = c.id) FROM chats c "
             "WHERE NOT c.is_open ORDER BY c.updated DESC LIMIT ?", (limit,)).fetchall()
 
-    def save_chat(self, chat: ChatRecord) -> None:
-        """Write the chat and all its messages (replacing what was stored)."""
-        chat.updated = time.time()
-        with self.conn:
-            self.conn.execute(
-                "INSERT INTO chats (id, title, system_prompt, settings, position, is_open, created, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET title = excluded.title, "
-                "system_prompt = excluded.system_prompt, settings = excluded.settings, "
-                "position = excluded.position, is_open = excluded.is_open, updated = excluded.updated",
-                (chat.id, chat.title, chat.system_prompt, json.dumps(chat.settings.to_dict()), chat.position,
-                 int(chat.is_open), chat.created, chat.updated))
-            self.conn.execute("DELETE FROM messages WHERE chat_id = ?", (chat.id,))
-            self.conn.executemany(
-                "INSERT INTO messages (chat_id, idx, role, content, stats) VALUES (?, ?, ?, ?, ?)",
-                [(chat.id, i, m.role, m.content, json.dumps(m.stats.__dict__) if m.stats else None)
-                 for i, m in enumerate(chat.messages)])
-
-    def save_order(self, open_ids: list[str]) -> None:
-        """Tab order of the open chats."""
-        with self.conn:
-            self.conn.executemany("UPDATE chats SET position = ?, is_open = 1 WHERE id = ?",
-                                  [(i, cid) for i, cid in enumerate(open_ids)])
-
-    def set_open(self, chat_id: str, is_open: bool) -> None:
-        with self.conn:
-            self.conn.execute("UPDATE chats SET is_open = ?, updated = ? WHERE id = ?",
-                              (int(is_open), time.time(), chat_id))
-
-    def delete_chat(self, chat_id: str) -> None:
-        with self.conn:
-            self.conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
-
-    # ---- small app state (theme, active tab) ---------------------------------------------------------------
     def get_state(self, key: str, default: str | None = None) -> str | None:
         row = self.conn.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default
 
+    # ---- writing: each call is one statement; run several in one Store.transaction() -----------------------
+    def put_chat(self, chat: ChatRecord) -> None:
+        """The chat's own row (title, system prompt, settings, tab place), not its messages."""
+        self.conn.execute(
+            "INSERT INTO chats (id, title, system_prompt, settings, position, is_open, created, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET title = excluded.title, "
+            "system_prompt = excluded.system_prompt, settings = excluded.settings, "
+            "position = excluded.position, is_open = excluded.is_open, updated = excluded.updated",
+            (chat.id, chat.title, chat.system_prompt, json.dumps(chat.settings.to_dict()), chat.position,
+             int(chat.is_open), chat.created, chat.updated))
+
+    def ensure_chat(self, chat: ChatRecord) -> None:
+        """The chat's row if it has none yet, leaving another instance's edits of an existing row alone."""
+        self.conn.execute(
+            "INSERT OR IGNORE INTO chats (id, title, system_prompt, settings, position, is_open, created, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (chat.id, chat.title, chat.system_prompt, json.dumps(chat.settings.to_dict()), chat.position,
+             int(chat.is_open), chat.created, chat.updated))
+
+    def put_message(self, chat_id: str, index: int, message: ChatMessage) -> None:
+        self.conn.execute(
+            "INSERT INTO messages (chat_id, id, idx, role, content, stats) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(chat_id, id) DO UPDATE SET idx = excluded.idx, role = excluded.role, "
+            "content = excluded.content, stats = excluded.stats",
+            (chat_id, message.id, index, message.role, message.content, encode_stats(message.stats)))
+
+    def remove_messages(self, chat_id: str, message_ids: list[str]) -> None:
+        self.conn.executemany("DELETE FROM messages WHERE chat_id = ? AND id = ?",
+                              [(chat_id, mid) for mid in message_ids])
+
+    def put_order(self, open_ids: list[str]) -> None:
+        """Tab order of the open chats."""
+        self.conn.executemany("UPDATE chats SET position = ?, is_open = 1 WHERE id = ?",
+                              [(i, cid) for i, cid in enumerate(open_ids)])
+
+    def put_state(self, key: str, value: str) -> None:
+        self.conn.execute("INSERT INTO state (key, value) VALUES (?, ?) "
+                          "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+
+    # ---- one-call conveniences (each its own transaction) ----------------------------------------------------
+    def save_chat(self, chat: ChatRecord) -> None:
+        """Write the chat's row and upsert each of its messages (messages stored but not in `chat` stay)."""
+        chat.updated = time.time()
+        with self.transaction():
+            self.put_chat(chat)
+            for i, message in enumerate(chat.messages):
+                self.put_message(chat.id, i, message)
+
+    def save_order(self, open_ids: list[str]) -> None:
+        with self.transaction():
+            self.put_order(open_ids)
+
+    def set_open(self, chat_id: str, is_open: bool) -> None:
+        with self.transaction():
+            self.conn.execute("UPDATE chats SET is_open = ?, updated = ? WHERE id = ?",
+                              (int(is_open), time.time(), chat_id))
+
     def set_state(self, key: str, value: str) -> None:
-        with self.conn:
-            self.conn.execute("INSERT INTO state (key, value) VALUES (?, ?) "
-                              "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+        with self.transaction():
+            self.put_state(key, value)
+
+    def delete_chat(self, chat_id: str) -> None:
+        with self.transaction():
+            self.conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))

@@ -1,0 +1,122 @@
+"""What this instance changed, on its way to the store.
+
+The app marks what it changed (a chat's row, one message, removed messages, tab order, a setting) and calls
+flush(). Only marked things are written, so an instance never writes back another instance's chats from a
+stale copy. A write that fails (disk full, the file read-only, a lock held past the busy timeout) raises
+nothing: the marks stay, the user is told once, and the next flush (the app retries on a timer) writes them.
+The records in memory are the truth until then, so nothing is lost while the app runs.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.store import Store, describe
+
+RETRY_S = 2.0  # how often the app retries a failed write
+Report = Callable[[str, str], None]  # (text, severity)
+
+
+@dataclass
+class _Changes:
+    """One chat's unsaved changes."""
+
+    record: ChatRecord
+    row: bool = False                                                      # title, settings, tab place
+    messages: dict[str, tuple[int, ChatMessage]] = field(default_factory=dict)  # id -> (index, message)
+    removed: set[str] = field(default_factory=set)
+
+
+class Saver:
+    def __init__(self, store: Store, report: Report) -> None:
+        self.store = store
+        self._report = report
+        self._chats: dict[str, _Changes] = {}
+        self._order: list[str] | None = None
+        self._state: dict[str, str] = {}
+        self.failing: str | None = None    # the last write error, while writes fail
+
+    # ---- marking --------------------------------------------------------------------------------------------
+    def _changes(self, record: ChatRecord) -> _Changes:
+        changes = self._chats.setdefault(record.id, _Changes(record))
+        changes.record = record
+        return changes
+
+    def chat(self, record: ChatRecord, *, messages: bool = False) -> None:
+        """The chat's own row changed; messages=True: every message too (a new or reopened chat, a branch)."""
+        changes = self._changes(record)
+        changes.row = True
+        if messages:
+            for index, message in enumerate(record.messages):
+                self.message(record, index, message)
+
+    def message(self, record: ChatRecord, index: int, message: ChatMessage | None = None) -> None:
+        """Message `index` of the chat, or `message` in its place (a snapshot of a reply being written)."""
+        message = message if message is not None else record.messages[index]
+        changes = self._changes(record)
+        changes.messages[message.id] = (index, message)
+        changes.removed.discard(message.id)
+
+    def removed(self, record: ChatRecord, messages: list[ChatMessage]) -> None:
+        changes = self._changes(record)
+        for message in messages:
+            changes.messages.pop(message.id, None)
+            changes.removed.add(message.id)
+
+    def order(self, open_ids: list[str]) -> None:
+        self._order = list(open_ids)
+
+    def state(self, key: str, value: str) -> None:
+        self._state[key] = value
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._chats or self._order is not None or self._state)
+
+    # ---- writing --------------------------------------------------------------------------------------------
+    def flush(self) -> bool:
+        """Write everything marked, in one transaction. False (and the marks kept) if the write failed."""
+        if not self.pending:
+            return True
+        try:
+            with self.store.transaction():
+                self._write()
+        except (sqlite3.Error, OSError) as exc:
+            self._failed(describe(exc))
+            return False
+        self._chats.clear()
+        self._order = None
+        self._state.clear()
+        if self.failing is not None:
+            self.failing = None
+            self._report("Chats are being saved again.", "information")
+        return True
+
+    def _write(self) -> None:
+        store = self.store
+        for changes in self._chats.values():
+            record = changes.record
+            if changes.row:
+                record.updated = time.time()
+                store.put_chat(record)
+            elif changes.messages:
+                store.ensure_chat(record)
+            for index, message in changes.messages.values():
+                store.put_message(record.id, index, message)
+            if changes.removed:
+                store.remove_messages(record.id, sorted(changes.removed))
+        if self._order is not None:
+            store.put_order(self._order)
+        for key, value in self._state.items():
+            store.put_state(key, value)
+
+    def _failed(self, reason: str) -> None:
+        if self.failing == reason:
+            return  # said once; the retries stay quiet until something changes
+        self.failing = reason
+        self._report(f"Could not save chats ({reason}). Retrying every {RETRY_S:.0f} s; nothing is lost while "
+                     "pagedchat runs.", "error")
