@@ -1,0 +1,99 @@
+"""What the app saves, when, and what it does when a save fails or a request is refused (Pilot)."""
+
+from __future__ import annotations
+
+import sqlite3
+from functools import partial
+
+import pytest
+import textual.app
+import textual.pilot
+from textual._wait import wait_for_idle
+
+from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.screens.modals import EditMessageScreen
+from pagedchat.tui.store import DB_NAME, Store
+from test_tui import SIZE, notes, ready, replied, send
+from tiny_models import make_tiny_model
+from tui_support import make_config, wait_for
+
+TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
+
+
+@pytest.fixture(scope="module")
+def tui_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("saving-model"), seed=1, max_positions=2048)
+
+
+@pytest.fixture(autouse=True)
+def _quick_pilot(monkeypatch):
+    quick = partial(wait_for_idle, max_sleep=0.05)
+    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
+    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
+
+
+@pytest.fixture
+def config(tmp_path, tui_model):
+    return make_config(tmp_path, tui_model)
+
+
+def stored_texts(config) -> list[str]:
+    conn = sqlite3.connect(f"{(config.data_dir / DB_NAME).resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        return [r[0] for r in conn.execute("SELECT content FROM messages ORDER BY chat_id, idx, rowid")]
+    finally:
+        conn.close()
+
+
+async def test_a_lock_held_past_the_timeout_is_a_notice_and_a_retry(config):
+    app = PagedChatApp(config, open_store=partial(Store.open, busy_timeout_s=0.1))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        holder = sqlite3.connect(config.data_dir / DB_NAME, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")  # another program writing, and not letting go
+        session = await send(pilot, "saved later", max_tokens=8)
+        await replied(pilot, session)
+        await wait_for(pilot, lambda: any("Could not save chats" in n and "locked" in n for n in notes(app)),
+                       "the save-failed notice")
+        assert app.is_running and "saved later" not in stored_texts(config)
+        holder.execute("ROLLBACK")
+        holder.close()
+        await wait_for(pilot, lambda: "saved later" in stored_texts(config), "the retry to save it", timeout=10)
+        assert stored_texts(config) == [m.content for m in session.record.messages]
+        assert any("saved again" in n for n in notes(app))
+
+
+async def test_a_refused_regenerate_keeps_the_old_reply(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "first question", max_tokens=8)
+        await replied(pilot, session)
+        before = [m.content for m in session.record.messages]
+        session.record.settings = ChatSettings(temperature=-1.0)  # the next request cannot be made
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: any("temperature must be" in n for n in notes(app)), "the refusal")
+        assert [m.content for m in session.record.messages] == before
+        assert len(app.chat_view(session).views) == 2 and stored_texts(config) == before
+
+
+async def test_a_refused_edit_or_message_changes_nothing(config):
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        session = await send(pilot, "first question", max_tokens=8)
+        await replied(pilot, session)
+        before = [m.content for m in session.record.messages]
+        app.edit_message(0)
+        await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen) and app.screen.query("#text"),
+                       "the edit dialog")
+        app.screen.query_one("#text").text = TOO_LONG
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: any("model's context holds" in n for n in notes(app)), "the refusal")
+        assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
+        prompt = app.chat_view(session).prompt
+        await send(pilot, TOO_LONG)
+        await wait_for(pilot, lambda: len([n for n in notes(app) if "model's context holds" in n]) == 2, "the refusal")
+        assert prompt.text == TOO_LONG  # kept in the input, to shorten and send again
+        assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
