@@ -5,37 +5,15 @@ from __future__ import annotations
 import sqlite3
 from functools import partial
 
-import pytest
-import textual.app
-import textual.pilot
-from textual._wait import wait_for_idle
-
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.screens.modals import EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from test_tui import SIZE, notes, ready, replied, send
-from tiny_models import make_tiny_model
-from tui_support import make_config, wait_for
+from test_tui import _quick_pilot, config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
+from tui_support import wait_for
 
 TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
-
-
-@pytest.fixture(scope="module")
-def tui_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("saving-model"), seed=1, max_positions=2048)
-
-
-@pytest.fixture(autouse=True)
-def _quick_pilot(monkeypatch):
-    quick = partial(wait_for_idle, max_sleep=0.05)
-    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
-    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
-
-
-@pytest.fixture
-def config(tmp_path, tui_model):
-    return make_config(tmp_path, tui_model)
 
 
 def stored_texts(config) -> list[str]:
@@ -64,13 +42,18 @@ async def test_a_lock_held_past_the_timeout_is_a_notice_and_a_retry(config):
         assert any("saved again" in n for n in notes(app))
 
 
+async def answered(pilot):
+    """The active chat once it holds one question and its reply; and their texts."""
+    await ready(pilot)
+    session = await send(pilot, "first question", max_tokens=8)
+    await replied(pilot, session)
+    return session, [m.content for m in session.record.messages]
+
+
 async def test_a_refused_regenerate_keeps_the_old_reply(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        session = await send(pilot, "first question", max_tokens=8)
-        await replied(pilot, session)
-        before = [m.content for m in session.record.messages]
+        session, before = await answered(pilot)
         session.record.settings = ChatSettings(temperature=-1.0)  # the next request cannot be made
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: any("temperature must be" in n for n in notes(app)), "the refusal")
@@ -81,10 +64,7 @@ async def test_a_refused_regenerate_keeps_the_old_reply(config):
 async def test_a_refused_edit_or_message_changes_nothing(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        session = await send(pilot, "first question", max_tokens=8)
-        await replied(pilot, session)
-        before = [m.content for m in session.record.messages]
+        session, before = await answered(pilot)
         app.edit_message(0)
         await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen) and app.screen.query("#text"),
                        "the edit dialog")
@@ -94,6 +74,6 @@ async def test_a_refused_edit_or_message_changes_nothing(config):
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
         prompt = app.chat_view(session).prompt
         await send(pilot, TOO_LONG)
-        await wait_for(pilot, lambda: len([n for n in notes(app) if "model's context holds" in n]) == 2, "the refusal")
+        await wait_for(pilot, lambda: sum("model's context holds" in n for n in notes(app)) == 2, "the refusal")
         assert prompt.text == TOO_LONG  # kept in the input, to shorten and send again
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
