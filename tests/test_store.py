@@ -7,7 +7,8 @@ import sys
 import textwrap
 
 from pagedchat.tui.migrations import SCHEMA_VERSION
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
+from pagedchat.tui.records import (INTERRUPTED, MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
+                                    ReplyStats, title_from)
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
 
@@ -308,3 +309,37 @@ def test_markdown_export_and_titles():
     assert title_from("") == "New chat"
     m = ChatMessage("assistant", "text\n```python\nprint(1)\n```\nmore\n~~~\nx\n~~~\n")
     assert m.code_blocks() == ["print(1)", "x"]
+
+
+def test_search_survives_the_migration_of_an_old_database(tmp_path):
+    """A version-1 file gets its index at migration, and the index then follows every save and delete."""
+    _v1_file(tmp_path / DB_NAME, [("c1", [("user", "how do lighthouses work"), ("assistant", "a lamp and a lens")]),
+                                  ("c2", [("user", "paged attention, please"), ("assistant", "pages of the cache")])])
+    store = Store.open(tmp_path)
+    assert store.notice is None
+    [hit] = store.search("lens")
+    assert (hit.chat_id, hit.title, hit.message_index, hit.role) == ("c1", "chat c1", 1, "assistant")
+    assert hit.snippet == f"a lamp and a {MATCH_OPEN}lens{MATCH_CLOSE}"
+    assert [h.chat_id for h in store.search("page")] == ["c2", "c2"]  # the last word matches as a prefix
+    assert store.search('"') == [] and store.search("   ") == []   # typed punctuation is only text
+
+    saver = Saver(store, Reports())
+    chat = store.load_chat("c1")
+    chat.messages.append(ChatMessage("assistant", "the keeper climbs"))
+    saver.message(chat, 2)
+    saver.flush()
+    assert [(h.chat_id, h.message_index) for h in store.search("keeper")] == [("c1", 2)]
+    chat.messages[2].content = "the keeper sleeps"  # a streaming reply saved again: old words leave the index
+    saver.message(chat, 2)
+    saver.flush()
+    assert store.search("climbs") == [] and len(store.search("sleeps")) == 1
+    store.set_open("c1", False)  # closed chats are searched too
+    assert [h.is_open for h in store.search("sleeps")] == [False]
+
+    saver.delete_chat("c1")
+    saver.message(chat, 2)  # a late save of a deleted chat does not bring it back
+    saver.flush()
+    assert store.search("sleeps") == [] and store.search("lens") == [] and store.load_chat("c1") is None
+    assert len(store.search("attention")) == 1
+    store.close()
+    assert len(Store.open(tmp_path).search("attention")) == 1

@@ -51,20 +51,38 @@ def m001_initial(conn: sqlite3.Connection) -> None:
 @migration
 def m002_message_ids(conn: sqlite3.Connection) -> None:
     """Messages keyed by a stable id, so a save upserts one message instead of rewriting the chat. idx only
-    orders them; two instances adding to one chat may both write the same idx, and rowid breaks the tie."""
+    orders them; two instances adding to one chat may both write the same idx, and seq (insertion order)
+    breaks the tie. seq is an INTEGER PRIMARY KEY, so VACUUM never renumbers it and an index may point at it."""
     conn.execute("""CREATE TABLE messages_v2 (
+        seq INTEGER PRIMARY KEY,
         chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
         id TEXT NOT NULL,
         idx INTEGER NOT NULL,
         role TEXT NOT NULL,
         content TEXT NOT NULL,
         stats TEXT,
-        PRIMARY KEY (chat_id, id))""")
+        UNIQUE (chat_id, id))""")
     conn.execute("INSERT INTO messages_v2 (chat_id, id, idx, role, content, stats) "
                  "SELECT chat_id, lower(hex(randomblob(8))), idx, role, content, stats FROM messages ORDER BY rowid")
     conn.execute("DROP TABLE messages")
     conn.execute("ALTER TABLE messages_v2 RENAME TO messages")
     conn.execute("CREATE INDEX messages_order ON messages (chat_id, idx)")
+
+
+@migration
+def m003_search(conn: sqlite3.Connection) -> None:
+    """Full-text search over every message (FTS5, as llm does), kept in step with the table by triggers, so
+    every save (and a streaming reply's, twice a second) updates it in the same transaction. External content:
+    the text is stored once, in messages; the index maps seq to its words."""
+    conn.execute("CREATE VIRTUAL TABLE messages_fts USING fts5(content, content='messages', content_rowid='seq')")
+    conn.execute("""CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts (rowid, content) VALUES (new.seq, new.content); END""")
+    conn.execute("""CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts (messages_fts, rowid, content) VALUES ('delete', old.seq, old.content); END""")
+    conn.execute("""CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_fts (messages_fts, rowid, content) VALUES ('delete', old.seq, old.content);
+        INSERT INTO messages_fts (rowid, content) VALUES (new.seq, new.content); END""")
+    conn.execute("INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')")  # what was there before
 
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -130,6 +130,22 @@ class ChatRecord:
         return "\n".join(lines)
 
 
+# Around the matched words in a search snippet: plain characters, for the UI to style or show as they are.
+MATCH_OPEN, MATCH_CLOSE = "«", "»"
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A message that matches a search: its chat, its place in the chat's messages, and the words around it."""
+
+    chat_id: str
+    title: str
+    message_index: int
+    role: str
+    snippet: str
+    is_open: bool
+
+
 def title_from(text: str, limit: int = 24) -> str:
     """A tab title from the first message: its first line, shortened at a word boundary."""
     line = " ".join(text.strip().split())

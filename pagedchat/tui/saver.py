@@ -38,10 +38,14 @@ class Saver:
         self._chats: dict[str, _Changes] = {}
         self._order: list[str] | None = None
         self._state: dict[str, str] = {}
+        self._deleted: set[str] = set()
+        self._gone: set[str] = set()       # deleted chats: a late mark must not bring one back
         self.failing: str | None = None    # the last write error, while writes fail
 
     # ---- marking --------------------------------------------------------------------------------------------
     def _changes(self, record: ChatRecord) -> _Changes:
+        if record.id in self._gone:
+            return _Changes(record)  # marked, and never written
         changes = self._chats.setdefault(record.id, _Changes(record))
         changes.record = record
         return changes
@@ -67,6 +71,12 @@ class Saver:
             changes.messages.pop(message.id, None)
             changes.removed.add(message.id)
 
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete the chat for good; anything still unsaved of it is dropped."""
+        self._chats.pop(chat_id, None)
+        self._deleted.add(chat_id)
+        self._gone.add(chat_id)
+
     def order(self, open_ids: list[str]) -> None:
         self._order = list(open_ids)
 
@@ -75,7 +85,7 @@ class Saver:
 
     @property
     def pending(self) -> bool:
-        return bool(self._chats or self._order is not None or self._state)
+        return bool(self._chats or self._deleted or self._order is not None or self._state)
 
     # ---- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
@@ -89,6 +99,7 @@ class Saver:
             self._failed(describe(exc))
             return False
         self._chats.clear()
+        self._deleted.clear()
         self._order = None
         self._state.clear()
         if self.failing is not None:
@@ -109,6 +120,8 @@ class Saver:
                 store.put_message(record.id, index, message)
             if changes.removed:
                 store.remove_messages(record.id, sorted(changes.removed))
+        for chat_id in self._deleted:
+            store.remove_chat(chat_id)
         if self._order is not None:
             store.put_order(self._order)
         for key, value in self._state.items():

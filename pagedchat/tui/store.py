@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Iterator
 
 from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, ReplyStats, SearchHit
 
 DB_NAME = "chats.db"
 # How long a write waits for another instance's transaction (a few ms each) before it counts as failed and
 # is retried later. It blocks the UI thread while it waits, so it stays short.
 BUSY_TIMEOUT_S = 2.0
 ROLES = ("user", "assistant")
+SNIPPET_TOKENS = 12  # words of context FTS5 shows around a match
 
 # SQLite's primary result codes (the low byte of an extended code) that mean the file itself is damaged.
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
@@ -65,6 +66,16 @@ def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S, *, uri: bo
     conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, uri=uri)
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
+
+
+def fts_query(text: str) -> str:
+    """The user's words as an FTS5 query: each quoted (so `"`, `-`, `AND` or `*` typed are only text), all
+    required, the last also matching as a prefix."""
+    words = text.split()
+    if not words:
+        return ""
+    quoted = ['"' + w.replace('"', '""') + '"' for w in words]
+    return " ".join(quoted) + "*"
 
 
 def decode_message(role, content, stats, message_id) -> ChatMessage:
@@ -172,7 +183,7 @@ class Store:
 
     def messages(self, chat_id: str) -> list[ChatMessage]:
         rows = self.conn.execute("SELECT role, content, stats, id FROM messages WHERE chat_id = ? "
-                                 "ORDER BY idx, rowid", (chat_id,)).fetchall()
+                                 "ORDER BY idx, seq", (chat_id,)).fetchall()
         return [decode_message(*row) for row in rows]
 
     def closed_chats(self, limit: int = 20) -> list[tuple[str, str, int]]:
@@ -180,6 +191,23 @@ class Store:
         return self.conn.execute(
             "SELECT c.id, c.title, (SELECT count(*) FROM messages m WHERE m.chat_id = c.id) FROM chats c "
             "WHERE NOT c.is_open ORDER BY c.updated DESC LIMIT ?", (limit,)).fetchall()
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Messages of every chat, open or closed, that hold all the words of `query` (the last one may be the
+        start of a word, for search as you type), best match first."""
+        match = fts_query(query)
+        if not match:
+            return []
+        rows = self.conn.execute(
+            "SELECT m.chat_id, c.title, c.is_open, m.role, "
+            "(SELECT count(*) FROM messages o WHERE o.chat_id = m.chat_id "
+            " AND (o.idx < m.idx OR (o.idx = m.idx AND o.seq < m.seq))), "  # its place, as messages() orders
+            "snippet(messages_fts, 0, ?, ?, '…', ?) "
+            "FROM messages_fts JOIN messages m ON m.seq = messages_fts.rowid JOIN chats c ON c.id = m.chat_id "
+            "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
+            (MATCH_OPEN, MATCH_CLOSE, SNIPPET_TOKENS, match, limit)).fetchall()
+        return [SearchHit(chat_id=cid, title=title, message_index=index, role=role, snippet=snippet,
+                          is_open=bool(is_open)) for cid, title, is_open, role, index, snippet in rows]
 
     def get_state(self, key: str, default: str | None = None) -> str | None:
         row = self.conn.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
@@ -246,6 +274,10 @@ class Store:
         with self.transaction():
             self.put_state(key, value)
 
+    def remove_chat(self, chat_id: str) -> None:
+        """The chat and its messages (a cascade), and so their words in the search index (its triggers)."""
+        self.conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
     def delete_chat(self, chat_id: str) -> None:
         with self.transaction():
-            self.conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+            self.remove_chat(chat_id)
