@@ -5,6 +5,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 
 from pagedchat.tui.migrations import SCHEMA_VERSION
 from pagedchat.tui.records import (INTERRUPTED, MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
@@ -161,12 +162,17 @@ def test_write_held_past_the_timeout_is_retried(tmp_path):
     saver = Saver(store, reports)
     chat = _chat("during the lock")
     saver.chat(chat, messages=True)
-    assert not saver.flush() and not saver.flush()
+    assert not saver.flush() and not saver.retry()
     assert len(reports) == 1 and reports[0][0] == "error" and "locked" in reports[0][1], reports
+    chat.messages.append(ChatMessage("user", "still typing"))
+    saver.message(chat, 2)
+    started = time.monotonic()
+    assert not saver.flush() and time.monotonic() - started < 0.05  # while failing, only retries wait
     holder.execute("COMMIT")
-    assert saver.flush() and not saver.pending
+    assert saver.retry() and not saver.pending
     assert reports[-1] == ("information", "Chats are being saved again.")
-    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello"]
+    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello", "still typing"]
+    assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 100  # a retry's shorter wait is undone
 
 
 FULL_DISK = """
@@ -193,7 +199,7 @@ assert not saver.flush(), "the write should not fit"
 assert saver.pending and len(reports) == 1, reports
 print(reports[0])
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again: the retry writes it
-assert saver.flush(), "the retry should succeed"
+assert saver.retry(), "the retry should succeed"
 print("retried")
 """
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from collections.abc import Iterable
 from copy import deepcopy
@@ -34,7 +35,7 @@ from pagedchat.tui.saver import RETRY_S, Saver
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.store import Store
+from pagedchat.tui.store import BUSY_TIMEOUT_S, Store
 from pagedchat.tui.themes import chat_colours, load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
@@ -123,7 +124,7 @@ class PagedChatApp(App):
             self.notify(text, severity=severity, timeout=10)
         start_loading(self, self._factory)
         self.set_interval(TICK_S, self._tick)
-        self.set_interval(RETRY_S, self.saver.flush)  # a no-op unless a write failed
+        self.set_interval(RETRY_S, self.saver.retry)  # a no-op unless a write failed
 
     def _open_store(self) -> Store:
         try:
@@ -500,7 +501,7 @@ class PagedChatApp(App):
             if session.busy:
                 self._save_reply(session)
                 self.requests.pop(session.request_id, None)  # its last deltas are not waited for
-        self.saver.flush()
+        self.saver.retry(BUSY_TIMEOUT_S)  # even while writes fail: this is the last chance
         self.exit()
 
     @on(ChatView.StopRequested)
@@ -774,7 +775,7 @@ class PagedChatApp(App):
         if self.engine is not None:
             self.engine.shutdown()
         if self.store is not None:
-            self.saver.flush()
+            self.saver.retry(BUSY_TIMEOUT_S)  # the last chance: wait as long as any write would
             self.store.close()
 
     # ---- the engine arriving, and the periodic refresh -------------------------------------------------------
@@ -923,4 +924,7 @@ def binding_catalogue() -> list[Binding]:
 
 def run_app(config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
     """Run the chat app until the user quits (the CLI's entry point)."""
-    PagedChatApp(config, engine_factory=engine_factory).run()
+    app = PagedChatApp(config, engine_factory=engine_factory)
+    app.run()
+    if app.saver is not None and app.saver.pending:  # the last save at exit failed too: say so, not silently
+        print(f"pagedchat: the latest changes could not be saved ({app.saver.failing})", file=sys.stderr)

@@ -17,7 +17,8 @@ from typing import Callable
 from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.store import Store, describe
 
-RETRY_S = 2.0  # how often the app retries a failed write
+RETRY_S = 2.0       # how often the app retries a failed write
+RETRY_WAIT_S = 0.1  # how long a retry waits for a lock: the UI thread waits with it, every RETRY_S
 Report = Callable[[str, str], None]  # (text, severity)
 
 
@@ -89,7 +90,20 @@ class Saver:
 
     # ---- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
-        """Write everything marked, in one transaction. False (and the marks kept) if the write failed."""
+        """Write everything marked, in one transaction. False (and the marks kept) if the write failed.
+        While writes fail, only retry() writes: each change would otherwise wait out the busy timeout."""
+        if self.failing is not None:
+            return False
+        return self._flush()
+
+    def retry(self, wait_s: float = RETRY_WAIT_S) -> bool:
+        """Try again what failed (the app's timer), waiting at most wait_s for another writer's lock."""
+        if not self.pending:
+            return True
+        with self.store.busy_timeout(wait_s):
+            return self._flush()
+
+    def _flush(self) -> bool:
         if not self.pending:
             return True
         try:

@@ -150,6 +150,16 @@ class Store:
         self.conn.close()
 
     @contextmanager
+    def busy_timeout(self, seconds: float) -> Iterator[None]:
+        """Wait at most `seconds` for another writer's lock inside this block."""
+        before = self.conn.execute("PRAGMA busy_timeout").fetchone()[0]
+        self.conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+        try:
+            yield
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {before}")
+
+    @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; BEGIN IMMEDIATE waits (busy timeout) for the write lock up front, so a
         transaction never fails half-way for want of it."""
