@@ -66,7 +66,10 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
+    said = len(app._notifications)
     await pilot.press("enter")
+    # Handled: the input is cleared once the reply has started, or a notice says why it did not.
+    await wait_for(pilot, lambda: not prompt.text or len(app._notifications) > said, "the message to be handled")
     return session
 
 
