@@ -3,7 +3,7 @@
 __all__ = ["Engine", "SamplingParams", "Completion"]
 
 _LAZY = {"Engine": "pagedchat.engine.engine", "Completion": "pagedchat.engine.engine",
-         "SamplingParams": "pagedchat.engine.sampling"}
+         "SamplingParams": "pagedchat.engine.params"}
 
 
 def __getattr__(name):

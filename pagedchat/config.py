@@ -37,6 +37,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from pagedchat.engine.params import SamplingSettings, sampling_problem
 from pagedchat.errors import PagedChatError
 
 CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
@@ -69,14 +70,8 @@ def data_dir() -> Path:
     return platformdirs.user_data_path("pagedchat")
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """Sampling settings a new chat starts with; each chat then keeps its own."""
-
-    max_tokens: int = 1024
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 0
+# The sampling settings a new chat starts with; each chat then keeps its own, of the same type.
+SamplingDefaults = SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,10 @@ class AppConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         sampling = {k: given.pop(k) for k in list(given) if k in SamplingDefaults.__dataclass_fields__}
         if sampling:
-            given["sampling"] = dataclasses.replace(self.sampling, **sampling)
+            try:
+                given["sampling"] = dataclasses.replace(self.sampling, **sampling)
+            except ValueError as exc:  # the same rule as every request's SamplingParams
+                raise ConfigError(f"sampling: {exc}") from None
         for key in ("config_dir", "data_dir"):
             if key in given:
                 given[key] = Path(given[key]).expanduser()
@@ -150,7 +148,11 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
         raise ConfigError(f'{source}: [keys] must map binding ids to key strings, e.g. new_chat = "ctrl+t"')
     out = _check(source, raw, _TOP)
-    out.update(_check(f"{source} [sampling]", sampling, _SAMPLING))
+    chosen = _check(f"{source} [sampling]", sampling, _SAMPLING)
+    out.update(chosen)
+    problem = sampling_problem(**{**dataclasses.asdict(SamplingDefaults()), **chosen})
+    if problem:
+        raise ConfigError(f"{source} [sampling]: {problem}")
     for key in ("block_size", "threads"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")

@@ -1,29 +1,18 @@
 """Page bookkeeping without a model: prefix sharing, the cached pool, eviction order, copy-on-write, swapping.
 
-The last part drives the real Scheduler and BlockManager with a fake model that records, slot by slot, which
-token history each K/V slot was computed from. Every read of the cache is checked against the history it
-should hold, so a page handed out while still needed, a copy planned in the wrong place or a stale hash shows
-up as a wrong "K/V", exactly as it would as a wrong token with a real model.
+The scheduler and the engine core over these pages are tested in test_engine_core.py; the fake model that
+checks every K/V read (PageContents) lives in fake_engine.py.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
+from fake_engine import PageContents, make_seq, toks
 from pagedchat.engine.block_manager import BlockManager, chain_hashes
-from pagedchat.engine.sampling import SamplingParams
-from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.sequence import Sequence
 
 BS = 16
-
-
-def make_seq(tokens, rid="s", max_tokens=16) -> Sequence:
-    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def prefill(bm: BlockManager, seq: Sequence, budget: int = 10**6) -> int:
@@ -46,17 +35,13 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
 def state(bm: BlockManager):
     """Everything a failed allocation must leave alone."""
     cpu = bm.cpu
-    return copy.deepcopy((bm.ref, bm.page_hash, bm.cached, list(bm.free), list(bm.evictable), bm.counters,
-                          bm._ops, list(cpu.free), cpu.cached, cpu.page_hash, list(cpu.evictable), cpu.held,
-                          cpu.release_after_step))
+    pages = [(p.ref, p.hash, p.parent, p.tokens) for p in bm.pages]
+    return copy.deepcopy((pages, bm.cached, list(bm.free), list(bm.evictable), bm.counters, bm.pending_ops(),
+                          cpu.free_pages(), cpu.cached_pages(), cpu.held_pages(), cpu.pending_release()))
 
 
 def seq_state(seq: Sequence):
-    return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.admitted)
-
-
-def toks(n: int, salt: int = 0) -> list[int]:
-    return [(salt * 1000 + i) % 997 + 1 for i in range(n)]
+    return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.prefix_counted)
 
 
 # ---- prefix sharing and the cached pool ----------------------------------------------------------------------
@@ -68,7 +53,7 @@ def test_shared_prefix_maps_three_pages_and_takes_one():
     assert prefill(bm, b) == 5, "only the 5 tokens past the shared pages are computed"
     assert b.block_table[:3] == a.block_table[:3]
     assert b.block_table[3] not in a.block_table
-    assert [bm.ref[p] for p in a.block_table] == [2, 2, 2, 1] and bm.ref[b.block_table[3]] == 1
+    assert [bm.pages[p].ref for p in a.block_table] == [2, 2, 2, 1] and bm.pages[b.block_table[3]].ref == 1
     assert b.cached_tokens == 48 and bm.counters.prefix_hits == 48 and bm.counters.prefix_queries == 55 + 53
     assert bm.num_available() == 16 - 5
     bm.check_invariants([a.block_table, b.block_table])
@@ -102,10 +87,10 @@ def test_prefix_inside_a_page_is_copied_not_recomputed():
     assert prefill(bm, b) == 6 and b.cached_tokens == 20
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
     assert bm.take_ops().cow == [(a.block_table[1], b.block_table[1])]
-    assert bm.ref[a.block_table[1]] == 2  # a's own reference and the pin
+    assert bm.pages[a.block_table[1]].ref == 2  # a's own reference and the pin
     bm.check_invariants([a.block_table, b.block_table])
     bm.end_step()
-    assert bm.ref[a.block_table[1]] == 1
+    assert bm.pages[a.block_table[1]].ref == 1
     bm.check_invariants([a.block_table, b.block_table])
     # A cached page with no owner left is pinned the same way, then goes back to the cached pool.
     source = a.block_table[1]
@@ -130,7 +115,7 @@ def test_hit_on_freed_cached_pages_takes_them_out_of_the_pool():
     assert prefill(bm, b) == 41 - 32
     assert b.block_table[:2] == full and not bm.evictable
     assert all(p not in bm.free for p in b.block_table)
-    assert [bm.ref[p] for p in full] == [1, 1] and bm.num_available() == 8 - 3
+    assert [bm.pages[p].ref for p in full] == [1, 1] and bm.num_available() == 8 - 3
     bm.check_invariants([b.block_table])
 
 
@@ -189,7 +174,7 @@ def test_reused_page_loses_its_old_hash():
     assert bm.counters.evictions == 2
     for h, page in old.items():
         assert h not in bm.cached and page in b.block_table
-    assert all(bm.page_hash[p] == h for p, h in zip(b.block_table, b.page_hashes))
+    assert all(bm.pages[p].hash == h for p, h in zip(b.block_table, b.page_hashes))
     bm.free_seq(b)
     again = make_seq(toks(40), "again")
     assert prefill(bm, again) == 40 and again.cached_tokens == 0, "nothing of a may hit any more"
@@ -237,12 +222,12 @@ def test_decode_append_takes_a_page_only_at_a_boundary():
         filled = seq.num_computed == 32
         assert len(seq.page_hashes) == (2 if filled else 1)
     page1 = seq.block_table[1]
-    assert bm.page_hash[page1] == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
+    assert bm.pages[page1].hash == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
     assert bm.cached[seq.page_hashes[1]] == page1
     available = bm.num_available()
     decode(bm, seq, 99)  # position 32: a new page
     assert len(seq.block_table) == 3 and bm.num_available() == available - 1
-    assert bm.page_hash[seq.block_table[2]] is None
+    assert bm.pages[seq.block_table[2]].hash is None
     bm.check_invariants([seq.block_table])
 
 
@@ -260,7 +245,7 @@ def forked(num_tokens: int) -> tuple[BlockManager, Sequence, Sequence]:
 def test_fork_shares_every_page_and_copies_on_first_write():
     bm, parent, child = forked(40)
     assert child.block_table == parent.block_table and child.num_computed == 40
-    assert [bm.ref[p] for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
+    assert [bm.pages[p].ref for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
     bm.check_invariants([parent.block_table, child.block_table])
     bm.take_ops()
 
@@ -272,7 +257,7 @@ def test_fork_shares_every_page_and_copies_on_first_write():
     new = ops.cow[0][1]
     assert child.block_table == shared[:2] + [new], "only the written index changes"
     assert parent.block_table == shared and new not in shared
-    assert [bm.ref[p] for p in shared] == [2, 2, 1] and bm.ref[new] == 1
+    assert [bm.pages[p].ref for p in shared] == [2, 2, 1] and bm.pages[new].ref == 1
     assert bm.counters.cow_copies == 1
     # the parent now owns its partial page alone: no copy
     parent.token_ids.append(6)
@@ -306,8 +291,8 @@ def test_duplicate_pages_are_kept_private_and_freed_uncached():
     assert not set(a.block_table) & set(b.block_table)
     assert a.page_hashes == b.page_hashes
     assert [bm.cached[h] for h in a.page_hashes] == a.block_table[:2]
-    assert all(bm.page_hash[p] is None for p in b.block_table), "b's duplicate pages are not advertised"
-    assert all(bm.ref[p] == 1 for p in a.block_table + b.block_table)
+    assert all(bm.pages[p].hash is None for p in b.block_table), "b's duplicate pages are not advertised"
+    assert all(bm.pages[p].ref == 1 for p in a.block_table + b.block_table)
     a_full = a.block_table[:2]
     bm.free_seq(b)
     assert not bm.evictable and len(bm.free) == 8 - 3, "duplicates go straight back to the free pool"
@@ -327,15 +312,15 @@ def test_swap_out_and_in_remaps_cached_pages_without_copying():
     assert bm.swap_out(a)
     ops = bm.take_ops()
     assert [g for g, _ in ops.swap_out] == pages and len(a.cpu_table) == 3 and not a.block_table
-    assert bm.cpu.held == set(a.cpu_table) and bm.counters.swap_outs == 1
+    assert bm.cpu.held_pages() == set(a.cpu_table) and bm.counters.swap_outs == 1
     assert list(bm.evictable) == pages[:2][::-1], "its hashed pages stay cached on the GPU"
     assert bm.swap_in(a, 1)
     ops = bm.take_ops()
     assert a.block_table[:2] == pages[:2], "still-cached full pages are mapped again"
     assert len(ops.swap_in) == 1 and ops.swap_in[0][1] == a.block_table[2]
-    assert not bm.cpu.held and bm.cpu.release_after_step
+    assert not bm.cpu.held_pages() and bm.cpu.pending_release()
     bm.end_step()
-    assert len(bm.cpu.free) == 4
+    assert len(bm.cpu.free_pages()) == 4
     bm.check_invariants([a.block_table])
 
 
@@ -352,19 +337,8 @@ def test_swap_in_makes_room_for_the_next_tokens():
     available = bm.num_available()
     assert bm.swap_in(s, 1)
     assert s.block_table[:2] == old and len(s.block_table) == 3, "2 cached pages mapped again, 1 new page"
-    assert bm.num_available() == available - 3 and bm.ref[s.block_table[2]] == 1
+    assert bm.num_available() == available - 3 and bm.pages[s.block_table[2]].ref == 1
     bm.check_invariants([s.block_table])
-
-
-def test_fake_scheduler_swapped_sequence_resumes_on_a_page_boundary():
-    """Three chats share a prompt; the newest is swapped out with a full last page and resumed at once."""
-    eng = FakeEngine(num_pages=6, cpu_pages=2, budget=3)
-    for max_tokens in (7, 6, 4):
-        eng.add(toks(5) + [9], max_tokens)
-    eng.drain()
-    assert eng.bm.counters.swap_outs and eng.bm.counters.swap_ins
-    for prompt, out in eng.done.values():
-        assert out == isolated(prompt, len(out))
 
 
 def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
@@ -375,14 +349,14 @@ def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
     b = make_seq(toks(48, 1), "b")
     prefill(bm, b)
     ops = bm.take_ops()
-    assert len(ops.swap_out) == 2 and bm.counters.offloads == 2 and len(bm.cpu.cached) == 2
+    assert len(ops.swap_out) == 2 and bm.counters.offloads == 2 and bm.cpu.num_cached() == 2
     bm.end_step()
     bm.free_seq(b)
     again = make_seq(toks(33) + [5], "again")
     assert prefill(bm, again) == 34 - 32 and again.cached_tokens == 32
     ops = bm.take_ops()
     assert len(ops.swap_in) == 2 and [g for _, g in ops.swap_in] == again.block_table[:2]
-    assert [bm.page_hash[p] for p in again.block_table[:2]] == again.page_hashes[:2]
+    assert [bm.pages[p].hash for p in again.block_table[:2]] == again.page_hashes[:2]
 
 
 def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
@@ -396,18 +370,14 @@ def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
     y = make_seq(toks(48, 1), "y")  # evicts x's two pages to the CPU tier and fills the GPU with cached pages
     sim.prefill(y)
     bm.free_seq(y)
-    assert len(bm.cpu.cached) == 2 and not bm.cpu.free and not bm.free
+    assert bm.cpu.num_cached() == 2 and not bm.cpu.free_pages() and not bm.free
     back = make_seq(toks(33) + [5], "back")
     sim.prefill(back)
     assert back.cached_tokens == 32
 
 
 def check_cpu(bm: BlockManager) -> None:
-    cpu = bm.cpu
-    cached = set(cpu.cached.values())
-    assert set(cpu.evictable) == cached and len(cpu.page_hash) == len(cpu.cached)
-    assert all(cpu.page_hash[p] == h for h, p in cpu.cached.items())
-    assert not set(cpu.free) & cached and not cpu.held & cached
+    bm.cpu.check()
 
 
 def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
@@ -423,7 +393,7 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
     bm.end_step()
     hog = make_seq(toks(64, 1), "hog")
     sim.prefill(hog)  # evicts s's two cached pages to the CPU tier
-    assert bm.counters.offloads == 2 and set(s.page_hashes) <= set(bm.cpu.cached)
+    assert bm.counters.offloads == 2 and set(s.page_hashes) <= set(bm.cpu.cached_pages())
     bm.free_seq(hog)
     assert bm.swap_in(s, 1)
     sim.apply(bm.take_ops())
@@ -438,290 +408,3 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
         bm.free_seq(h)
         check_cpu(bm)
     bm.check_invariants([])
-
-
-# ---- a fake model over the real scheduler --------------------------------------------------------------------
-class PageContents:
-    """What each GPU and CPU slot holds: the key of the token history its K/V was computed from."""
-
-    def __init__(self, bm: BlockManager):
-        self.bm = bm
-        self.gpu: dict[tuple[int, int], int] = {}
-        self.cpu: dict[tuple[int, int], int] = {}
-
-    @staticmethod
-    def keys(tokens: list[int]) -> list[int]:
-        out, k = [], 0
-        for t in tokens:
-            k = hash((k, t))
-            out.append(k)
-        return out
-
-    def apply(self, ops) -> None:
-        """In the model runner's order: swap-outs, swap-ins, copy-on-write."""
-        bs = self.bm.block_size
-        for g, c in ops.swap_out:
-            for s in range(bs):
-                self.cpu[c, s] = self.gpu.get((g, s))
-        for c, g in ops.swap_in:
-            for s in range(bs):
-                self.gpu[g, s] = self.cpu.get((c, s))
-        for src, dst in ops.cow:
-            for s in range(bs):
-                self.gpu[dst, s] = self.gpu.get((src, s))
-
-    def write(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
-        for pos in range(start, end):
-            self.gpu[seq.block_table[pos // bs], pos % bs] = keys[pos]
-
-    def check(self, seq: Sequence, end: int) -> None:
-        """Attention over positions [0, end) of seq reads exactly seq's history."""
-        bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
-        for pos in range(end):
-            got = self.gpu.get((seq.block_table[pos // bs], pos % bs))
-            assert got == keys[pos], f"{seq.request_id}: position {pos} holds the K/V of another history"
-
-    def check_cached(self, known: dict[int, list[int]]) -> None:
-        """Every advertised page, on the GPU or the CPU tier, holds the content its hash names."""
-        bs = self.bm.block_size
-        for h, page in self.bm.cached.items():
-            if h in known:
-                assert [self.gpu.get((page, s)) for s in range(bs)] == known[h], "stale cached GPU page"
-        for h, page in self.bm.cpu.cached.items():
-            if h in known:
-                assert [self.cpu.get((page, s)) for s in range(bs)] == known[h], "stale cached CPU page"
-
-    # single-sequence helpers for the bookkeeping tests above
-    def prefill(self, seq: Sequence) -> None:
-        n = self.bm.admit(seq, 10**6)
-        assert n
-        self.bm.register_full_pages(seq, seq.num_computed + n)
-        self.apply(self.bm.take_ops())
-        self.write(seq, seq.num_computed, seq.num_computed + n)
-        seq.num_computed += n
-        self.check(seq, seq.num_computed)
-        self.bm.end_step()
-
-    def grow(self, seq: Sequence, n: int) -> None:
-        seq.token_ids += toks(n, 50 + len(seq.token_ids))
-        assert self.bm.prepare_write(seq, n)
-        self.bm.register_full_pages(seq, seq.num_computed + n)
-        self.apply(self.bm.take_ops())
-        self.write(seq, seq.num_computed, seq.num_computed + n)
-        seq.num_computed += n
-        self.check(seq, seq.num_computed)
-        self.bm.end_step()
-
-
-def next_token(history_key: int) -> int:
-    return history_key % 500 + 1
-
-
-def isolated(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens, out = list(prompt), []
-    key = PageContents.keys(tokens)[-1]
-    for _ in range(max_tokens):
-        t = next_token(key)
-        out.append(t)
-        key = hash((key, t))
-    return out
-
-
-class FakeEngine:
-    """The engine's step loop (engine.py) with the forward pass replaced by PageContents."""
-
-    def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4):
-        self.bm = BlockManager(num_pages, block_size, cpu_pages)
-        self.sched = Scheduler(self.bm, budget, max_seqs)
-        self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
-        self.sim = PageContents(self.bm)
-        self.live: dict[str, Sequence] = {}
-        self.history: dict[str, list[int]] = {}
-        self.done: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output), finished by length
-        self.n = 0
-
-    def fits(self, tokens: int, max_tokens: int) -> bool:
-        return self.bm.pages_for(tokens + max_tokens) <= self.bm.num_pages
-
-    def add(self, prompt: list[int], max_tokens: int) -> str:
-        rid = f"r{self.n}"
-        self.n += 1
-        seq = make_seq(prompt, rid, max_tokens)
-        self.live[rid] = seq
-        self.sched.add(seq)
-        return rid
-
-    def fork(self, parent_id: str, max_tokens: int) -> str | None:
-        parent = self.live.get(parent_id)
-        tokens = list(parent.token_ids) if parent else self.history.get(parent_id)
-        if tokens is None or not self.fits(len(tokens), max_tokens):
-            return None
-        rid = f"r{self.n}"
-        self.n += 1
-        child = make_seq(tokens, rid, max_tokens)
-        self.live[rid] = child
-        if parent is not None and parent.status is SeqStatus.RUNNING:
-            self.bm.fork(parent, child)
-            child.admitted = True
-            self.sched.add_running(child)
-        else:
-            self.sched.add(child)
-        return rid
-
-    def cancel(self, rid: str) -> None:
-        seq = self.live.pop(rid, None)
-        if seq is not None:
-            self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        self.sched.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self.live.pop(seq.request_id, None)
-        self.history[seq.request_id] = list(seq.token_ids)
-
-    def step(self) -> None:
-        plan = self.sched.schedule()
-        assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
-        # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
-        assert plan.num_tokens <= self.sched.max_tokens_per_step or all(i.num_tokens == 1 for i in plan.scheduled)
-        self.sim.apply(plan.ops)
-        for item in plan.scheduled:  # every layer writes its K/V before attention reads them
-            s = item.seq
-            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
-        pages_written = [p for item in plan.scheduled
-                         for p in {item.seq.block_table[pos // self.bm.block_size]
-                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
-        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
-        for item in plan.scheduled:
-            s = item.seq
-            self.sim.check(s, s.num_computed + item.num_tokens)
-        for item in plan.scheduled:
-            s = item.seq
-            s.num_computed += item.num_tokens
-            if item.samples:
-                s.token_ids.append(next_token(self.sim.keys(s.token_ids)[-1]))
-                if len(s.output_ids) >= s.params.max_tokens:
-                    self.done[s.request_id] = (s.token_ids[:s.num_prompt_tokens], s.output_ids)
-                    self._finish(s)
-        self.bm.end_step()
-        self.check()
-
-    def check(self) -> None:
-        seqs = self.sched.all_seqs()
-        self.bm.check_invariants([s.block_table for s in seqs])
-        bs = self.bm.block_size
-        for s in seqs:
-            if s.status is SeqStatus.RUNNING:
-                assert len(s.block_table) == self.bm.pages_for(s.num_computed) and not s.cpu_table
-            elif s.status is SeqStatus.SWAPPED:
-                assert not s.block_table and len(s.cpu_table) == self.bm.pages_for(s.num_computed)
-            else:
-                assert not s.block_table and not s.cpu_table and s.num_computed == 0
-        cpu = self.bm.cpu
-        held = [p for s in seqs for p in s.cpu_table]
-        assert set(held) == cpu.held and len(held) == len(cpu.held)
-        cached = set(cpu.cached.values())
-        assert set(cpu.evictable) == cached and not cached & cpu.held and not set(cpu.free) & (cached | cpu.held)
-        assert len(cpu.free) + len(cached) + len(cpu.held) == cpu.num_pages, "a CPU page leaked"
-        known = {}
-        for s in seqs:
-            keys = self.sim.keys(s.token_ids)
-            for i, h in enumerate(s.page_hashes):
-                known[h] = keys[i * bs:(i + 1) * bs]
-        self.sim.check_cached(known)
-        for s in seqs:  # swapped pages still hold their sequence's history
-            keys = self.sim.keys(s.token_ids)
-            for pos in range(s.num_computed if s.cpu_table else 0):
-                assert self.sim.cpu.get((s.cpu_table[pos // bs], pos % bs)) == keys[pos]
-
-    def drain(self, limit: int = 2000) -> None:
-        for _ in range(limit):
-            if not self.sched.has_work():
-                return
-            self.step()
-        raise AssertionError("no progress: the scheduler looks deadlocked")
-
-
-def test_one_token_prefill_chunks_count_against_the_step_budget():
-    """A request forked twice while its prompt is being prefilled: three prefills compete for a budget of 3.
-    A chunk of one prompt token is still prefill, not a decode, so the three never get more than 3 tokens."""
-    eng = FakeEngine(num_pages=40, cpu_pages=0, budget=3, max_seqs=3)
-    eng.add(toks(5), 3)
-    eng.step()  # 3 of 5 prompt tokens
-    eng.fork("r0", 3)
-    eng.fork("r0", 3)
-    plan = eng.sched.schedule()
-    assert [(item.seq.request_id, item.num_tokens) for item in plan.scheduled] == [("r0", 2), ("r1", 1)]
-    assert plan.num_tokens == 3
-
-
-def test_fake_scheduler_preemption_by_swap_and_recompute():
-    for cpu_pages in (0, 3, 40):
-        eng = FakeEngine(num_pages=10, cpu_pages=cpu_pages, budget=12)
-        prompts = [toks(7 + 3 * i, i % 3) for i in range(6)]  # shared prefixes between some of them
-        for p in prompts:
-            eng.add(p, 9)
-        eng.drain()
-        assert len(eng.done) == 6
-        for prompt, out in eng.done.values():
-            assert out == isolated(prompt, len(out))
-        c = eng.bm.counters
-        assert c.swap_outs + c.recomputes > 0
-        if cpu_pages == 0:
-            assert c.swap_outs == 0 and c.recomputes > 0
-        if cpu_pages == 40:
-            assert c.swap_outs > 0
-        eng.bm.check_invariants([])
-        assert eng.bm.num_available() == 10
-
-
-OPS = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 20), st.integers(1, 10)),
-    st.tuples(st.just("step"), st.integers(0, 4)),
-    st.tuples(st.just("fork"), st.integers(0, 30), st.integers(1, 10)),
-    st.tuples(st.just("cancel"), st.integers(0, 30)),
-    st.tuples(st.just("finish"), st.integers(0, 30)),
-)
-
-
-@settings(max_examples=300 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(OPS, min_size=8, max_size=40), num_pages=st.integers(6, 12),
-       cpu_pages=st.sampled_from([0, 2, 6, 30]), budget=st.integers(3, 16))
-def test_fake_scheduler_random_operations(ops, num_pages, cpu_pages, budget):
-    eng = FakeEngine(num_pages=num_pages, cpu_pages=cpu_pages, budget=budget)
-    bases = [toks(20, salt) for salt in range(4)]
-    for op in ops:
-        kind = op[0]
-        if kind == "add":
-            _, base, extra, max_tokens = op
-            prompt = bases[base][:4 + extra % 9] + toks(extra % 5, 10 + extra)
-            if eng.fits(len(prompt), max_tokens):
-                eng.add(prompt, max_tokens)
-        elif kind == "step":
-            for _ in range(op[1]):
-                eng.step()
-        elif kind == "fork":
-            eng.fork(f"r{op[1] % max(eng.n, 1)}", op[2])
-        elif kind == "cancel":
-            eng.cancel(f"r{op[1] % max(eng.n, 1)}")
-        else:
-            rid = f"r{op[1] % max(eng.n, 1)}"
-            for _ in range(1000):
-                if rid not in eng.live:
-                    break
-                eng.step()
-            assert rid not in eng.live
-        eng.step()  # the engine keeps running while requests come and go
-    eng.drain()
-    for name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
-        if getattr(eng.bm.counters, name):
-            event(name)  # what the examples exercised (--hypothesis-show-statistics)
-    eng.bm.check_invariants([])
-    assert eng.bm.num_available() == eng.bm.num_pages
-    assert not eng.bm.cpu.held and len(eng.bm.cpu.free) + len(eng.bm.cpu.cached) == cpu_pages
-    for prompt, out in eng.done.values():
-        assert out == isolated(prompt, len(out))

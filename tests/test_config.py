@@ -48,10 +48,18 @@ def test_explicit_path_must_exist(tmp_path):
     ("[sampling]\ntemperature = 'hot'", "temperature must be a int or number"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
+    ("[sampling]\ntemperature = nan", r"\[sampling\]: temperature must be a finite number >= 0 \(got nan\)"),
+    ("[sampling]\ntemperature = 1e-40", r"temperature must be 0 \(greedy\) or at least 0.01"),
+    ("[sampling]\ntop_p = 0", r"top_p must be in \(0, 1\]"),
 ])
 def test_bad_files_name_the_problem(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(text, "config.toml")
+
+
+def test_sampling_flags_are_checked_like_requests():
+    with pytest.raises(ConfigError, match="sampling: temperature must be a finite number"):
+        AppConfig().with_overrides(temperature=float("inf"))
 
 
 def test_with_overrides_rejects_unknown_fields():

@@ -70,8 +70,7 @@ def test_batched_equals_alone(tiny_llama):
 
 def test_pages_follow_tokens_and_all_return(tiny_llama):
     """While running, n computed tokens hold ceil(n/16) pages; finished or cancelled, every page is free."""
-    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
-    engine._kick = lambda: None  # drive the steps by hand
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", autostart=False)  # driven by hand
     handles = engine.submit_many([prompt_of(engine.tokenizer, n, salt=n) for n in (5, 16, 33)],
                                  SamplingParams(max_tokens=40, ignore_eos=True))
     doomed = engine.submit(prompt_of(engine.tokenizer, 20), SamplingParams(max_tokens=100, ignore_eos=True))
@@ -85,13 +84,12 @@ def test_pages_follow_tokens_and_all_return(tiny_llama):
             engine.cancel(doomed.request_id)
     snap = engine.memory()
     assert snap.free_blocks == snap.total_blocks and not snap.sequences and not snap.ref_counts
-    assert doomed._completion.finish_reason == "cancelled"
-    assert all(len(h._completion.token_ids) == 40 for h in handles)
+    assert doomed.result(timeout=0).finish_reason == "cancelled"
+    assert all(len(h.result(timeout=0).token_ids) == 40 for h in handles)
 
 
 def test_memory_snapshot_lists_live_pages(tiny_llama):
-    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
-    engine._kick = lambda: None
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", autostart=False)
     handle = engine.submit(prompt_of(engine.tokenizer, 40), SamplingParams(max_tokens=5))
     engine.step()
     snap = engine.memory()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.core import Phase
 from pagedchat.errors import RequestError
 from parity import assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
@@ -33,10 +34,9 @@ def ids_of(tokenizer, n: int, salt: int = 0) -> list[int]:
     return tokenizer.encode(words)[:n]
 
 
-def manual(engine: Engine) -> Engine:
-    """Drive the engine step by step on this thread."""
-    engine._kick = lambda: None
-    return engine
+def manual(folder, **kwargs) -> Engine:
+    """An engine driven step by step on this thread."""
+    return Engine(str(folder), autostart=False, **kwargs)
 
 
 def step(engine: Engine) -> dict[str, list[int]]:
@@ -49,7 +49,7 @@ def step(engine: Engine) -> dict[str, list[int]]:
 
 def drain(engine: Engine, limit: int = 5000, check=None) -> int:
     steps = 0
-    while engine.scheduler.has_work() or not engine._inbox.empty():
+    while engine.has_work():
         step(engine)
         steps += 1
         if check:
@@ -80,7 +80,7 @@ def check_same(ref, prompt, out, max_tokens):
 
 # ---- prefix sharing ------------------------------------------------------------------------------------------
 def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB"))
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
     common = ids_of(eng.tokenizer, 48)
     pa, pb = common + ids_of(eng.tokenizer, 7, 1), common + ids_of(eng.tokenizer, 5, 2)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -103,14 +103,14 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
 
 # ---- fork ----------------------------------------------------------------------------------------------------
 def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny_llama, tiny_llama_ref):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB"))
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
     prompt = ids_of(eng.tokenizer, 40)
     parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
     step(eng)
-    while len(eng._seqs[parent.request_id].output_ids) < 11:  # 51 tokens, 50 computed: page 3 is partial
+    while len(eng.sequence(parent.request_id).output_ids) < 11:  # 51 tokens, 50 computed: page 3 is partial
         step(eng)
-    before = list(eng._seqs[parent.request_id].block_table)
-    history = list(eng._seqs[parent.request_id].token_ids)
+    before = list(eng.sequence(parent.request_id).block_table)
+    history = list(eng.sequence(parent.request_id).token_ids)
     child = eng.fork(parent.request_id, SamplingParams(max_tokens=20, ignore_eos=True))
     step(eng)
     snap = eng.memory()
@@ -140,7 +140,7 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
 def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
     """Four chats growing to 4 pages each in an 8-page pool: the newest are preempted (swapped out when the CPU
     tier has room, else dropped and recomputed), and every output still equals its run alone."""
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory=8 * PAGE, swap_space=swap_pages * PAGE))
+    eng = manual(tiny_llama, kv_cache_memory=8 * PAGE, swap_space=swap_pages * PAGE)
     prompts = [ids_of(eng.tokenizer, n, salt=i) for i, n in enumerate((20, 9, 25, 14))]
     handles = eng.submit_many(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     drain(eng, check=lambda: eng.blocks.check_invariants(live_tables(eng)))
@@ -159,7 +159,7 @@ def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
 
 # ---- multi-turn ----------------------------------------------------------------------------------------------
 def test_second_turn_reuses_prompt_and_generated_pages(tiny_llama, tiny_llama_ref):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB"))
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
     tok = eng.tokenizer
     messages = [{"role": "user", "content": text_of(tok, 58)}]
     prompt = chat_prompt_ids(tok, messages)
@@ -185,7 +185,7 @@ def test_second_turn_reuses_prompt_and_generated_pages(tiny_llama, tiny_llama_re
 
 # ---- chunked prefill -----------------------------------------------------------------------------------------
 def test_long_prefill_is_chunked_and_never_stalls_decodes(tiny_llama, tiny_llama_ref):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB", max_tokens_per_step=64))
+    eng = manual(tiny_llama, kv_cache_memory="2MiB", max_tokens_per_step=64)
     short = [ids_of(eng.tokenizer, 10, 1), ids_of(eng.tokenizer, 12, 2)]
     a, b = eng.submit_many(short, SamplingParams(max_tokens=40, ignore_eos=True))
     step(eng)
@@ -194,7 +194,7 @@ def test_long_prefill_is_chunked_and_never_stalls_decodes(tiny_llama, tiny_llama
     assert len(long_prompt) == 400
     c = eng.submit(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     prefill_steps = 0
-    while not eng._seqs.get(c.request_id) or not eng._seqs[c.request_id].output_ids:
+    while not eng.sequence(c.request_id) or not eng.sequence(c.request_id).output_ids:
         before = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}
         got = step(eng)
         after = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}
@@ -216,7 +216,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     """Chat A goes idle with 4 cached pages; chat B needs the whole pool, so A's pages are evicted: offloaded
     to the CPU tier, not dropped. A's next turn copies them back instead of recomputing them. With a tier of
     exactly 4 pages, the offloads that A's return causes must not overwrite the pages being read back."""
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory=12 * PAGE, swap_space=swap_pages * PAGE))
+    eng = manual(tiny_llama, kv_cache_memory=12 * PAGE, swap_space=swap_pages * PAGE)
     pa = ids_of(eng.tokenizer, 60, 1)
     a = eng.submit(pa, SamplingParams(max_tokens=20, ignore_eos=True))
     drain(eng)
@@ -245,7 +245,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
 
 # ---- a shared system prompt ----------------------------------------------------------------------------------
 def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, shared_prefix_reads):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory="2MiB"))
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
     tok = eng.tokenizer
     system = text_of(tok, 280)
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}: what is {i}?"}]
@@ -278,12 +278,12 @@ def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, shared_
 
 # ---- requests that cannot fit --------------------------------------------------------------------------------
 def test_a_request_larger_than_the_cache_is_refused_at_submit(tiny_llama, tiny_llama_ref):
-    eng = manual(Engine(str(tiny_llama), kv_cache_memory=4 * PAGE))
+    eng = manual(tiny_llama, kv_cache_memory=4 * PAGE)
     with pytest.raises(RequestError, match=r"can grow to 80 tokens \(5 pages\) but the KV cache holds 4 pages"):
         eng.submit(ids_of(eng.tokenizer, 50), SamplingParams(max_tokens=30))
     with pytest.raises(RequestError):  # one bad prompt fails the whole batch, before anything is queued
         eng.submit_many([ids_of(eng.tokenizer, 5), ids_of(eng.tokenizer, 70)], SamplingParams(max_tokens=10))
-    assert eng._inbox.empty() and not eng.scheduler.has_work()
+    assert not eng.has_work()
     prompt = ids_of(eng.tokenizer, 30)
     ok = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))  # 60 tokens: 4 pages, fits
     drain(eng)
@@ -294,7 +294,7 @@ def test_a_request_larger_than_the_cache_is_refused_at_submit(tiny_llama, tiny_l
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-2l"), layers=2, seed=3)
-    alone = manual(Engine(str(folder), kv_cache_memory="2MiB"))
+    alone = manual(folder, kv_cache_memory="2MiB")
     runs: dict[tuple, list[int]] = {}
 
     def isolated(prompt: list[int], max_tokens: int) -> list[int]:
@@ -319,7 +319,21 @@ OPS = st.one_of(
     st.tuples(st.just("fork"), st.integers(0, 20), st.integers(1, 8)),
     st.tuples(st.just("cancel"), st.integers(0, 20)),
     st.tuples(st.just("finish"), st.integers(0, 20)),
+    st.tuples(st.just("fault"), st.sampled_from(list(Phase))),
+    st.tuples(st.just("shutdown")),
 )
+
+
+class OneFault:
+    """A fault hook that raises once, at the end of the armed phase."""
+
+    def __init__(self):
+        self.armed: Phase | None = None
+
+    def __call__(self, phase: Phase, request_id: str | None) -> None:
+        if phase is self.armed:
+            self.armed = None
+            raise RuntimeError(f"injected into {phase.value}")
 
 
 @settings(max_examples=30 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
@@ -327,8 +341,9 @@ OPS = st.one_of(
 @given(ops=st.lists(OPS, min_size=10, max_size=30), swap_pages=st.sampled_from([0, 3, 20]))
 def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, ops, swap_pages):
     folder, ref, isolated = small_model
-    eng = manual(Engine(str(folder), kv_cache_memory=5 * SMALL_PAGE, swap_space=swap_pages * SMALL_PAGE,
-                        max_tokens_per_step=24, max_seqs=4))
+    fault = OneFault()
+    eng = manual(folder, kv_cache_memory=5 * SMALL_PAGE, swap_space=swap_pages * SMALL_PAGE,
+                 max_tokens_per_step=24, max_seqs=4, fault_hook=fault)
     bases = [ids_of(eng.tokenizer, 60, salt) for salt in range(3)]
     handles, wanted = [], {}  # wanted: request id -> max_tokens
 
@@ -370,11 +385,24 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
                 step(eng)
                 check()
             assert target.done
+        elif kind == "fault":
+            fault.armed = op[1]
+            step(eng)
+            check()
+            if fault.armed is None:
+                event(f"fault in {op[1].value}")
+            fault.armed = None
+        elif kind == "shutdown":
+            eng.shutdown()
+            assert all(h.done for h in handles), "shutdown left a request waiting"
+            break
         step(eng)  # the engine keeps running while requests come and go
         check()
-    drain(eng, check=check)
+    else:
+        drain(eng, check=check)
+        snap = eng.memory()
+        assert snap.free_blocks == snap.total_blocks and not snap.ref_counts and snap.cpu_swapped == 0
     snap = eng.memory()
-    assert snap.free_blocks == snap.total_blocks and not snap.ref_counts and snap.cpu_swapped == 0
     for name, count in snap.counters.items():  # what the examples exercised (--hypothesis-show-statistics)
         if count and name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
             event(name)
@@ -385,5 +413,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             if done.token_ids != isolated(done.prompt_token_ids, len(done.token_ids)):  # a float near-tie at most
                 expected = reference(ref, done.prompt_token_ids, len(done.token_ids))
                 assert_same_greedy(ref, done.prompt_token_ids, done.token_ids, expected)
+        elif done.finish_reason == "error":
+            assert "RuntimeError: injected into" in done.error, done.error
         else:
             assert done.finish_reason == "cancelled"

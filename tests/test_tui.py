@@ -6,6 +6,7 @@ finish in a blink, long ones (LONG) run long enough to be stopped, forked or see
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sqlite3
 from functools import partial
@@ -67,7 +68,10 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
+    said = len(app._notifications)
     await pilot.press("enter")
+    # Handled: the input is cleared once the reply has started, or a notice says why it did not.
+    await wait_for(pilot, lambda: not prompt.text or len(app._notifications) > said, "the message to be handled")
     return session
 
 
@@ -238,7 +242,7 @@ async def test_branch_shares_pages(config):
         assert len(fork_text) > 20 and fork_text[:20] == parent_text[:20]
 
         # Branching at the question of a finished chat answers it again in a new tab, from the prefix cache.
-        parent.record.settings.max_tokens = 16  # the branch copies the chat's settings
+        parent.record.settings = dataclasses.replace(parent.record.settings, max_tokens=16)  # the branch copies them
         view = app.chat_view(parent).view_at(0)
         view.focus()
         await pilot.press("b")
@@ -285,7 +289,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         app.screen.query_one("#top_p").value = "7"
         await pilot.press("ctrl+s")
         assert isinstance(app.screen, ChatSettingsScreen)  # top p 7 is refused, the dialog says why
-        assert "top p" in str(app.screen.query_one("#error").content)
+        assert "top_p must be in (0, 1]" in str(app.screen.query_one("#error").content)
         app.screen.query_one("#top_p").value = "0.9"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "the dialog to close")
@@ -299,7 +303,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         await pilot.press("enter")
         assert session.record.title == "Renamed" and "Renamed" in app.tabs.get_tab("chat-" + session.id).label.plain
 
-        session.record.settings.temperature = 0.0
+        session.record.settings = dataclasses.replace(session.record.settings, temperature=0.0)
         await send(pilot, "write code")
         await replied(pilot, session)
         assert session.record.messages[-1].stats.generated_tokens == 12

@@ -50,6 +50,7 @@ class StandInEngine:
     device = "cuda"
     block_size = 16
     cache_plan = SimpleNamespace(num_pages=96)
+    failure = None
 
     def memory(self) -> MemorySnapshot:
         return fixed_memory()

@@ -10,10 +10,14 @@ runner performs them (see CopyPlan).
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted, require
 from pagedchat.engine.sequence import Sequence
+
+__all__ = ["BlockManager", "CopyPlan", "MemoryCounters", "Page", "PageState", "PoolCorrupted"]
 
 
 def page_hash(parent: int | None, tokens: list[int]) -> int:
@@ -58,50 +62,37 @@ class MemoryCounters:
     cow_copies: int = 0
 
 
-class CpuTier:
-    """Pages in host memory: cached pages offloaded from the GPU pool, and pages of swapped-out sequences."""
+class PageState(enum.Enum):
+    FREE = "free"        # holds nothing reusable
+    USED = "used"        # mapped by at least one block table (or pinned as a copy source)
+    CACHED = "cached"    # no user left, content kept under its hash until evicted
 
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.free: deque[int] = deque(range(num_pages))
-        self.cached: dict[int, int] = {}                  # hash -> CPU page
-        self.page_hash: dict[int, int] = {}               # CPU page -> hash
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached CPU pages, oldest first
-        self.held: set[int] = set()                       # pages of swapped-out sequences
-        self.release_after_step: list[int] = []           # read by this step's swap-ins; freed after it
 
-    def available(self) -> int:
-        return len(self.free) + len(self.evictable)
+@dataclass(eq=False, slots=True)
+class Page:
+    """One physical GPU page: who maps it and, once full, what it holds (as vLLM's KVCacheBlock)."""
 
-    def take(self) -> int:
-        if self.free:
-            return self.free.popleft()
-        page, _ = self.evictable.popitem(last=False)
-        del self.cached[self.page_hash.pop(page)]
-        return page
+    index: int
+    ref: int = 0                          # block tables mapping it, plus a pin while it is a copy source
+    hash: int | None = None               # chain hash of its content, while advertised for reuse
+    parent: int | None = None             # the chain hash of the page before it
+    tokens: tuple[int, ...] | None = None  # its tokens, for matches inside a page
 
-    def release_cached(self, page: int) -> None:
-        """A cached CPU page is being copied back to the GPU: stop advertising it, free it after the step."""
-        del self.cached[self.page_hash.pop(page)]
-        self.evictable.pop(page, None)
-        self.release_after_step.append(page)
-
-    def end_step(self) -> None:
-        self.free.extend(self.release_after_step)
-        self.release_after_step.clear()
+    @property
+    def state(self) -> PageState:
+        if self.ref:
+            return PageState.USED
+        return PageState.FREE if self.hash is None else PageState.CACHED
 
 
 class BlockManager:
     def __init__(self, num_pages: int, block_size: int, num_cpu_pages: int = 0):
         self.num_pages = num_pages
         self.block_size = block_size
-        self.ref = [0] * num_pages
-        self.page_hash: list[int | None] = [None] * num_pages
+        self.pages = [Page(i) for i in range(num_pages)]
         self.cached: dict[int, int] = {}                   # hash -> GPU page holding that content
         # What a cached page holds, by the hash of the page before it, for matches inside a page.
         self.children: dict[int | None, set[int]] = {}
-        self.page_parent: list[int | None] = [None] * num_pages
-        self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
         self._pinned: list[int] = []                       # copy sources held until this step's copies ran
         self._fresh: set[int] = set()                      # published this step: written by its forward pass
         self.free: deque[int] = deque(range(num_pages))   # pages holding nothing reusable
@@ -110,6 +101,7 @@ class BlockManager:
         self.counters = MemoryCounters()
         self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=64)  # (queried, hit) per admission
         self._ops = CopyPlan()
+        self._taken: list[CopyPlan] = []                   # this step's copies, until end_step
 
     # ---- page pool -------------------------------------------------------------------------------------
     def num_available(self) -> int:
@@ -118,6 +110,10 @@ class BlockManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def ref_counts(self) -> dict[int, int]:
+        """page -> reference count, pages in use only."""
+        return {p.index: p.ref for p in self.pages if p.ref}
+
     def _take(self) -> int:
         """A page for new content: a free one, else the least recently used cached one."""
         if self.free:
@@ -125,61 +121,69 @@ class BlockManager:
         else:
             page, _ = self.evictable.popitem(last=False)
             self._evict(page)
-        self.ref[page] = 1
+        self.pages[page].ref = 1
         return page
 
     def _publish(self, page: int, hashes: list[int], i: int, token_ids: list[int]) -> None:
         """Offer page (logical page i of a sequence with these chain hashes and tokens) for reuse: whole under
         its chain hash, or its first tokens to a prompt that continues the same parent (see _partial_match)."""
-        h, parent = hashes[i], hashes[i - 1] if i else None
-        tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
-        self.cached[h] = page
-        self.page_hash[page] = h
-        self.page_parent[page] = parent
-        self.page_tokens[page] = tuple(tokens)
-        self.children.setdefault(parent, set()).add(page)
+        record = self.pages[page]
+        record.hash, record.parent = hashes[i], hashes[i - 1] if i else None
+        record.tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+        self.cached[record.hash] = page
+        self.children.setdefault(record.parent, set()).add(page)
         self._fresh.add(page)
 
     def _unpublish(self, page: int) -> int:
-        h = self.page_hash[page]
+        record = self.pages[page]
+        h = record.hash
         del self.cached[h]
-        self.page_hash[page] = None
-        parent = self.page_parent[page]
-        siblings = self.children[parent]
+        siblings = self.children[record.parent]
         siblings.discard(page)
         if not siblings:
-            del self.children[parent]
-        self.page_tokens[page] = None
+            del self.children[record.parent]
+        record.hash = record.parent = record.tokens = None
         return h
+
+    def _forget(self, page: int) -> None:
+        """Un-advertise a page; an unused one goes from the cached pool to the free one."""
+        if self.pages[page].hash is None:
+            return
+        self._unpublish(page)
+        if page in self.evictable:
+            del self.evictable[page]
+            self.free.append(page)
 
     def _evict(self, page: int) -> None:
         h = self._unpublish(page)
         self.counters.evictions += 1
-        if h in self.cpu.cached:  # already offloaded once (e.g. swapped back in since): keep the one copy
-            self.cpu.evictable.move_to_end(self.cpu.cached[h])
-        elif self.cpu.available():
-            cpu_page = self.cpu.take()
+        cpu_page = self.cpu.offload(h)
+        if cpu_page is not None:
             self._ops.swap_out.append((page, cpu_page))
-            self.cpu.cached[h] = cpu_page
-            self.cpu.page_hash[cpu_page] = h
-            self.cpu.evictable[cpu_page] = None
             self.counters.offloads += 1
 
     def _ref(self, page: int) -> None:
-        if self.ref[page] == 0:
+        record = self.pages[page]
+        if record.ref == 0:
             self.evictable.pop(page)
-        self.ref[page] += 1
+        record.ref += 1
 
     def _unref(self, page: int) -> None:
-        self.ref[page] -= 1
-        if self.ref[page] == 0:
-            if self.page_hash[page] is not None:
+        record = self.pages[page]
+        record.ref -= 1
+        if record.ref == 0:
+            if record.hash is not None:
                 self.evictable[page] = None  # most recently used end
             else:
                 self.free.append(page)
 
+    def pending_ops(self) -> CopyPlan:
+        """The copies planned so far this step, without taking them."""
+        return CopyPlan(list(self._ops.swap_out), list(self._ops.swap_in), list(self._ops.cow))
+
     def take_ops(self) -> CopyPlan:
         ops, self._ops = self._ops, CopyPlan()
+        self._taken.append(ops)
         return ops
 
     def end_step(self) -> None:
@@ -187,7 +191,42 @@ class BlockManager:
             self._unref(page)
         self._pinned.clear()
         self._fresh.clear()
+        self._taken.clear()
         self.cpu.end_step()
+
+    def abort_step(self, copies_ran: bool) -> tuple[set[int], set[int]]:
+        """End a step whose forward pass did not complete. Pages published this step are no longer advertised
+        (their K/V were never written); when the copies did not run, cached CPU pages they were to fill are
+        dropped too. Returns the GPU and CPU pages of live sequences whose content is now undefined."""
+        ops = [*self._taken, self.take_ops()]
+        for page in list(self._fresh):
+            self._forget(page)
+        bad_gpu: set[int] = set()
+        bad_cpu: set[int] = set()
+        if not copies_ran:
+            bad_gpu = {dst for plan in ops for _, dst in plan.swap_in + plan.cow}
+            bad_cpu = {dst for plan in ops for _, dst in plan.swap_out}
+            for cpu_page in bad_cpu:
+                self.cpu.drop(cpu_page)
+        self.end_step()
+        return bad_gpu, bad_cpu
+
+    def reconcile(self, gpu_tables: list[list[int]], cpu_tables: list[list[int]]) -> None:
+        """After a fault that may have stopped an allocation halfway: set every ref count to the number of
+        surviving block tables that map the page, and rebuild the pools around them (nothing mapped is lost;
+        a page nobody maps is freed or kept cached)."""
+        counts = [0] * self.num_pages
+        for table in gpu_tables:
+            for page in table:
+                counts[page] += 1
+        for record, count in zip(self.pages, counts):
+            record.ref = count
+        self.evictable = OrderedDict((p, None) for p in self.evictable if self.pages[p].state is PageState.CACHED)
+        for record in self.pages:
+            if record.state is PageState.CACHED and record.index not in self.evictable:
+                self.evictable[record.index] = None
+        self.free = deque(r.index for r in self.pages if r.state is PageState.FREE)
+        self.cpu.reconcile({p for table in cpu_tables for p in table})
 
     # ---- sequences -------------------------------------------------------------------------------------
     def admit(self, seq: Sequence, token_budget: int) -> int:
@@ -200,10 +239,11 @@ class BlockManager:
         hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
         gpu_hits, cpu_hits = [], []
         for h in hashes:
+            cpu_page = self.cpu.lookup(h)
             if h in self.cached and not cpu_hits:
                 gpu_hits.append(self.cached[h])
-            elif h in self.cpu.cached and h not in self.cached:  # never advertise one hash on two GPU pages
-                cpu_hits.append(self.cpu.cached[h])
+            elif cpu_page is not None and h not in self.cached:  # never advertise one hash on two GPU pages
+                cpu_hits.append(cpu_page)
             else:
                 break
         hit_pages = len(gpu_hits) + len(cpu_hits)
@@ -216,7 +256,7 @@ class BlockManager:
             return 0
         fresh = self.pages_for(start + n) - hit_pages
         pinned = gpu_hits + ([source] if partial else [])
-        reclaimable = sum(1 for p in pinned if self.ref[p] == 0)
+        reclaimable = sum(1 for p in pinned if self.pages[p].ref == 0)
         if fresh + len(cpu_hits) > self.num_available() - reclaimable:
             return 0
         for page in pinned:  # pin the GPU hits first, so taking pages below cannot evict them
@@ -241,8 +281,8 @@ class BlockManager:
             self._pinned.append(source)
             self._ops.cow.append((source, seq.block_table[hit_pages]))
             self.counters.cow_copies += 1
-        if not seq.admitted:
-            seq.admitted = True
+        if not seq.prefix_counted:
+            seq.prefix_counted = True
             seq.cached_tokens = start
             self.counters.prefix_queries += len(seq.token_ids)
             self.counters.prefix_hits += start
@@ -261,7 +301,7 @@ class BlockManager:
             if page in self._fresh:  # its K/V are written by this step's forward pass, after copies run
                 continue
             n = 0
-            for a, b in zip(self.page_tokens[page], tokens[start:start + limit]):
+            for a, b in zip(self.pages[page].tokens, tokens[start:start + limit]):
                 if a != b:
                     break
                 n += 1
@@ -278,7 +318,7 @@ class BlockManager:
         it is about to write into (copy-on-write). False, with nothing changed, when the pool is short."""
         offset = seq.num_computed % self.block_size
         idx = seq.num_computed // self.block_size
-        shared_tail = offset != 0 and self.ref[seq.block_table[idx]] > 1
+        shared_tail = offset != 0 and self.pages[seq.block_table[idx]].ref > 1
         needed = max(0, self.pages_for(seq.num_computed + n) - len(seq.block_table)) + shared_tail
         if needed > self.num_available():
             return False
@@ -300,9 +340,10 @@ class BlockManager:
         """
         full = num_tokens // self.block_size
         seq.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, seq.page_hashes)
-        for i in range(len(seq.page_hashes)):
-            h, page = seq.page_hashes[i], seq.block_table[i]
-            if self.page_hash[page] is None and h not in self.cached:
+        pages = self.pages
+        for i, h in enumerate(seq.page_hashes):
+            page = seq.block_table[i]
+            if pages[page].hash is None and h not in self.cached:
                 self._publish(page, seq.page_hashes, i, seq.token_ids)
 
     def free_seq(self, seq: Sequence) -> None:
@@ -311,24 +352,16 @@ class BlockManager:
             self._unref(page)
         seq.block_table = []
         for cpu_page in seq.cpu_table:
-            self.cpu.held.discard(cpu_page)
-            self.cpu.free.append(cpu_page)
+            self.cpu.release_held(cpu_page, after_step=False)
         seq.cpu_table = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child maps every page of the parent, partial last page included; writes copy first."""
         for page in parent.block_table:
-            self.ref[page] += 1
+            self.pages[page].ref += 1
         child.block_table = list(parent.block_table)
         child.page_hashes = list(parent.page_hashes)
         child.num_computed = parent.num_computed
-
-    def forget_hashes(self, seq: Sequence) -> None:
-        """Un-advertise seq's pages, e.g. after a failed forward pass left their content undefined."""
-        for page in seq.block_table:
-            if self.page_hash[page] is not None:
-                self._unpublish(page)
-        seq.page_hashes = []
 
     # ---- preemption --------------------------------------------------------------------------------------
     def swap_out(self, seq: Sequence) -> bool:
@@ -336,8 +369,7 @@ class BlockManager:
         if len(seq.block_table) > self.cpu.available():
             return False
         for page in seq.block_table:
-            cpu_page = self.cpu.take()
-            self.cpu.held.add(cpu_page)
+            cpu_page = self.cpu.hold()
             self._ops.swap_out.append((page, cpu_page))
             seq.cpu_table.append(cpu_page)
         for page in reversed(seq.block_table):
@@ -349,25 +381,22 @@ class BlockManager:
     def swap_in(self, seq: Sequence, next_tokens: int) -> bool:
         """Bring a swapped-out sequence back, with room for its next tokens. Full pages still cached on the
         GPU are mapped again rather than copied."""
-        keep = [i < len(seq.page_hashes) and seq.page_hashes[i] in self.cached for i in range(len(seq.cpu_table))]
-        reclaimable = sum(1 for i, k in enumerate(keep) if k and self.ref[self.cached[seq.page_hashes[i]]] == 0)
+        cached_page = [self.cached.get(seq.page_hashes[i]) if i < len(seq.page_hashes) else None
+                       for i in range(len(seq.cpu_table))]
+        reclaimable = sum(1 for p in cached_page if p is not None and self.pages[p].ref == 0)
         grow = max(0, self.pages_for(seq.num_computed + next_tokens) - len(seq.cpu_table))
-        if keep.count(False) + grow > self.num_available() - reclaimable:
+        if cached_page.count(None) + grow > self.num_available() - reclaimable:
             return False
-        for i, cpu_page in enumerate(seq.cpu_table):
-            if keep[i]:
-                page = self.cached[seq.page_hashes[i]]
+        for page in cached_page:
+            if page is not None:
                 self._ref(page)
-            else:
-                page = None
-            seq.block_table.append(page)
+        table = list(cached_page)
         for i, cpu_page in enumerate(seq.cpu_table):
-            if not keep[i]:
-                page = self._take()
-                self._ops.swap_in.append((cpu_page, page))
-                seq.block_table[i] = page
-            self.cpu.held.discard(cpu_page)
-            self.cpu.release_after_step.append(cpu_page)
+            if table[i] is None:
+                table[i] = self._take()
+                self._ops.swap_in.append((cpu_page, table[i]))
+            self.cpu.release_held(cpu_page, after_step=True)
+        seq.block_table = table
         seq.cpu_table = []
         self._grow(seq, seq.num_computed + next_tokens)
         self.register_full_pages(seq, seq.num_computed)
@@ -375,24 +404,26 @@ class BlockManager:
         return True
 
     # ---- views -------------------------------------------------------------------------------------------
-    def page_states(self) -> list[str]:
-        states = ["used" if r else "free" for r in self.ref]
-        for page in self.evictable:
-            states[page] = "cached"
-        return states
+    def page_states(self) -> list[PageState]:
+        return [p.state for p in self.pages]
 
-    def check_invariants(self, tables: list[list[int]]) -> None:
-        """Each page's ref count equals the number of block tables mapping it; no page is free and mapped."""
+    def check_invariants(self, tables: list[list[int]], cpu_tables: list[list[int]] | None = None) -> None:
+        """Each page's ref count equals the number of block tables mapping it; no page is free and mapped.
+        With cpu_tables (the swapped-out sequences'), the CPU tier holds exactly their pages."""
         counts = [0] * self.num_pages
         for table in tables + [self._pinned]:  # a pinned copy source is referenced until end_step
             for page in table:
                 counts[page] += 1
-        assert counts == self.ref, "ref counts differ from block tables"
+        require(counts == [p.ref for p in self.pages], "ref counts differ from block tables")
         mapped = {p for p in range(self.num_pages) if counts[p]}
-        assert not mapped & set(self.free), "a mapped page is in the free pool"
-        assert not mapped & set(self.evictable), "a mapped page is in the cached pool"
-        assert len(self.free) + len(self.evictable) + len(mapped) == self.num_pages, "a page leaked"
-        for h, page in self.cached.items():
-            assert self.page_hash[page] == h
+        require(not mapped & set(self.free), "a mapped page is in the free pool")
+        require(not mapped & set(self.evictable), "a mapped page is in the cached pool")
+        require(len(self.free) + len(self.evictable) + len(mapped) == self.num_pages, "a page leaked")
+        require(all(self.pages[p].state is PageState.CACHED for p in self.evictable), "an evictable page is not cached")
+        require(all(self.pages[page].hash == h for h, page in self.cached.items()), "a cached page lost its hash")
         indexed = [p for pages in self.children.values() for p in pages]
-        assert sorted(indexed) == sorted(self.cached.values()), "the index of page contents differs from the cache"
+        require(sorted(indexed) == sorted(self.cached.values()), "the index of page contents differs from the cache")
+        self.cpu.check()
+        if cpu_tables is not None:
+            held = [p for table in cpu_tables for p in table]
+            require(len(held) == len(set(held)) and set(held) == self.cpu.held_pages(), "CPU pages held differ")

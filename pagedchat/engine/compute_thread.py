@@ -10,6 +10,7 @@ work, so an app's or a benchmark's own thread holds no team.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 _STOP = object()
+log = logging.getLogger("pagedchat.engine")
 
 
 class ComputeThread:
@@ -52,7 +54,10 @@ class ComputeThread:
         while (job := self._jobs.get()) is not _STOP:
             fn, args, future = job
             if future is None:
-                fn(*args)
+                try:
+                    fn(*args)
+                except BaseException:  # the engine's loop ends its own requests; never die without a word
+                    log.exception("job on %s failed", self._thread.name)
                 continue
             try:
                 future.set_result(fn(*args))

@@ -1,9 +1,9 @@
 """The engine: requests in, tokens out, one background thread (see compute_thread) stepping the model.
 
-Data path: submit() -> inbox -> Scheduler (block tables, copy plan) -> ModelRunner (one forward over every
-scheduled chunk) -> Sampler -> Detokenizer -> StreamDelta to each request's handle and callback.
-Other threads never touch the scheduler directly: they post to the inbox, which the loop drains between
-steps, so a cancel can never free pages a running forward pass still reads.
+Data path: submit() -> inbox -> EngineCore (Scheduler: block tables, copy plan) -> ModelRunner (one forward
+over every scheduled chunk) -> Sampler -> EngineCore.postprocess (Detokenizer, stops) -> StreamDelta to each
+request's handle and callback. Other threads never touch the core directly: they post to the inbox, which
+each step drains first, so a cancel can never free pages a running forward pass still reads.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
 
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.compute_thread import ComputeThread
+from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
+from pagedchat.engine.handle import RequestHandle
 from pagedchat.engine.memory import MemorySnapshot, snapshot
 from pagedchat.engine.model_runner import ModelRunner
-from pagedchat.engine.sampling import Sampler, SamplingParams
-from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import Completion, Sequence, SeqStatus, StreamDelta
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.sampling import Sampler
+from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model.config import ModelConfig
@@ -38,58 +41,27 @@ log = logging.getLogger("pagedchat.engine")
 Prompt = Union[str, list[int], list[dict]]
 __all__ = ["Engine", "Completion", "RequestHandle", "StreamDelta"]
 
+# Faults in a row that failed no request: the engine is stuck on something no request explains.
+MAX_BLAMELESS_FAULTS = 3
 
-@dataclass(eq=False)
-class RequestHandle:
-    """A request in flight. Thread-safe: iterate it for StreamDeltas, or wait on result()."""
 
+@dataclass(frozen=True)
+class _Add:
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class _Fork:
+    seq: Sequence
+    parent_id: str
+
+
+@dataclass(frozen=True)
+class _Cancel:
     request_id: str
-    prompt_token_ids: list[int]
-    _engine: "Engine"
-    on_update: Callable[[StreamDelta], None] | None = None
-    _deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _done: threading.Event = field(default_factory=threading.Event)
-    _completion: Completion | None = None
-    # Live figures, updated by the engine thread after each step.
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    time_to_first_token: float | None = None
-    decode_tokens_per_s: float | None = None
 
-    def cancel(self) -> None:
-        self._engine.cancel(self.request_id)
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> Completion:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} still running after {timeout}s")
-        return self._completion
-
-    def __iter__(self):
-        while True:
-            delta = self._deltas.get()
-            yield delta
-            if delta.finished:
-                return
-
-    def _deliver(self, delta: StreamDelta, seq: Sequence) -> None:
-        self.cached_tokens = seq.cached_tokens
-        self.prefilled_tokens = seq.prefilled_tokens
-        # Only the figures: a whole Completion copies every token id, on every step of every request.
-        self.time_to_first_token, self.decode_tokens_per_s = seq.timing()
-        if delta.finished:
-            self._completion = delta.completion
-        self._deltas.put(delta)
-        if self.on_update is not None:
-            try:
-                self.on_update(delta)
-            except Exception:  # a broken listener must not stop the engine
-                log.exception("on_update callback failed for %s", self.request_id)
-        if delta.finished:
-            self._done.set()
+_Message = Union[_Add, _Fork, _Cancel]  # what other threads post to the inbox
 
 
 class Engine:
@@ -98,7 +70,8 @@ class Engine:
     def __init__(self, model=None, *, kv_cache_memory: int | str | None = None, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
-                 threads: int | None = None, progress: Callable[[str, float | None], None] | None = None):
+                 threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
+                 autostart: bool = True, fault_hook: FaultHook | None = None):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -124,30 +97,29 @@ class Engine:
         weakref.finalize(self, self._compute.close, 0).atexit = False
         self.blocks = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
         self.scheduler = Scheduler(self.blocks, max_tokens_per_step, max_seqs)
+        self.core = EngineCore(self.blocks, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
+                               self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler()
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.failure: str | None = None          # why the engine stopped, if it could not go on
+        self._autostart = autostart
         self._ids = itertools.count()
-        self._lock = threading.Lock()           # the scheduler's state, between steps
+        self._lock = threading.Lock()           # the core's state, between phases
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._handles: dict[str, RequestHandle] = {}
-        self._seqs: dict[str, Sequence] = {}     # live sequences by request id
-        self._history: dict[str, list[int]] = {}  # finished requests' tokens, for fork
+        self._handles: dict[str, RequestHandle] = {}  # every request submitted and not yet ended
         self._stopped = False
         self._looping = False
-        self.steps = 0
+        self._blameless_faults = 0              # faults in a row, with no progress between, that failed no request
+        self._steps_at_fault = 0
 
     def _load_model(self, folder) -> LlamaModel:
         return LlamaModel(self.config, load_weights(folder, self.dtype, self.device), self.device, self.dtype)
 
-    # ---- public API --------------------------------------------------------------------------------------
-    def describe(self) -> str:
-        p = self.cache_plan
-        return (f"{self.config.architecture} from {self.model_path} on {self.device} ({str(self.dtype).split('.')[-1]}); "
-                f"KV cache {p.gpu_bytes / 2**20:.0f} MiB = {p.num_pages} pages x {self.block_size} tokens "
-                f"({p.page_bytes // self.block_size} bytes/token), CPU tier {p.num_cpu_pages} pages"
-                f"{' (' + p.reason + ')' if p.reason else ''}")
+    @property
+    def steps(self) -> int:
+        return self.core.steps
 
+    # ---- public API --------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -173,13 +145,12 @@ class Engine:
         params = params or SamplingParams()
         encoded = [self.encode_prompt(p) for p in prompts]  # fails before anything is queued
         for ids in encoded:
-            self._check_fits(ids, params)
-        handles = []
-        for ids, rid in zip(encoded, request_ids or [None] * len(prompts)):
-            seq = self._new_sequence(ids, params, rid)
-            handle = RequestHandle(seq.request_id, ids, self, on_update)
-            handles.append(handle)
-            self._inbox.put(("add", seq, handle))
+            self.core.check_fits(ids, params)
+        rids = [rid or f"req-{next(self._ids)}" for rid in request_ids or [None] * len(prompts)]
+        seqs = [self._new_sequence(ids, params, rid) for ids, rid in zip(encoded, rids)]
+        handles = self._register(seqs, on_update)
+        for seq in seqs:
+            self._inbox.put(_Add(seq))
         self._kick()
         return handles
 
@@ -191,20 +162,19 @@ class Engine:
         prefix cache."""
         self._check_running()
         with self._lock:
-            parent = self._seqs.get(request_id)
-            tokens = list(parent.token_ids) if parent else self._history.get(request_id)
+            tokens = self.core.tokens_of(request_id)
         if tokens is None:
             raise RequestError(f"no request {request_id!r} to fork")
         params = params or SamplingParams()
-        self._check_fits(tokens, params)
-        seq = self._new_sequence(tokens, params, None)
-        handle = RequestHandle(seq.request_id, tokens, self, on_update)
-        self._inbox.put(("fork", seq, handle, request_id))
+        self.core.check_fits(tokens, params)
+        seq = self._new_sequence(tokens, params, f"req-{next(self._ids)}")
+        [handle] = self._register([seq], on_update)
+        self._inbox.put(_Fork(seq, request_id))
         self._kick()
         return handle
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(_Cancel(request_id))
         self._kick()
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[Completion]:
@@ -220,13 +190,26 @@ class Engine:
             return snapshot(self.blocks, self.scheduler, self.config.max_position_embeddings,
                             self.cache_plan.page_bytes)
 
+    def has_work(self) -> bool:
+        """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""
+        with self._lock:
+            return not self._inbox.empty() or self.core.has_work()
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """A live request's sequence (tokens, block table), for inspection between steps."""
+        with self._lock:
+            return self.core.sequence(request_id)
+
     def shutdown(self) -> None:
-        self._stopped = True
+        """Stop the engine. Every request in flight or queued ends at once as "cancelled"."""
+        self._end_all("cancelled", None)
         self._wake.set()
         self._compute.close()
 
     # ---- validation ----------------------------------------------------------------------------------------
     def _check_running(self) -> None:
+        if self.failure is not None:
+            raise RequestError(f"engine stopped: {self.failure}")
         if self._stopped:
             raise RequestError("the engine has been shut down")
 
@@ -241,25 +224,28 @@ class Engine:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        longest = min(len(ids) + params.max_tokens, self.config.max_position_embeddings)
-        need = self.blocks.pages_for(longest)
-        if need > self.blocks.num_pages:
-            raise RequestError(
-                f"this request can grow to {longest} tokens ({need} pages) but the KV cache holds "
-                f"{self.blocks.num_pages} pages of {self.block_size}: lower max_tokens or raise kv_cache_memory")
-
-    def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str | None) -> Sequence:
-        seq = Sequence(request_id=rid or f"req-{next(self._ids)}", token_ids=list(ids),
-                       num_prompt_tokens=len(ids), params=params)
+    def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+        seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         return seq
 
+    def _register(self, seqs: list[Sequence], on_update) -> list[RequestHandle]:
+        """Handles for new requests; a request id already queued or running is refused, and then none is."""
+        with self._lock:
+            self._check_running()
+            ids = [s.request_id for s in seqs]
+            taken = next((rid for i, rid in enumerate(ids) if rid in self._handles or rid in ids[:i]), None)
+            if taken is not None:
+                raise RequestError(f"request id {taken!r} is already in use")
+            handles = [RequestHandle(s.request_id, list(s.token_ids), self, on_update, s) for s in seqs]
+            self._handles.update((h.request_id, h) for h in handles)
+        return handles
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def _kick(self) -> None:
-        if not self._looping:
+        if self._autostart and not self._looping:
             with self._lock:
                 if not self._looping:
                     self._looping = True
@@ -267,133 +253,108 @@ class Engine:
         self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stopped:
-            if not self.step():
-                with self._lock:
-                    busy = self.scheduler.has_work()
-                if not busy and self._inbox.empty():
+        try:
+            while not self._stopped:
+                if not self.step() and not self.has_work():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+        except BaseException as exc:  # the loop itself broke: say so to every request, never hang one
+            log.exception("the engine loop stopped")
+            self._end_all("error", f"{type(exc).__name__}: {exc}")
 
     def step(self) -> list[StreamDelta]:
-        """Drain the inbox, schedule, run one forward pass, sample, and hand each request its delta.
-
-        The loop thread calls this; tests may call it directly (with the thread kept off) to go step by step."""
-        out = self._step()
-        for handle, delta, seq in out:  # outside the lock: listeners may call memory()
-            handle._deliver(delta, seq)
-        return [delta for _, delta, _ in out]
-
-    def _step(self) -> list[tuple[RequestHandle, StreamDelta, Sequence]]:
+        """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
+        if self._stopped:
+            return []
         with self._lock:
             out = self._drain_inbox()
-            plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            self.runner.copy_pages(plan.ops)  # preemptions may have planned swap-outs
-            with self._lock:
-                self.blocks.end_step()
-            return out
         try:
-            self.runner.copy_pages(plan.ops)
-            logits = self.runner.execute(plan)
-            sampling = [s.seq for s in plan.scheduled if s.samples]
-            tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        except Exception as exc:  # keep serving the others: fail only this step's requests
-            log.exception("engine step failed")
             with self._lock:
-                for item in plan.scheduled:
-                    self.blocks.forget_hashes(item.seq)
-                    out.append(self._finish(item.seq, "error", f"{type(exc).__name__}: {exc}"))
-                self.blocks.end_step()
-            return out
-        now = time.perf_counter()
+                plan = self.core.schedule()
+            tokens = self._sample(plan, self._run(plan))
+            with self._lock:
+                out += self.core.postprocess(plan, tokens, time.perf_counter())
+        except Exception as exc:  # a batch phase failed: the core fails the requests it concerns
+            out += self._recover(exc)
+        return self._deliver(out)
+
+    def _run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Page copies (preemptions may plan swap-outs even for a step that computes nothing), then the forward."""
+        self.runner.copy_pages(plan.ops)
+        self.core.fault(Phase.COPY)
+        if not plan.scheduled:
+            return None
+        logits = self.runner.execute(plan)
+        self.core.fault(Phase.FORWARD)
+        return logits
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> list[int]:
+        if logits is None:
+            return []
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        self.core.fault(Phase.SAMPLE)
+        return tokens
+
+    def _recover(self, exc: Exception) -> list[Output]:
+        log.exception("engine step failed in %s", self.core.phase.value)
         with self._lock:
-            self.steps += 1
-            token_iter = iter(tokens)
-            for item in plan.scheduled:
-                seq = item.seq
-                if seq.num_computed < seq.num_prompt_tokens:
-                    seq.prefilled_tokens += min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed)
-                seq.num_computed += item.num_tokens
-                if item.samples:
-                    out.extend(self._append_token(seq, next(token_iter), now))
-            self.blocks.end_step()
+            out = self.core.abort_step(exc)
+        if out or self.core.steps != self._steps_at_fault:  # it blamed a request, or steps ran since the last
+            self._blameless_faults = 0
+        if not out:
+            self._blameless_faults += 1
+        self._steps_at_fault = self.core.steps
+        if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
+            self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
+                                   f"({type(exc).__name__}: {exc})")
         return out
 
-    def _drain_inbox(self) -> list:
+    def _drain_inbox(self) -> list[Output]:
         out = []
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return out
-            kind = msg[0]
-            if kind == "add":
-                _, seq, handle = msg
-                self._handles[seq.request_id] = handle
-                self._seqs[seq.request_id] = seq
-                self.scheduler.add(seq)
-            elif kind == "fork":
-                out.extend(self._start_fork(*msg[1:]))
-            elif kind == "cancel":
-                seq = self._seqs.get(msg[1])
-                if seq is not None:
-                    out.append(self._finish(seq, "cancelled"))
-
-    def _start_fork(self, seq: Sequence, handle: RequestHandle, parent_id: str) -> list:
-        """Map a live parent's pages into the child (copy-on-write); otherwise queue it for the prefix cache."""
-        self._handles[seq.request_id] = handle
-        self._seqs[seq.request_id] = seq
-        parent = self._seqs.get(parent_id)
-        if parent is not None:  # the parent may have grown since fork() checked the size
-            seq.token_ids = list(parent.token_ids)
-            seq.num_prompt_tokens = len(seq.token_ids)
-            handle.prompt_token_ids = list(seq.token_ids)
             try:
-                self._check_fits(seq.token_ids, seq.params)
-            except RequestError as exc:
-                return [self._finish(seq, "error", str(exc))]
-        live = parent is not None and parent.status is SeqStatus.RUNNING
-        if live and len(self.scheduler.running) < self.scheduler.max_seqs:
-            self.blocks.fork(parent, seq)
-            seq.admitted = True
-            seq.cached_tokens = parent.num_computed
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.add(seq)
-        return []
+                output = self._apply(msg)
+            except Exception as exc:  # fail the request it was about, and only that one
+                log.exception("engine could not take %s", msg)
+                seq = self.core.sequence(msg.request_id) if isinstance(msg, _Cancel) else msg.seq
+                output = self.core.fail(seq, f"{type(exc).__name__}: {exc}") if seq is not None else None
+            if output is not None:
+                out.append(output)
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> list:
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        p = seq.params
-        text, stopped = self.detokenizer.step(seq)
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
-        reason = None
-        if stopped or (token in self.eos_token_ids and not p.ignore_eos):
-            reason = "stop"
-        elif n_out >= p.max_tokens or len(seq.token_ids) >= self.config.max_position_embeddings:
-            reason = "length"
-        if reason:
-            return [self._finish(seq, reason, new_token=token, text=text)]
-        delta = StreamDelta(seq.request_id, [token], text)
-        return [(self._handles[seq.request_id], delta, seq)]
+    def _apply(self, msg: _Message) -> Output | None:
+        if isinstance(msg, _Add):
+            self.core.add(msg.seq)
+            return None
+        if isinstance(msg, _Fork):
+            seq = msg.seq
+            output = self.core.fork(seq, msg.parent_id)
+            handle = self._handles.get(seq.request_id)
+            if handle is not None:  # the child starts from the parent's tokens as they are now
+                handle.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+            return output
+        return self.core.cancel(msg.request_id)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,
-                text: str = ""):
-        """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
-        text += self.detokenizer.flush(seq)
-        seq.finish_reason = reason
-        seq.error = error
-        completion = seq.completion()
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self._seqs.pop(seq.request_id, None)
-        self._history[seq.request_id] = list(seq.token_ids)
-        if len(self._history) > 1024:
-            self._history.pop(next(iter(self._history)))
-        handle = self._handles.pop(seq.request_id)
-        tokens = [new_token] if new_token is not None else []
-        return handle, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion), seq
+    def _deliver(self, out: list[Output]) -> list[StreamDelta]:
+        with self._lock:
+            claimed = [(self._handles.pop(seq.request_id, None) if delta.finished
+                        else self._handles.get(seq.request_id), delta) for seq, delta in out]
+        for handle, delta in claimed:  # outside the lock: listeners may call memory()
+            if handle is not None:
+                handle._deliver(delta)
+        return [delta for _, delta in out]
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        """The engine stops: every request still in flight or queued ends now, with reason."""
+        with self._lock:
+            if error is not None and self.failure is None:
+                self.failure = error
+            self._stopped = True
+            handles, self._handles = list(self._handles.values()), {}
+            finals = [h._final_delta(reason, f"engine stopped: {error}" if error else None) for h in handles]
+        for handle, delta in zip(handles, finals):  # outside the lock: listeners may call memory()
+            handle._deliver(delta)

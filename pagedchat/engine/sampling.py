@@ -1,37 +1,12 @@
-"""Sampling parameters and the sampler that turns logits into next tokens."""
+"""The sampler that turns logits into next tokens (SamplingParams lives in params.py, free of torch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from pagedchat.engine.params import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 turns it off)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["Sampler", "SamplingParams"]
 
 
 class Sampler:

@@ -41,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
+        self.plan = StepPlan()             # the step being planned or run: after a fault, the requests it concerns
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -67,7 +68,7 @@ class Scheduler:
         return [*self.running, *self.swapped, *self.waiting]
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        self.plan = plan = StepPlan()
         decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
         prefill_budget = self.max_tokens_per_step - decodes
         i = 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from pagedchat.engine.params import SamplingParams
 
-from pagedchat.engine.sampling import SamplingParams
+if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
+    import torch
 
 
 class SeqStatus(enum.Enum):
@@ -70,7 +72,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     emitted: int = 0                     # characters of text already streamed
-    admitted: bool = False
+    prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
@@ -83,10 +85,6 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
-
-    @property
-    def finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
 
     def timing(self) -> tuple[float | None, float | None]:
         """(time to first token, decode tokens/s) so far."""

@@ -95,6 +95,7 @@ class PagedChatApp(App):
         self._open_store_at = open_store
         self.engine = None
         self.engine_error: str | None = None
+        self._stop_noted = False                      # the engine's failure has been shown
         self._factory = engine_factory or default_engine_factory(config)
         self.inbox = DeltaInbox(self)
         self.sessions: dict[str, ChatSession] = {}
@@ -292,10 +293,39 @@ class PagedChatApp(App):
 
     # ---- sending and streaming -----------------------------------------------------------------------------
     def _engine_or_say(self) -> object | None:
+        if self.engine is not None and self.engine.failure is not None:
+            self.notify(f"{self._stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
+            return None
         if self.engine is None:
             self.notify(self.engine_error or "The model is still loading; your message is kept in the input.",
                         severity="error" if self.engine_error else "warning")
         return self.engine
+
+    # ---- an engine that stopped, and its restart ------------------------------------------------------------
+    def _stopped_text(self) -> str:
+        return f"engine stopped: {self.engine.failure}. Restart it from the command palette (Restart engine)."
+
+    def _note_engine_stopped(self) -> bool:
+        """Once per failure: say in the status bar and a notice that the engine stopped, and how to restart."""
+        if self.engine.failure is None:
+            return False
+        if not self._stop_noted:
+            self._stop_noted = True
+            self._update_status()
+            self.notify(self._stopped_text(), severity="error", timeout=15)
+        return True
+
+    def restart_engine(self) -> None:
+        """Load a fresh engine in place of one that stopped; the chats stay as they are."""
+        old, self.engine, self._stop_noted = self.engine, None, False
+        if old is not None:
+            old.shutdown()
+        bar = self._load_bar()
+        if bar is not None:
+            bar.display = True
+            bar.update(total=None)
+        self.query_one("#status", Label).update("loading the model…")
+        start_loading(self, self._factory)
 
     @on(PromptInput.Submitted)
     async def _submitted(self, event: PromptInput.Submitted) -> None:
@@ -811,6 +841,9 @@ class PagedChatApp(App):
     def _update_status(self) -> None:
         if self.engine is None:
             return
+        if self.engine.failure is not None:
+            self.query_one("#status", Label).update(Content.styled(f"engine stopped: {self.engine.failure}", "$error"))
+            return
         busy = sum(1 for s in self.sessions.values() if s.busy)
         model = Path(str(getattr(self.engine, "model_path", "model"))).name
         plan = getattr(self.engine, "cache_plan", None)
@@ -828,7 +861,7 @@ class PagedChatApp(App):
 
     def _tick(self, force: bool = False) -> None:
         """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
-        if self.engine is None or not self.is_running:
+        if self.engine is None or not self.is_running or self._note_engine_stopped():
             return
         try:
             inspector = self.query_one(InspectorView)
@@ -865,6 +898,9 @@ class PagedChatApp(App):
         yield SystemCommand("Memory inspector", "Show or hide the KV-cache page inspector (F2)",
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
+        if self.engine is not None and self.engine.failure is not None:
+            yield SystemCommand("Restart engine", f"The engine stopped ({self.engine.failure}); load it again",
+                                self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
                             self.action_regenerate)

@@ -5,42 +5,38 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from pagedchat.config import SamplingDefaults
+from pagedchat.engine.params import SamplingSettings
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
-@dataclass
-class ChatSettings:
-    """Sampling settings of one chat. seed None: a fresh seed per reply."""
-
-    max_tokens: int = 1024
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 0
-    seed: int | None = None
+class ChatSettings(SamplingSettings):
+    """Sampling settings of one chat (the type config.toml's defaults have), with their saved form."""
 
     @classmethod
-    def from_defaults(cls, d: SamplingDefaults) -> ChatSettings:
-        return cls(max_tokens=d.max_tokens, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+    def from_defaults(cls, d: SamplingSettings) -> ChatSettings:
+        return cls(**asdict(d))
 
     @classmethod
     def from_dict(cls, raw: dict) -> ChatSettings:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        """Saved settings; a value today's rules refuse (saved by an older version) falls back to its default."""
+        settings = cls()
+        for f in fields(cls):
+            if f.name in raw:
+                try:
+                    settings = replace(settings, **{f.name: raw[f.name]})
+                except ValueError:
+                    pass
+        return settings
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def params(self, **overrides):
-        from pagedchat.engine.sampling import SamplingParams  # imports torch: only once a reply is asked for
 
-        values = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                      top_k=self.top_k, seed=self.seed)
-        values.update(overrides)
-        return SamplingParams(**values)
+# A reply saved while it was still being written: what a crash, a closed terminal or SIGTERM leaves behind.
+INTERRUPTED = "interrupted"
 
 
 # A reply saved while it was still being written: what a crash, a closed terminal or SIGTERM leaves behind.

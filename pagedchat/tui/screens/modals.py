@@ -108,20 +108,11 @@ class ChatSettingsScreen(_Modal):
 
         try:
             seed = val("seed")
-            settings = ChatSettings(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
-                                    top_p=float(val("top_p")), top_k=int(val("top_k")),
-                                    seed=int(seed) if seed else None)
+            numbers = dict(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
+                           top_p=float(val("top_p")), top_k=int(val("top_k")), seed=int(seed) if seed else None)
         except ValueError:
             raise ValueError("every field needs a number") from None
-        if settings.max_tokens < 1:
-            raise ValueError("max tokens must be at least 1")
-        if settings.temperature < 0:
-            raise ValueError("temperature must be 0 or more")
-        if not 0 < settings.top_p <= 1:
-            raise ValueError("top p must be in (0, 1]")
-        if settings.top_k < 0:
-            raise ValueError("top k must be 0 or more")
-        return settings
+        return ChatSettings(**numbers)  # refuses, with its reason, exactly what a request would
 
     def action_save(self) -> None:
         try:

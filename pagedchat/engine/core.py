@@ -1,0 +1,219 @@
+"""The engine's rules, free of torch: requests in, one step's bookkeeping, finished requests out.
+
+Engine (engine.py) wraps this core with its compute thread, the model runner and the sampler; the tests'
+FakeEngine wraps it with a fake forward pass, so both run the same rules for num_computed, token appends,
+stops, frees, forks and faults. The caller holds the engine's lock around every call.
+
+A fault in a phase that serves the whole batch (planning, page copies, forward, sampling) fails the requests
+of that step and those whose pages its copies were moving; a fault in a phase of one request (detokenizing,
+its bookkeeping) fails that request. Every other request carries on (abort_step).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Callable
+
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.detokenizer import Detokenizer
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.sequence import SeqStatus, Sequence, StreamDelta
+from pagedchat.errors import RequestError
+
+log = logging.getLogger("pagedchat.engine")
+
+HISTORY_LIMIT = 1024  # finished requests whose tokens fork() can still continue
+
+
+class Phase(enum.Enum):
+    """The phases of one step, in order. The first four serve the batch, the last two one request each."""
+
+    SCHEDULE = "planning"
+    COPY = "page copies"
+    FORWARD = "forward pass"
+    SAMPLE = "sampling"
+    DETOKENIZE = "detokenizing"
+    BOOKKEEPING = "bookkeeping"
+
+
+# Called as each phase ends, with the request id for the per-request phases: a test's hook raises there to
+# inject a fault with everything that phase changed left in place (the hardest point to recover from).
+FaultHook = Callable[[Phase, "str | None"], None]
+Output = tuple[Sequence, StreamDelta]
+
+
+class EngineCore:
+    def __init__(self, blocks: BlockManager, scheduler: Scheduler, detokenizer: Detokenizer,
+                 eos_token_ids: frozenset[int], max_context: int, fault_hook: FaultHook | None = None):
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+        self.fault_hook = fault_hook
+        self.phase = Phase.SCHEDULE            # the phase this step reached
+        self.steps = 0                          # steps that ran a forward pass
+        self._live: dict[str, Sequence] = {}
+        self._outputs: list[Output] = []        # postprocess's outputs so far: a fault there must not lose them
+        self._history: dict[str, list[int]] = {}
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The live sequence of a request (queued, running or swapped out), or None."""
+        return self._live.get(request_id)
+
+    def tokens_of(self, request_id: str) -> list[int] | None:
+        """A live request's tokens so far, or a recently finished one's: what fork() continues."""
+        seq = self._live.get(request_id)
+        return list(seq.token_ids) if seq is not None else self._history.get(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        longest = min(len(ids) + params.max_tokens, self.max_context)
+        need = self.blocks.pages_for(longest)
+        if need > self.blocks.num_pages:
+            raise RequestError(
+                f"this request can grow to {longest} tokens ({need} pages) but the KV cache holds "
+                f"{self.blocks.num_pages} pages of {self.blocks.block_size}: lower max_tokens or raise "
+                "kv_cache_memory")
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._live:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        self._live[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def fork(self, child: Sequence, parent_id: str) -> Output | None:
+        """Start child from the parent's tokens: a live parent shares its pages (copy-on-write); otherwise the
+        child is queued and its prompt found in the prefix cache. An Output only if the child cannot run."""
+        self._live[child.request_id] = child
+        parent = self._live.get(parent_id)
+        if parent is not None:  # the parent may have grown since fork() checked the size
+            child.token_ids = list(parent.token_ids)
+            child.num_prompt_tokens = len(child.token_ids)
+            try:
+                self.check_fits(child.token_ids, child.params)
+            except RequestError as exc:
+                return self._finish(child, "error", str(exc))
+        if parent is not None and parent.status is SeqStatus.RUNNING and \
+                len(self.scheduler.running) < self.scheduler.max_seqs:
+            self.blocks.fork(parent, child)
+            child.prefix_counted = True
+            child.cached_tokens = parent.num_computed
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return None
+
+    def cancel(self, request_id: str) -> Output | None:
+        seq = self._live.get(request_id)
+        return self._finish(seq, "cancelled") if seq is not None else None
+
+    def fail(self, seq: Sequence, error: str) -> Output:
+        return self._finish(seq, "error", error)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.phase = Phase.SCHEDULE
+        plan = self.scheduler.schedule()
+        self.fault(Phase.SCHEDULE)
+        return plan
+
+    def fault(self, phase: Phase, request_id: str | None = None) -> None:
+        """Mark a phase reached (for abort_step) and give the fault hook its turn."""
+        if request_id is None:
+            self.phase = phase
+        if self.fault_hook is not None:
+            self.fault_hook(phase, request_id)
+
+    def postprocess(self, plan: StepPlan, tokens: list[int], now: float) -> list[Output]:
+        """After the forward pass: count what each chunk computed, append the sampled tokens, and stream,
+        stop or finish each request. A fault here fails only the request it concerns."""
+        self.phase = Phase.BOOKKEEPING
+        self._outputs = out = []
+        token_iter = iter(tokens)
+        for item in plan.scheduled:
+            seq = item.seq
+            token = next(token_iter) if item.samples else None
+            try:
+                output = self._advance(seq, item.num_tokens, token, now)
+            except Exception as exc:
+                log.exception("bookkeeping failed for %s", seq.request_id)
+                output = self.fail(seq, f"{type(exc).__name__}: {exc}")
+            if output is not None:
+                out.append(output)
+        if plan.scheduled:
+            self.steps += 1
+        self.fault(Phase.BOOKKEEPING)  # the whole batch's
+        self.blocks.end_step()
+        self._outputs = []
+        return out
+
+    def _advance(self, seq: Sequence, n: int, token: int | None, now: float) -> Output | None:
+        if seq.num_computed < seq.num_prompt_tokens:
+            seq.prefilled_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
+        seq.num_computed += n
+        if token is None:  # a prefill chunk short of the prompt's end
+            self.fault(Phase.BOOKKEEPING, seq.request_id)
+            return None
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        text, stopped = self.detokenizer.step(seq)
+        self.fault(Phase.DETOKENIZE, seq.request_id)
+        reason = self._finish_reason(seq, token, stopped)
+        self.fault(Phase.BOOKKEEPING, seq.request_id)
+        if reason is not None:
+            return self._finish(seq, reason, new_token=token, text=text)
+        return seq, StreamDelta(seq.request_id, [token], text)
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
+        p = seq.params
+        if stopped or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+            return "length"
+        if len(seq.token_ids) >= self.max_context:
+            return "context_full"
+        return None
+
+    def abort_step(self, exc: BaseException) -> list[Output]:
+        """A step failed outside one request's phases: fail the requests it concerns (after handing over what
+        its bookkeeping had already produced), then make the pool agree with the survivors."""
+        error = f"{self.phase.value} failed: {type(exc).__name__}: {exc}"
+        out, self._outputs = self._outputs, []
+        bad_gpu, bad_cpu = self.blocks.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
+        queued = {id(s) for s in self.scheduler.all_seqs()}
+        concerned = [item.seq for item in self.scheduler.plan.scheduled]
+        concerned += [s for s in self.scheduler.all_seqs()
+                      if not bad_gpu.isdisjoint(s.block_table) or not bad_cpu.isdisjoint(s.cpu_table)]
+        concerned += [s for s in self._live.values() if id(s) not in queued]  # lost by a half-done plan
+        for seq in dict.fromkeys(concerned):
+            if seq.status is not SeqStatus.FINISHED:
+                out.append(self.fail(seq, error))
+        survivors = self.scheduler.all_seqs()
+        self.blocks.reconcile([s.block_table for s in survivors], [s.cpu_table for s in survivors])
+        self.blocks.check_invariants([s.block_table for s in survivors], [s.cpu_table for s in survivors])
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,
+                text: str = "") -> Output:
+        """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
+        text += self.detokenizer.flush(seq)
+        seq.finish_reason = reason
+        seq.error = error
+        completion = seq.completion()
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        if self._live.get(seq.request_id) is seq:
+            del self._live[seq.request_id]
+        self._history[seq.request_id] = list(seq.token_ids)
+        if len(self._history) > HISTORY_LIMIT:
+            self._history.pop(next(iter(self._history)))
+        tokens = [new_token] if new_token is not None else []
+        return seq, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion)

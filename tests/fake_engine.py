@@ -1,0 +1,244 @@
+"""A fake model over the real engine core, for tests without torch work.
+
+PageContents records, slot by slot, which token history each K/V slot was computed from. Every read of the
+cache is checked against the history it should hold, so a page handed out while still needed, a copy planned
+in the wrong place or a stale hash shows up as a wrong "K/V", exactly as it would as a wrong token with a
+real model. FakeEngine runs the real EngineCore (scheduling, bookkeeping, stops, forks, fault recovery) with
+PageContents as its forward pass.
+"""
+
+from __future__ import annotations
+
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
+from pagedchat.engine.detokenizer import Detokenizer
+from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.scheduler import Scheduler
+from pagedchat.engine.sequence import Completion, SeqStatus, Sequence
+from pagedchat.errors import RequestError
+
+
+def make_seq(tokens, rid="s", max_tokens=16) -> Sequence:
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def toks(n: int, salt: int = 0) -> list[int]:
+    return [(salt * 1000 + i) % 997 + 1 for i in range(n)]
+
+
+class PageContents:
+    """What each GPU and CPU slot holds: the key of the token history its K/V was computed from."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.gpu: dict[tuple[int, int], int] = {}
+        self.cpu: dict[tuple[int, int], int] = {}
+
+    @staticmethod
+    def keys(tokens: list[int]) -> list[int]:
+        out, k = [], 0
+        for t in tokens:
+            k = hash((k, t))
+            out.append(k)
+        return out
+
+    def apply(self, ops) -> None:
+        """In the model runner's order: swap-outs, swap-ins, copy-on-write."""
+        bs = self.bm.block_size
+        for g, c in ops.swap_out:
+            for s in range(bs):
+                self.cpu[c, s] = self.gpu.get((g, s))
+        for c, g in ops.swap_in:
+            for s in range(bs):
+                self.gpu[g, s] = self.cpu.get((c, s))
+        for src, dst in ops.cow:
+            for s in range(bs):
+                self.gpu[dst, s] = self.gpu.get((src, s))
+
+    def write(self, seq: Sequence, start: int, end: int) -> None:
+        bs = self.bm.block_size
+        keys = self.keys(seq.token_ids[:end])
+        for pos in range(start, end):
+            self.gpu[seq.block_table[pos // bs], pos % bs] = keys[pos]
+
+    def check(self, seq: Sequence, end: int) -> None:
+        """Attention over positions [0, end) of seq reads exactly seq's history."""
+        bs = self.bm.block_size
+        keys = self.keys(seq.token_ids[:end])
+        for pos in range(end):
+            got = self.gpu.get((seq.block_table[pos // bs], pos % bs))
+            assert got == keys[pos], f"{seq.request_id}: position {pos} holds the K/V of another history"
+
+    def check_cached(self, known: dict[int, list[int]]) -> None:
+        """Every advertised page, on the GPU or the CPU tier, holds the content its hash names."""
+        bs = self.bm.block_size
+        for h, page in self.bm.cached.items():
+            if h in known:
+                assert [self.gpu.get((page, s)) for s in range(bs)] == known[h], "stale cached GPU page"
+        for h, page in self.bm.cpu.cached_pages().items():
+            if h in known:
+                assert [self.cpu.get((page, s)) for s in range(bs)] == known[h], "stale cached CPU page"
+
+    # single-sequence helpers for the bookkeeping tests above
+    def prefill(self, seq: Sequence) -> None:
+        n = self.bm.admit(seq, 10**6)
+        assert n
+        self.bm.register_full_pages(seq, seq.num_computed + n)
+        self.apply(self.bm.take_ops())
+        self.write(seq, seq.num_computed, seq.num_computed + n)
+        seq.num_computed += n
+        self.check(seq, seq.num_computed)
+        self.bm.end_step()
+
+
+def next_token(history_key: int) -> int:
+    return history_key % 500 + 1
+
+
+def isolated(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens, out = list(prompt), []
+    key = PageContents.keys(tokens)[-1]
+    for _ in range(max_tokens):
+        t = next_token(key)
+        out.append(t)
+        key = hash((key, t))
+    return out
+
+
+class DigitTokenizer:
+    """Token ids as text: enough for the real Detokenizer."""
+
+    chat_template = None
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True) -> str:
+        return "".join(f" {t}" for t in ids)
+
+
+class FakeEngine:
+    """The engine's step (engine.py: schedule -> run -> sample -> postprocess) with PageContents as the model."""
+
+    def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4,
+                 fault_hook: FaultHook | None = None, max_context: int = 10**6):
+        self.bm = BlockManager(num_pages, block_size, cpu_pages)
+        self.sched = Scheduler(self.bm, budget, max_seqs)
+        self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
+        self.core = EngineCore(self.bm, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
+                               fault_hook)
+        self.sim = PageContents(self.bm)
+        self.ended: dict[str, Completion] = {}  # every request that ended, once each
+        self.known: dict[int, list[int]] = {}  # page hash -> the K/V keys its content must hold
+        self.done: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output), finished by length
+        self.n = 0
+
+    def live(self, rid: str) -> bool:
+        return self.core.sequence(rid) is not None
+
+    def _new_id(self) -> str:
+        self.n += 1
+        return f"r{self.n - 1}"
+
+    def add(self, prompt: list[int], max_tokens: int) -> str | None:
+        seq = make_seq(prompt, self._new_id(), max_tokens)
+        try:
+            self.core.check_fits(seq.token_ids, seq.params)
+        except RequestError:
+            return None
+        self.core.add(seq)
+        return seq.request_id
+
+    def fork(self, parent_id: str, max_tokens: int) -> str | None:
+        tokens = self.core.tokens_of(parent_id)
+        if tokens is None:
+            return None
+        child = make_seq(tokens, self._new_id(), max_tokens)
+        try:
+            self.core.check_fits(tokens, child.params)
+        except RequestError:
+            return None
+        self._collect([o for o in [self.core.fork(child, parent_id)] if o is not None])
+        return child.request_id
+
+    def cancel(self, rid: str) -> None:
+        self._collect([o for o in [self.core.cancel(rid)] if o is not None])
+
+    def step(self) -> list[Output]:
+        try:
+            out = self._step()
+        except Exception as exc:  # what Engine.step does with a fault in a batch phase
+            out = self.core.abort_step(exc)
+        self._collect(out)
+        self.check()
+        return out
+
+    def _step(self) -> list[Output]:
+        plan = self.core.schedule()
+        assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
+        # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
+        assert plan.num_tokens <= self.sched.max_tokens_per_step or all(i.num_tokens == 1 for i in plan.scheduled)
+        self.sim.apply(plan.ops)
+        self.core.fault(Phase.COPY)
+        tokens = []
+        if plan.scheduled:
+            self.core.fault(Phase.FORWARD)  # here, before any K/V is written: the worst forward-pass fault
+            self._forward(plan)
+            tokens = [next_token(self.sim.keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
+            self.core.fault(Phase.SAMPLE)
+        return self.core.postprocess(plan, tokens, 0.0)
+
+    def _forward(self, plan) -> None:
+        for item in plan.scheduled:  # every layer writes its K/V before attention reads them
+            s = item.seq
+            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
+        pages_written = [p for item in plan.scheduled
+                         for p in {item.seq.block_table[pos // self.bm.block_size]
+                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
+        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
+        for item in plan.scheduled:
+            s = item.seq
+            self.sim.check(s, s.num_computed + item.num_tokens)
+
+    def _collect(self, out: list[Output]) -> None:
+        for seq, delta in out:
+            if not delta.finished:
+                continue
+            assert seq.request_id not in self.ended, f"{seq.request_id} ended twice"
+            assert not self.live(seq.request_id) and not seq.block_table and not seq.cpu_table
+            self._learn(seq)
+            completion = delta.completion
+            self.ended[seq.request_id] = completion
+            if completion.finish_reason == "length":
+                self.done[seq.request_id] = (completion.prompt_token_ids, completion.token_ids)
+
+    def check(self) -> None:
+        seqs = self.sched.all_seqs()
+        self.bm.check_invariants([s.block_table for s in seqs], [s.cpu_table for s in seqs])
+        bs = self.bm.block_size
+        for s in seqs:
+            if s.status is SeqStatus.RUNNING:
+                assert len(s.block_table) == self.bm.pages_for(s.num_computed) and not s.cpu_table
+            elif s.status is SeqStatus.SWAPPED:
+                assert not s.block_table and len(s.cpu_table) == self.bm.pages_for(s.num_computed)
+            else:
+                assert not s.block_table and not s.cpu_table and s.num_computed == 0
+        for s in seqs:
+            self._learn(s)
+        self.sim.check_cached(self.known)
+        for s in seqs:  # swapped pages still hold their sequence's history
+            keys = self.sim.keys(s.token_ids)
+            for pos in range(s.num_computed if s.cpu_table else 0):
+                assert self.sim.cpu.get((s.cpu_table[pos // bs], pos % bs)) == keys[pos]
+
+    def _learn(self, seq: Sequence) -> None:
+        """Remember what each of seq's hashed pages holds, so a stale page is caught even after seq ended."""
+        bs = self.bm.block_size
+        keys = self.sim.keys(seq.token_ids)
+        for i, h in enumerate(seq.page_hashes):
+            self.known[h] = keys[i * bs:(i + 1) * bs]
+
+    def drain(self, limit: int = 2000) -> None:
+        for _ in range(limit):
+            if not self.core.has_work():
+                return
+            self.step()
+        raise AssertionError("no progress: the scheduler looks deadlocked")
