@@ -6,15 +6,20 @@ Heavy imports (torch, transformers, textual) happen inside the commands, so `--h
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pagedchat.errors import PagedChatError
+from pagedchat.text import visible_controls
 
 EPILOG = """\
 commands:
   pagedchat                 start the chat app (tabs, streaming, memory inspector on F2)
   pagedchat pull            fetch and convert the default model (SmolLM2-135M-Instruct)
-  pagedchat ask "question"  stream one answer to stdout
+  pagedchat ask "question"  stream one answer to stdout (cat notes.txt | pagedchat ask "summarize this")
   pagedchat bench           measure memory and speed, optionally against transformers
   pagedchat import F.json   bring an exported chat (ctrl+o, JSON) back as a new chat
 
@@ -62,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="download and convert again")
 
     ask = sub.add_parser("ask", help="stream one answer to stdout")
-    ask.add_argument("question")
+    ask.add_argument("question", nargs="?",
+                     help="the question; text piped into stdin comes before it, as the material it asks about")
+    ask.add_argument("--json", action="store_true",
+                     help="print the whole completion (text, token counts, timings, finish reason) as one JSON object")
     ask.add_argument("--system", metavar="TEXT", help="system prompt")
     ask.add_argument("--max-tokens", type=int, default=512)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -111,28 +119,84 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def ask_message(question: str | None, stdin) -> str:
+    """The user's message for `ask`: what is piped into stdin (when it is not a terminal), then the question."""
+    material = "" if stdin is None or stdin.isatty() else stdin.read().rstrip()
+    parts = [part for part in (material, (question or "").strip()) if part.strip()]
+    if not parts:
+        raise PagedChatError('ask needs a question: pagedchat ask "...", or pipe one in: echo "..." | pagedchat ask')
+    return "\n\n".join(parts)
+
+
+@dataclass(frozen=True)
+class AskResult:
+    """`pagedchat ask --json`: one completion and its figures."""
+
+    model: str
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    time_to_first_token_s: float | None
+    decode_tokens_per_s: float | None
+    total_s: float
+    error: str | None
+
+    @classmethod
+    def of(cls, model: str, done, total_s: float) -> AskResult:
+        return cls(model=model, text=done.text, finish_reason=done.finish_reason,
+                   prompt_tokens=len(done.prompt_token_ids), completion_tokens=len(done.token_ids),
+                   cached_tokens=done.cached_tokens, prefilled_tokens=done.prefilled_tokens,
+                   time_to_first_token_s=done.time_to_first_token, decode_tokens_per_s=done.decode_tokens_per_s,
+                   total_s=total_s, error=done.error)
+
+    def to_json(self) -> str:
+        """One line, the text exact. JSON escapes C0 controls itself; DEL and C1 too, so no control is raw."""
+        return json.dumps(asdict(self), ensure_ascii=False).translate(_JSON_CONTROL_ESCAPES)
+
+
+_JSON_CONTROL_ESCAPES = {code: f"\\u{code:04x}" for code in range(0x7F, 0xA0)}
+
+
+def _answer(engine, messages: list[dict], params, echo: bool):
+    """Run one request; with echo, stream its text to stdout. The Completion (cancelled on ctrl+c)."""
+    handle = engine.submit(messages, params)
+    try:
+        for delta in handle:
+            if echo:
+                # A pipe often ends in a terminal too (less -R, cat): the model's controls are shown, never run.
+                print(visible_controls(delta.text), end="", flush=True)
+    except KeyboardInterrupt:
+        handle.cancel()
+    if echo:
+        print()
+    return handle.result()
+
+
 def cmd_ask(args) -> int:
     from pagedchat import Engine, SamplingParams
 
+    # Both before the model loads, so a missing question or a bad setting is said at once.
+    question = ask_message(args.question, sys.stdin)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
     progress = _Progress()
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
                     device=args.device, dtype=args.dtype, threads=args.threads, progress=progress)
     progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
-    messages.append({"role": "user", "content": args.question})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
-    handle = engine.submit(messages, params)
+    messages.append({"role": "user", "content": question})
+    start = time.perf_counter()
     try:
-        for delta in handle:
-            print(delta.text, end="", flush=True)
-    except KeyboardInterrupt:
-        handle.cancel()
-    print()
-    done = handle.result()
+        done = _answer(engine, messages, params, echo=not args.json)
+    finally:
+        engine.shutdown()
+    if args.json:
+        print(AskResult.of(Path(str(engine.model_path)).name, done, time.perf_counter() - start).to_json())
     if done.error:
         raise PagedChatError(f"generation failed: {done.error}")
-    engine.shutdown()
     return 0
 
 
@@ -187,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (PagedChatError, ValueError) as exc:
-        _Progress().done(f"pagedchat: error: {exc}")
+        _Progress().done(f"pagedchat: error: {visible_controls(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 130

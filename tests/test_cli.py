@@ -1,14 +1,46 @@
 """The command line: help, ask, and one clear line for bad input."""
 
+import io
+import json
+import re
 import subprocess
 import sys
 
+import pytest
+
 from pagedchat.cli import main
+from pagedchat.text import visible_controls
+from tui_support import ScriptedEngine
 
 
-def run_cli(*args, env=None):
+def run_cli(*args, env=None, stdin: str | None = None):
     return subprocess.run([sys.executable, "-m", "pagedchat.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=env, input=stdin)
+
+
+@pytest.fixture(autouse=True)
+def _stdin(monkeypatch):
+    """`ask` reads stdin when it is not a terminal; in-process calls get an empty one, as with `< /dev/null`."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def scripted(monkeypatch, replies) -> ScriptedEngine:
+    """`ask` on the scripted stand-in engine (pagedchat.Engine is what cmd_ask builds)."""
+    import pagedchat
+
+    engine = ScriptedEngine(replies)
+    monkeypatch.setattr(pagedchat, "Engine", lambda *args, **kwargs: engine)
+    return engine
+
+
+def user_message(engine: ScriptedEngine) -> str:
+    prompt = engine.tokenizer.decode(engine.prompts[-1])
+    return prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
 
 
 def test_help_lists_commands_and_flags():
@@ -29,7 +61,15 @@ def test_ask_matches_generate(tiny_llama, capsys):
     main(["ask", "paged blocks?", "--system", "Be brief.", "--model", str(tiny_llama), "--max-tokens", "20",
           "--kv-cache-memory", "4MiB"])
     assert expected.token_ids, "the tiny model should say something"
-    assert capsys.readouterr().out == expected.text + "\n"
+    assert capsys.readouterr().out == visible_controls(expected.text) + "\n"
+
+
+def test_ask_shows_the_models_terminal_controls_instead_of_sending_them(monkeypatch, capsys):
+    reply = "Done.\x1b]2;pwned\x07 \x1b]52;c;cHduZWQ=\x07 \x1b[31mred\x1b[0m \x9b2J"
+    scripted(monkeypatch, [reply])
+    assert main(["ask", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert out == "Done.␛]2;pwned␇ ␛]52;c;cHduZWQ=␇ ␛[31mred␛[0m ␛[2J\n"
 
 
 def test_bad_input_is_one_clear_line(tmp_path, tiny_llama, capsys):
@@ -38,6 +78,62 @@ def test_bad_input_is_one_clear_line(tmp_path, tiny_llama, capsys):
     assert len(err) == 1 and "no such model" in err[0]
     assert main(["ask", "hi", "--model", str(tiny_llama), "--kv-cache-memory", "lots"]) == 1
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_ask_reads_piped_material_before_the_question(monkeypatch, capsys):
+    engine = scripted(monkeypatch, ["A summary."])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("line one\n  indented line two\n\n"))
+    assert main(["ask", "summarize this"]) == 0
+    assert user_message(engine) == "line one\n  indented line two\n\nsummarize this"
+    assert capsys.readouterr().out == "A summary.\n"
+
+
+def test_ask_takes_the_question_from_stdin_alone(monkeypatch, capsys):
+    engine = scripted(monkeypatch, ["Paris."])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
+    assert main(["ask"]) == 0
+    assert user_message(engine) == "What is the capital of France?"
+
+
+def test_ask_on_a_terminal_does_not_read_stdin(monkeypatch, capsys):
+    engine = scripted(monkeypatch, ["Hi.", "never"])
+    monkeypatch.setattr(sys, "stdin", _Terminal("typed ahead, not material"))
+    assert main(["ask", "hello"]) == 0
+    assert user_message(engine) == "hello"
+    assert main(["ask"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ['pagedchat: error: ask needs a question: pagedchat ask "...", or pipe one in: '
+                   'echo "..." | pagedchat ask']
+    assert len(engine.prompts) == 1  # refused before any model was asked
+
+
+def test_ask_json_is_one_object_with_the_exact_text(monkeypatch, capsys):
+    reply = "Je répondrai.\x1b]2;pwned\x07\x9b2J\x7f"
+    scripted(monkeypatch, [reply])
+    assert main(["ask", "hi", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and not re.search(r"[\x00-\x1f\x7f-\x9f]", out.rstrip("\n"))
+    result = json.loads(out)
+    assert result["text"] == reply and "répondrai" in out       # exact, and readable where it can be
+    assert result["finish_reason"] == "stop" and result["error"] is None and result["model"] == "scripted-model"
+    assert result["completion_tokens"] == 3 and result["prompt_tokens"] > 0 and result["cached_tokens"] == 0
+    assert result["time_to_first_token_s"] == 0.02 and result["total_s"] > 0
+
+
+def test_piped_ask_json_on_a_real_engine_matches_generate(tiny_llama):
+    from pagedchat import Engine, SamplingParams
+
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
+    [expected] = engine.generate([[{"role": "user", "content": "notes about pages\n\nsummarize this"}]],
+                                 SamplingParams(max_tokens=12))
+    engine.shutdown()
+    done = run_cli("ask", "summarize this", "--json", "--model", str(tiny_llama), "--max-tokens", "12",
+                   "--kv-cache-memory", "4MiB", stdin="notes about pages\n")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["text"] == expected.text and result["completion_tokens"] == len(expected.token_ids) == 12
+    assert result["prompt_tokens"] == len(expected.prompt_token_ids) and result["finish_reason"] == "length"
+    assert result["decode_tokens_per_s"] > 0
 
 
 def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, capsys):

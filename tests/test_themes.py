@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 from textual.app import App
+from tui_support import ScriptedEngine, make_config, wait_for
 
+from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.themes import ThemeFileError, builtin_theme_files, chat_colours, load_themes, parse_theme
 
 
@@ -40,6 +42,14 @@ def test_user_themes_add_and_broken_ones_are_skipped(tmp_path):
     ('name = "x"\nprimary = "#fff"\ndark = "yes"', "dark must be true or false"),
     ('name = "x"\nprimary = 3', "colour string"),
     ('name = "x"\nprimary = "#fff"\n[variables]\nchat-1 = "nope"', "chat-1"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = "x"', r"text-muted = 'x' is not a colour"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\nfooter-key-foreground = "#12345"', "footer-key-foreground"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\nblock-cursor-text-style = "shiny"', "not a text style"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-mutd = "#fff"', "text-mutd is not a theme variable"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = 3', "text-muted must be a string"),
+    ('name = "x"\nprimary = "#fff"\nvariables = 3', r"\[variables\] must be a table"),
+    ('name = "x"\nprimary = "#fff"\ntext_alpha = "half"', "text_alpha must be a number"),
+    ('name = "[/] x"\nprimary = "#fff"', "may only hold letters, digits"),
 ])
 def test_parse_errors_name_file_and_problem(text, message):
     with pytest.raises(ThemeFileError, match=message):
@@ -50,3 +60,26 @@ def test_colours_fall_back_to_theme_colours():
     app = App()
     variables = app.get_css_variables()
     assert len(chat_colours(variables)) >= 6
+
+
+def test_every_kind_of_textual_variable_value_is_accepted():
+    text = ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = "auto 60%"\nlink-background = "initial"\n'
+            'input-selection-background = "#5FB3B3 35%"\nlink-style-hover = "bold not underline"\n'
+            'block-cursor-text-style = "none"\nchat-1 = "#5FB3B3"\n')
+    assert parse_theme(text, Path("t.toml")).variables["text-muted"] == "auto 60%"
+
+
+@pytest.mark.parametrize("wanted", ["bad", "missing"])
+async def test_a_bad_or_missing_theme_in_config_starts_with_the_default_and_says_so(tmp_path, wanted):
+    config = make_config(tmp_path, theme=wanted)
+    config.user_theme_dir.mkdir(parents=True)
+    (config.user_theme_dir / "bad.toml").write_text('name = "bad"\nprimary = "#336699"\n[variables]\n'
+                                                    'text-muted = "x"\n')
+    app = PagedChatApp(config, engine_factory=lambda progress: ScriptedEngine([]))
+    async with app.run_test(notifications=True) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        assert app.theme == "pagedchat-dark" and "bad" not in app.available_themes
+        said = [n.message for n in app._notifications]
+        assert any("bad.toml" in n and "text-muted = 'x' is not a colour" in n for n in said), said
+        assert any(f"No theme named '{wanted}'; using pagedchat-dark" in n for n in said), said
+        await pilot.pause()

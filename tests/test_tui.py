@@ -16,6 +16,7 @@ import textual.app
 import textual.pilot
 from textual._wait import wait_for_idle
 
+from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.chat import PromptInput
@@ -99,7 +100,7 @@ async def test_send_streams_a_reply_with_stats(config):
         await replied(pilot, session)
         reply = session.record.messages[-1]
         assert reply.content.startswith(streamed) and len(reply.content) > len(streamed)
-        assert view.body.source == reply.content and not view.streaming
+        assert view.body.source == visible_controls(reply.content) and not view.streaming
         stats = reply.stats
         assert stats.generated_tokens == LONG and stats.finish_reason == "length"
         assert stats.prompt_tokens > 0 and stats.ttft is not None and stats.tokens_per_s > 0
@@ -466,3 +467,16 @@ async def test_closed_chat_can_be_reopened(config):
         await reopen[0].callback()
         await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
         assert [s.record.title for s in app.ordered_sessions()][-1] == "Keep me"
+
+
+async def test_the_palette_offers_the_chat_commands(config):
+    """Over the chats the palette finds pagedchat's own commands (the palette, not the app, is then the screen)."""
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "CommandPalette", "the palette")
+        await pilot.press(*"rename")
+        await wait_for(pilot, lambda: "Give this chat a new title" in screen_text(app), "the rename command")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, RenameScreen), "the rename dialog")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedchat.config import AppConfig, load_config
@@ -38,3 +41,115 @@ def static_text(app, selector: str) -> str:
     """The plain text a Static (or Label) shows."""
     content = app.query_one(selector).content
     return getattr(content, "plain", str(content))
+
+
+class ScriptedEngine:
+    """A stand-in for Engine in app and CLI tests: each reply is the next scripted text, streamed from a thread of
+    its own in a few deltas, the way the engine's compute thread calls on_update. No model runs. Use it where a
+    test needs exact model output (markup, escape sequences) that a random tiny model cannot be made to write.
+    A reply given as (text, error) streams text, then fails with that error.
+    """
+
+    block_size = 16
+    model_path = "scripted-model"
+    device = "cpu"
+
+    def __init__(self, replies: list[str | tuple[str, str]], chunks: int = 3) -> None:
+        from tiny_models import make_tokenizer
+
+        self.tokenizer = make_tokenizer()   # a real chat template, so the app builds its prompts as usual
+        self.replies = list(replies)
+        self.chunks = chunks
+        self.prompts: list[list[int]] = []  # every submitted prompt, in order
+        self.failure: str | None = None     # as Engine.failure: a test sets it to stop the engine
+        self._cancelled: set[str] = set()
+        self._count = 0
+
+    def submit(self, prompt, params=None, *, on_update=None, request_id=None) -> ScriptedHandle:
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif prompt and isinstance(prompt[0], dict):
+            from pagedchat.engine.chat import chat_prompt_ids
+
+            prompt = chat_prompt_ids(self.tokenizer, prompt)
+        self._count += 1
+        handle = ScriptedHandle(request_id or f"scripted-{self._count}", list(prompt), on_update)
+        self.prompts.append(handle.prompt_token_ids)
+        reply = self.replies.pop(0) if self.replies else ""
+        text, error = reply if isinstance(reply, tuple) else (reply, None)
+        threading.Thread(target=self._stream, args=(handle, text, error), daemon=True).start()
+        return handle
+
+    def _stream(self, handle: ScriptedHandle, text: str, error: str | None) -> None:
+        from pagedchat.engine.sequence import Completion, StreamDelta
+
+        step = max(1, -(-len(text) // self.chunks))
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        sent: list[str] = []
+        for i, piece in enumerate(pieces):
+            if handle.request_id in self._cancelled:
+                break
+            time.sleep(0.02)
+            sent.append(piece)
+            handle.deliver(StreamDelta(handle.request_id, [i], piece))
+        reason = "cancelled" if handle.request_id in self._cancelled else "error" if error else "stop"
+        done = Completion(handle.request_id, handle.prompt_token_ids, list(range(len(sent))), "".join(sent), reason,
+                          time_to_first_token=0.02, decode_tokens_per_s=50.0, error=error)
+        handle.deliver(StreamDelta(handle.request_id, [], "", finished=True, completion=done))
+
+    def fork(self, request_id, params=None, *, on_update=None):
+        from pagedchat.errors import RequestError
+
+        raise RequestError("the scripted engine does not fork")
+
+    def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    def memory(self):
+        from pagedchat.engine.memory import MemorySnapshot
+
+        return MemorySnapshot(total_blocks=4, free_blocks=4, cached_blocks=0, block_size=self.block_size,
+                              page_bytes=1024, sequences={}, ref_counts={}, page_states=["free"] * 4,
+                              shared_pages={}, seqs={}, cpu_total=0, cpu_cached=0, cpu_swapped=0,
+                              counters={}, hit_rate=0.0, recent_hit_rate=0.0, live_tokens=0, contiguous_bytes=0)
+
+    def shutdown(self) -> None:
+        self._cancelled.update(f"scripted-{i}" for i in range(1, self._count + 1))
+
+
+@dataclass(eq=False)
+class ScriptedHandle:
+    """What the app and `ask` use of a RequestHandle: its figures, iteration, result()."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    on_update: object = None
+    cached_tokens: int = 0
+    time_to_first_token: float | None = None
+    decode_tokens_per_s: float | None = None
+    deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    completion: object = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def deliver(self, delta) -> None:
+        if delta.finished:
+            self.completion = delta.completion
+            self.time_to_first_token = delta.completion.time_to_first_token
+            self.decode_tokens_per_s = delta.completion.decode_tokens_per_s
+        self.deltas.put(delta)
+        if self.on_update is not None:
+            self.on_update(delta)
+        if delta.finished:
+            self.finished.set()
+
+    def __iter__(self):
+        while True:
+            delta = self.deltas.get(timeout=WAIT_S)
+            yield delta
+            if delta.finished:
+                return
+
+    def result(self, timeout: float | None = WAIT_S):
+        if not self.finished.wait(timeout):
+            raise TimeoutError(f"{self.request_id} still running")
+        return self.completion

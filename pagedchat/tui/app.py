@@ -28,6 +28,7 @@ from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
 from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.tui import chat_ops, context
+from pagedchat.text import escaped_markup, visible_controls
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
 from pagedchat.tui.commands import ChatCommands
@@ -108,6 +109,13 @@ class PagedChatApp(App):
             self.register_theme(theme)
         for error in loaded.errors:
             self._startup_notes.append((f"Theme skipped: {error}", "warning"))
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every notification is plain text, controls shown as pictures: they carry chat titles, paths and
+        error messages. `markup` is accepted for Widget.notify, which passes True by default, and ignored."""
+        super().notify(visible_controls(message), title=visible_controls(title), severity=severity,
+                       timeout=timeout, markup=False)
 
     # ---- layout -----------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -220,7 +228,7 @@ class PagedChatApp(App):
         return colours[session.colour % len(colours)]
 
     def _label(self, session: ChatSession) -> Content:
-        parts: list = [("■", self._colour_of(session)), " ", session.record.title]
+        parts: list = [("■", self._colour_of(session)), " ", visible_controls(session.record.title)]
         if session.busy:
             parts.append((" ●", "$warning"))   # generating: shown in every tab, and visible from the others
         elif session.unseen:
@@ -814,7 +822,8 @@ class PagedChatApp(App):
             bar.update(total=None)
         else:
             bar.update(total=100, progress=event.fraction * 100)
-        self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"), event.stage))
+        self.query_one("#status", Label).update(Content.assemble(("loading ", "$text-muted"),
+                                                                 visible_controls(event.stage)))
 
     def on_engine_ready(self, event: EngineReady) -> None:
         bar = self._load_bar()
@@ -834,7 +843,7 @@ class PagedChatApp(App):
         if bar is None:
             return
         bar.display = False
-        self.query_one("#status", Label).update(Content.styled(self.engine_error, "$error"))
+        self.query_one("#status", Label).update(Content.styled(visible_controls(self.engine_error), "$error"))
         self.query_one(InspectorView).show_message(self.engine_error)
         self.notify(self.engine_error, severity="error", timeout=15)
 
@@ -842,10 +851,11 @@ class PagedChatApp(App):
         if self.engine is None:
             return
         if self.engine.failure is not None:
-            self.query_one("#status", Label).update(Content.styled(f"engine stopped: {self.engine.failure}", "$error"))
+            self.query_one("#status", Label).update(
+                Content.styled(visible_controls(f"engine stopped: {self.engine.failure}"), "$error"))
             return
         busy = sum(1 for s in self.sessions.values() if s.busy)
-        model = Path(str(getattr(self.engine, "model_path", "model"))).name
+        model = visible_controls(Path(str(getattr(self.engine, "model_path", "model"))).name)
         plan = getattr(self.engine, "cache_plan", None)
         pages = f" · {plan.num_pages} pages" if plan is not None else ""
         device = getattr(self.engine, "device", "")
@@ -885,7 +895,9 @@ class PagedChatApp(App):
     # ---- the command palette -----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        if screen is not self.screen or isinstance(screen, (HelpScreen,)):
+        # `screen` is the one the palette opened over (self.screen is the palette itself): chat commands are for
+        # the chats' own screen, not over a dialog.
+        if screen is not self.screen_stack[0]:
             return
         yield SystemCommand("New chat", "Open a chat in a new tab (ctrl+n)", self.action_new_chat)
         yield SystemCommand("Close chat", "Close this tab; it stays saved and can be reopened (ctrl+w)",
@@ -899,7 +911,8 @@ class PagedChatApp(App):
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
         if self.engine is not None and self.engine.failure is not None:
-            yield SystemCommand("Restart engine", f"The engine stopped ({self.engine.failure}); load it again",
+            yield SystemCommand("Restart engine",
+                                f"The engine stopped ({escaped_markup(self.engine.failure)}); load it again",
                                 self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
@@ -913,10 +926,12 @@ class PagedChatApp(App):
         yield SystemCommand("Copy last reply", "To the clipboard (OSC 52)", lambda: self._copy_last(False))
         yield SystemCommand("Copy a code block from the last reply", "To the clipboard (OSC 52)",
                             lambda: self._copy_last(True))
-        yield SystemCommand("Export chat…", f"Markdown, or JSON that imports back, in "
-                            f"{self.config.data_dir / 'exports'} (ctrl+o)", self.action_export_chat)
+        yield SystemCommand("Export chat…", "Markdown, or JSON that imports back, in "
+                            f"{escaped_markup(str(self.config.data_dir / 'exports'))} (ctrl+o)",
+                            self.action_export_chat)
         for chat_id, title, count in self.store.closed_chats():
-            yield SystemCommand(f"Reopen chat: {title}", f"Closed chat, {count} messages",
+            # The palette parses titles as markup.
+            yield SystemCommand(f"Reopen chat: {escaped_markup(title)}", f"Closed chat, {count} messages",
                                 lambda cid=chat_id: self.reopen_chat(cid), discover=False)
 
     def _stop_active(self) -> None:

@@ -2,7 +2,9 @@
 
 These widgets know nothing about the engine. The app feeds a reply's text in with MessageView.feed() as
 engine deltas arrive; the view batches it (at most one Markdown append per FLUSH_S) so a fast model cannot
-flood the UI with re-renders, and finish() replaces the streamed document with one full parse.
+flood the UI with re-renders, and finish() replaces the streamed document with one full parse. Every piece of
+text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
+the text exactly as written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from textual.timer import Timer
 from textual.widgets import Label, Markdown, TextArea
 from textual.widgets.markdown import MarkdownStream
 
+from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatMessage, ReplyStats
 
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
@@ -109,10 +112,10 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
-        yield Markdown(self.message.content, classes="body")
+        yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
-            yield Label(stats.line() if stats else "", classes="stats")
+            yield Label(plain(stats.line() if stats else ""), classes="stats")
 
     @property
     def body(self) -> Markdown:
@@ -120,7 +123,7 @@ class MessageView(Vertical, can_focus=True):
 
     def set_stats(self, text: str) -> None:
         for label in self.query(".stats").results(Label):
-            label.update(text)
+            label.update(plain(text))
 
     # ---- streaming ----------------------------------------------------------------------------------------
     @property
@@ -130,7 +133,7 @@ class MessageView(Vertical, can_focus=True):
     async def start_stream(self, prefix: str = "") -> None:
         """Begin a reply (prefix: text it already has, as when a branch continues a live reply)."""
         if prefix:
-            await self.body.update(prefix)
+            await self.body.update(visible_controls(prefix))
         self._stream = Markdown.get_stream(self.body)
         self._streamed_tokens = 0
         self.set_stats("waiting for the first token…  (Esc stops)")
@@ -151,7 +154,7 @@ class MessageView(Vertical, can_focus=True):
         self._pending.clear()
         self.set_stats(f"generating · {self._streamed_tokens} tokens  (Esc stops)")
         if text:
-            await self._stream.write(text)
+            await self._stream.write(visible_controls(text))
 
     async def finish(self, content: str, stats: ReplyStats | None) -> None:
         """End streaming with one full parse of the final text and the stats line."""
@@ -164,7 +167,7 @@ class MessageView(Vertical, can_focus=True):
             await stream.stop()
         self.message.content = content
         self.message.stats = stats
-        await self.body.update(content)
+        await self.body.update(visible_controls(content))
         self.set_stats(stats.line() if stats else "")
 
     def action_act(self, action: str) -> None:

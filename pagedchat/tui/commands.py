@@ -49,7 +49,7 @@ class ChatCommands(Provider):
 
     async def discover(self) -> Hits:
         for entry in self.entries():
-            yield DiscoveryHit(entry.title, entry.run, help=entry.help)
+            yield DiscoveryHit(Content(entry.title), entry.run, help=entry.help)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
@@ -81,7 +81,8 @@ class PromptHistorySearch(Provider):
 
     async def discover(self) -> Hits:
         for text in self.app.prompt_history.prompts[:self.SHOWN]:
-            yield DiscoveryHit(self._line(text)[:100], partial(self._put, text), text=text)
+            # Content, not a str: a prompt is text, never markup.
+            yield DiscoveryHit(Content(self._line(text)[:100]), partial(self._put, text), text=text)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)

@@ -14,6 +14,8 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from pagedchat.text import visible_controls
+
 FREE, USED, CACHED = "free", "used", "cached"
 GLYPH_USED, GLYPH_SHARED, GLYPH_CACHED, GLYPH_FREE = "█", "◆", "░", "·"
 MAX_CELLS = 2048           # above this, one map cell stands for several pages
@@ -193,8 +195,10 @@ def render_chats(snap, chats: list[ChatPages], width: int = 80) -> Content:
     return Content("\n").join(lines)
 
 
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[:n - 1] + "…"
+def _clip(title: str, n: int) -> str:
+    """A chat's title in at most n cells, its terminal controls shown as pictures."""
+    title = visible_controls(title)
+    return title if len(title) <= n else title[:n - 1] + "…"
 
 
 def render_sharing(snap, width: int = 80) -> Content:
@@ -297,4 +301,4 @@ class InspectorView(VerticalScroll):
 
     def show_message(self, text: str) -> None:
         self._last_key = None
-        self.query_one("#insp-summary", Static).update(Content.styled(text, MUTED))
+        self.query_one("#insp-summary", Static).update(Content.styled(visible_controls(text), MUTED))

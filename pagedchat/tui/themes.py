@@ -3,15 +3,21 @@
 A theme file has the Theme fields at the top level (name and primary required, colours as CSS colour strings)
 and an optional [variables] table of extra CSS variables. `chat-1`..`chat-8` in [variables] colour the chats in
 the memory inspector; themes without them get colours derived from their primary/secondary/accent/... colours.
+
+Everything is checked when the file is read, because Textual only rejects a bad value when the theme is applied,
+and then the app is gone: a field or variable that is unknown, of the wrong type or not a value Textual's CSS
+accepts makes the file a ThemeFileError naming the field, and load_themes skips it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from textual.color import Color, ColorParseError
+from textual.css.stylesheet import Stylesheet, StylesheetParseError
 from textual.theme import Theme
 
 from pagedchat.config import tomllib
@@ -20,6 +26,10 @@ _COLOURS = ("primary", "secondary", "accent", "foreground", "background", "surfa
             "success", "warning", "error")
 _NUMBERS = ("luminosity_spread", "text_alpha")
 _KNOWN = {"name", "dark", "variables", "ansi", *_COLOURS, *_NUMBERS}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+CHAT_VARIABLES = tuple(f"chat-{i}" for i in range(1, 9))   # pagedchat's own: the chats' colours in the page map
+# Every variable a Textual theme sets; a [variables] entry outside these and CHAT_VARIABLES is a typo.
+_TEXTUAL_VARIABLES = frozenset(Theme(name="reference", primary="#000000").to_color_system().generate())
 
 
 class ThemeFileError(ValueError):
@@ -54,6 +64,9 @@ def parse_theme(text: str, path: Path) -> Theme:
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ThemeFileError(f"{path.name}: needs a name = \"...\"")
+    if not _NAME.fullmatch(name.strip()):
+        # Textual puts the name in a CSS class and in the palette's theme list, which reads it as markup.
+        raise ThemeFileError(f"{path.name}: name {name!r} may only hold letters, digits, '-', '_' and '.'")
     if "primary" not in raw:
         raise ThemeFileError(f"{path.name}: needs a primary colour")
     fields: dict = {"name": name.strip()}
@@ -70,19 +83,49 @@ def parse_theme(text: str, path: Path) -> Theme:
             if not isinstance(raw[key], bool):
                 raise ThemeFileError(f"{path.name}: {key} must be true or false")
             fields[key] = raw[key]
-    variables = raw.get("variables", {})
-    if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
-        raise ThemeFileError(f"{path.name}: [variables] must map names to strings")
-    for key, value in variables.items():
-        if key.startswith("chat-"):
-            _colour(path, key, value)
-    fields["variables"] = dict(variables)
+    fields["variables"] = _variables(path, raw.get("variables", {}))
     theme = Theme(**fields)
     try:
         theme.to_color_system().generate()  # catches values Textual would only reject when the theme is applied
     except Exception as exc:
         raise ThemeFileError(f"{path.name}: {exc}") from None
     return theme
+
+
+def _variables(path: Path, variables) -> dict[str, str]:
+    if not isinstance(variables, dict):
+        raise ThemeFileError(f"{path.name}: [variables] must be a table of names and strings")
+    for key, value in variables.items():
+        where = f"{path.name}: [variables] {key}"
+        if key not in _TEXTUAL_VARIABLES and key not in CHAT_VARIABLES:
+            raise ThemeFileError(f"{where} is not a theme variable (a typo?)")
+        if not isinstance(value, str):
+            raise ThemeFileError(f"{where} must be a string, not {value!r}")
+        if key in CHAT_VARIABLES:
+            _colour(path, f"[variables] {key}", value)  # drawn as a Content style, which takes plain colours
+        elif _is_text_style(key):
+            if not _css_accepts("text-style", key, value):
+                raise ThemeFileError(f"{where} = {value!r} is not a text style (like \"bold\", \"underline\", "
+                                     "\"none\")")
+        elif not _css_accepts("color", key, value):
+            raise ThemeFileError(f"{where} = {value!r} is not a colour (like \"#1F6F8B\", \"#1F6F8B 40%\", "
+                                 "\"auto 87%\")")
+    return dict(variables)
+
+
+def _is_text_style(variable: str) -> bool:
+    return variable.endswith("-style") or variable.endswith("-style-hover")
+
+
+def _css_accepts(rule: str, variable: str, value: str) -> bool:
+    """Whether Textual's CSS parser takes value where the app's stylesheet uses this kind of variable."""
+    sheet = Stylesheet(variables={variable: value})
+    sheet.add_source(f"Screen {{ {rule}: ${variable}; }}", read_from=("theme", variable))
+    try:
+        sheet.parse()
+    except StylesheetParseError:
+        return False
+    return True
 
 
 def load_theme_file(path: Path) -> Theme:

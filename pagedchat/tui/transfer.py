@@ -13,6 +13,7 @@ from dataclasses import fields
 from enum import Enum
 from pathlib import Path
 
+from pagedchat.text import visible_controls
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, slug, title_from
 
 
@@ -25,14 +26,20 @@ class NotAChatExport(ValueError):
     """The file is not a chat export; the message says why in one line."""
 
 
+# JSON escapes C0 controls itself; DEL and C1 too, so the file is safe to `cat` and the text comes back exact.
+_JSON_CONTROL_ESCAPES = {code: f"\\u{code:04x}" for code in range(0x7F, 0xA0)}
+
+
 def to_json(record: ChatRecord) -> str:
     return json.dumps({"title": record.title, "system": record.system_prompt,
                        "messages": [{"role": m.role, "content": m.content} for m in record.messages],
-                       "settings": record.settings.to_dict()}, ensure_ascii=False, indent=2) + "\n"
+                       "settings": record.settings.to_dict()},
+                      ensure_ascii=False, indent=2).translate(_JSON_CONTROL_ESCAPES) + "\n"
 
 
 def render(record: ChatRecord, fmt: ExportFormat) -> str:
-    return to_json(record) if fmt is ExportFormat.JSON else record.to_markdown()
+    # Shown with `cat` or a pager, Markdown is a terminal path too: its controls become pictures.
+    return to_json(record) if fmt is ExportFormat.JSON else visible_controls(record.to_markdown())
 
 
 def export_path(folder: Path, record: ChatRecord, fmt: ExportFormat) -> Path:

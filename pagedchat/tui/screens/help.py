@@ -8,6 +8,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
+from pagedchat.text import visible_controls
+
 INSPECTOR_HELP = """\
 ## The memory inspector (F2)
 
@@ -39,7 +41,8 @@ class HelpScreen(ModalScreen):
 
     def __init__(self, rows: list[tuple[str, str, str]], paths: str) -> None:
         super().__init__()
-        self._text = "\n\n".join(["# pagedchat", keys_markdown(rows), INSPECTOR_HELP, paths])
+        # Keys and paths come from the user's config and file system.
+        self._text = visible_controls("\n\n".join(["# pagedchat", keys_markdown(rows), INSPECTOR_HELP, paths]))
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog -help"):

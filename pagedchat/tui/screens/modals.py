@@ -1,4 +1,8 @@
-"""Small modal dialogs. Each dismisses with its result, or None when cancelled (Esc)."""
+"""Small modal dialogs. Each dismisses with its result, or None when cancelled (Esc).
+
+User and model text goes in as plain text, never markup. The editable fields show terminal controls as
+pictures (pagedchat.text); a field saved unchanged gives back the original text, controls and all.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,13 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 from textual.widgets.option_list import Option
 
+from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatSettings
+
+
+def unless_unchanged(edited: str, original: str) -> str:
+    """What a field saved: the original text when the field still shows it as it was loaded."""
+    return original if edited == visible_controls(original) else edited
 
 
 class _Modal(ModalScreen):
@@ -32,12 +42,12 @@ class RenameScreen(_Modal):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label("Rename chat", classes="dialog-title")
-            yield Input(self._title, id="title", select_on_focus=True)
+            yield Input(visible_controls(self._title), id="title", select_on_focus=True)
             yield Label("Enter saves · Esc cancels", classes="dialog-hint")
 
     @on(Input.Submitted)
     def save(self, event: Input.Submitted) -> None:
-        title = event.value.strip()
+        title = unless_unchanged(event.value, self._title).strip()
         self.dismiss(title or None)
 
 
@@ -53,14 +63,14 @@ class EditMessageScreen(_Modal):
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog -wide"):
             yield Label("Edit message — later messages are replaced by a new reply", classes="dialog-title")
-            yield TextArea(self._text, id="text", soft_wrap=True, tab_behavior="focus")
+            yield TextArea(visible_controls(self._text), id="text", soft_wrap=True, tab_behavior="focus")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Resend", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
             yield Label("ctrl+s resends · Esc cancels", classes="dialog-hint")
 
     def action_save(self) -> None:
-        text = self.query_one("#text", TextArea).text
+        text = unless_unchanged(self.query_one("#text", TextArea).text, self._text)
         self.dismiss(text if text.strip() else None)
 
     @on(Button.Pressed, "#save")
@@ -82,9 +92,9 @@ class ChatSettingsScreen(_Modal):
     def compose(self) -> ComposeResult:
         s = self._settings
         with VerticalScroll(classes="dialog -wide"):
-            yield Label(f"Settings — {self._title}", classes="dialog-title")
+            yield Label(plain(f"Settings — {self._title}"), classes="dialog-title")
             yield Label("System prompt")
-            yield TextArea(self._system, id="system", soft_wrap=True, tab_behavior="focus")
+            yield TextArea(visible_controls(self._system), id="system", soft_wrap=True, tab_behavior="focus")
             with Grid(classes="settings-grid"):
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), id="max_tokens", type="integer", compact=True)
@@ -118,9 +128,9 @@ class ChatSettingsScreen(_Modal):
         try:
             settings = self._read()
         except ValueError as exc:
-            self.query_one("#error", Label).update(str(exc))
+            self.query_one("#error", Label).update(plain(str(exc)))
             return
-        self.dismiss((self.query_one("#system", TextArea).text, settings))
+        self.dismiss((unless_unchanged(self.query_one("#system", TextArea).text, self._system), settings))
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#save")
@@ -140,8 +150,9 @@ class PickScreen(_Modal):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
-            yield Label(self._title, classes="dialog-title")
-            yield OptionList(*[Option(label, id=str(i)) for i, label in enumerate(self._labels)], id="options")
+            yield Label(plain(self._title), classes="dialog-title")
+            yield OptionList(*[Option(plain(label), id=str(i)) for i, label in enumerate(self._labels)],
+                             id="options")
             yield Label("Enter picks · Esc cancels", classes="dialog-hint")
 
     def on_mount(self) -> None:
