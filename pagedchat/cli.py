@@ -1,4 +1,4 @@
-"""`pagedchat`: the chat app, and `pull`, `ask`, `bench`.
+"""`pagedchat`: the chat app, and `pull`, `ask`, `bench`, `serve`.
 
 Heavy imports (torch, transformers, textual) happen inside the commands, so `--help` answers at once.
 """
@@ -12,32 +12,24 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedchat.argtypes import positive_int
 from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
 
 EPILOG = """\
 commands:
   pagedchat                 start the chat app (tabs, streaming, memory inspector on F2)
+  pagedchat --server URL    the same app over an OpenAI-compatible server (vLLM, llama-server, ...)
   pagedchat pull            fetch and convert the default model (SmolLM2-135M-Instruct)
   pagedchat ask "question"  stream one answer to stdout (cat notes.txt | pagedchat ask "summarize this")
   pagedchat bench           measure memory and speed, optionally against transformers
+  pagedchat serve           an OpenAI-compatible HTTP server over the engine
   pagedchat import F.json   bring an exported chat (ctrl+o, JSON) back as a new chat
 
 models (--model): a Hugging Face model folder, a .gguf file, or a hub id (needs internet);
   default: SmolLM2-135M-Instruct, pulled on first use into the user cache dir.
 settings: config.toml in the user config dir (see README); flags override it.
 """
-
-
-def positive_int(value: str) -> int:
-    """argparse type for counts (threads, tokens, rounds): a whole number of at least 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
-    return n
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -49,6 +41,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
     p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads on the CPU (default: one per core)")
+    p.add_argument("--quantize", choices=("int4", "int8"),
+                   help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
+                   "files keep their own quantization without it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--theme", help="colour theme (pick others with ctrl+p in the app)")
     parser.add_argument("--max-tokens", type=int, help="reply length limit for new chats")
     parser.add_argument("--temperature", type=float, help="sampling temperature for new chats (0 = greedy)")
+    parser.add_argument("--server", metavar="URL", help="run on an OpenAI-compatible server instead of in-process "
+                        "(vLLM, llama-server, pagedchat serve), e.g. http://127.0.0.1:8000/v1; --model then "
+                        "picks one of its models")
+    parser.add_argument("--api-key", metavar="KEY", help="the server's API key (default: $PAGEDCHAT_API_KEY)")
     sub = parser.add_subparsers(dest="command", metavar="")
 
     pull = sub.add_parser("pull", help="fetch and convert the default model")
@@ -86,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedchat import bench
 
     bench.add_arguments(sub.add_parser("bench", help="measure memory and speed"))
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require Authorization: Bearer KEY on /v1 paths (default: $PAGEDCHAT_API_KEY, else none)")
+    _add_engine_flags(serve)
     return parser
 
 
@@ -184,7 +190,8 @@ def cmd_ask(args) -> int:
                             top_k=args.top_k, seed=args.seed)
     progress = _Progress()
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress)
+                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress,
+                    quantize=args.quantize)
     progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": question})
@@ -206,8 +213,9 @@ def cmd_app(args) -> int:
 
     config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
                          swap_space=args.swap_space, device=args.device, dtype=args.dtype, threads=args.threads,
-                         system_prompt=args.system, theme=args.theme, max_tokens=args.max_tokens,
-                         temperature=args.temperature)
+                         quantize=args.quantize, system_prompt=args.system, theme=args.theme,
+                         max_tokens=args.max_tokens, temperature=args.temperature, server=args.server,
+                         api_key=args.api_key)
     run_app(config)
     return 0
 
@@ -243,6 +251,18 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
+def cmd_serve(args) -> int:
+    try:
+        from pagedchat.serve.server import ServeOptions, serve
+    except ImportError as exc:
+        raise PagedChatError(f"pagedchat serve needs its extra ({exc.name} is missing): "
+                             "pip install 'pagedchat[serve]'") from None
+    return serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                              kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
+                              dtype=args.dtype, threads=args.threads))
+
+
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, None: cmd_app}
 COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "import": cmd_import, None: cmd_app}
 
 

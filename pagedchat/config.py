@@ -11,6 +11,8 @@ Example `config.toml` (every key optional):
     threads = 2                                      # torch threads on the CPU; default: one per core
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
+    server = "http://127.0.0.1:8000/v1"              # an OpenAI-compatible server instead of the local engine
+    api_key = "..."                                  # its key (or PAGEDCHAT_API_KEY); default: none
 
     [sampling]                                       # defaults for new chats
     max_tokens = 1024
@@ -42,6 +44,7 @@ from pagedchat.errors import PagedChatError
 
 CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
 DATA_DIR_ENV = "PAGEDCHAT_DATA_DIR"
+API_KEY_ENV = "PAGEDCHAT_API_KEY"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
 DEFAULT_THEME = "pagedchat-dark"
 
@@ -85,8 +88,11 @@ class AppConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None               # torch threads on the CPU; None: one per core
+    quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     theme: str | None = None                 # None: the theme last picked in the app, else DEFAULT_THEME
+    server: str | None = None                # an OpenAI-compatible server's URL: replies come from there
+    api_key: str | None = None               # sent to it as a Bearer token
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     keys: dict[str, str] = field(default_factory=dict)
     config_dir: Path = field(default_factory=config_dir)
@@ -118,7 +124,8 @@ class AppConfig:
 
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
-        "device": (str,), "dtype": (str,), "threads": (int,), "system_prompt": (str,), "theme": (str,)}
+        "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "system_prompt": (str,),
+        "theme": (str,), "server": (str,), "api_key": (str,)}
 _SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
 
 
@@ -166,7 +173,8 @@ def load_config(path: str | Path | None = None, **overrides) -> AppConfig:
 
     overrides take AppConfig field names plus the [sampling] keys (max_tokens, temperature, top_p, top_k);
     None values are ignored. A missing default file is fine; a missing explicit path or a bad file raises
-    ConfigError.
+    ConfigError. PAGEDCHAT_API_KEY, where set, stands between the file and the flags, so a key need not be
+    written into config.toml.
     """
     base = AppConfig()
     if overrides.get("config_dir") is not None:
@@ -180,4 +188,5 @@ def load_config(path: str | Path | None = None, **overrides) -> AppConfig:
             raise ConfigError(f"cannot read config file {file}: {exc.strerror or exc}") from None
         from_file = parse_config(text, str(file))
         base = dataclasses.replace(base, config_file=file)
-    return base.with_overrides(**from_file).with_overrides(**overrides)
+    from_env = {"api_key": os.environ.get(API_KEY_ENV) or None}
+    return base.with_overrides(**from_file).with_overrides(**from_env).with_overrides(**overrides)

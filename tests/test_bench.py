@@ -1,15 +1,25 @@
-"""`pagedchat bench` on a tiny random model: the command's shape and its page accounting, never its speed."""
+"""`pagedchat bench` on a tiny random model: the command's shape, its page and weight accounting, the order of its
+rounds and its ratios (with a stand-in peer), never its speed."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import math
-
 import pytest
 
 from pagedchat import bench
+from pagedchat.bench import config as bench_config
+from pagedchat.bench import llamacpp
+from pagedchat.bench.config import BenchConfig, BenchError
+from pagedchat.bench.memory import parameter_count
+from pagedchat.bench.peers import LOADERS, Peer, Runner
+from pagedchat.bench.render import header_lines, render, to_markdown
+from pagedchat.bench.harness import run_bench
+from pagedchat.bench.stats import percentile, timing_stats
+from pagedchat.bench.workload import build_workload
 
 MAX_TOKENS = 8
 SYSTEM_TOKENS = 40
@@ -17,6 +27,7 @@ BLOCK = 16
 # tiny_llama: 3 layers, 2 kv heads, head_dim 16, float32, context 512.
 BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4
 MAX_CONTEXT = 512
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -37,29 +48,53 @@ def report(tiny_llama, tmp_path_factory) -> dict:
 
 def test_defaults_and_flags():
     args = _parse([])
-    assert args.chats == [1, 2, 4, 8, 16] and args.max_tokens == 128 and args.system_tokens == 300
-    assert args.seed == 0 and args.json_path is None and args.against is None and args.repeat == 1
-    assert _parse(["--chats", "8,1,8"]).chats == [1, 8]
-    for bad in (["--chats", "0,2"], ["--chats", "a"], ["--max-tokens", "0"], ["--against", "vllm"], ["--repeat", "0"]):
+    assert args.chats == (1, 2, 4, 8, 16) and args.max_tokens == 128 and args.system_tokens == 300
+    assert args.seed == 0 and args.json_path is None and args.against == () and args.repeat == 1
+    assert _parse(["--chats", "8,1,8"]).chats == (1, 8)
+    assert _parse(["--against", "llama.cpp,transformers"]).against == ("llama.cpp", "transformers")
+    assert _parse(["--against", "transformers,transformers"]).against == ("transformers",)
+    for bad in (["--chats", "0,2"], ["--chats", "a"], ["--max-tokens", "0"], ["--against", "vllm"],
+                ["--against", "transformers,vllm"], ["--against", ","], ["--repeat", "0"]):
         with pytest.raises(SystemExit):
             _parse(bad)
 
 
 def test_shape(report):
-    assert set(report) >= {"command", "machine", "model", "workload", "token_cost", "capacity", "levels",
-                           "ttft_cold_warm"}
+    assert set(report) >= {"config", "machine", "model", "workload", "token_cost", "capacity", "weights", "levels",
+                           "ttft_cold_warm", "cold_first_token", "startup"}
     assert [lv["chats"] for lv in report["levels"]] == [1, 2]
     for lv in report["levels"]:
-        assert set(lv) >= {"prompt_tokens", "engine", "memory_at_peak", "sharing", "transformers", "ratios"}
-        runs = [lv["engine"], lv["transformers"]["one_at_a_time"], lv["transformers"]["padded_batch"]]
-        for st in runs:
+        assert set(lv) >= {"prompt_tokens", "engine", "memory_at_peak", "sharing", "peers", "rounds"}
+        assert [p["label"] for p in lv["peers"]] == ["transformers, padded batch", "transformers, one at a time"]
+        for st in [lv["engine"]] + [p["stats"] for p in lv["peers"]]:
             assert st["tokens"] == lv["chats"] * MAX_TOKENS
             for key in ("end_to_end_tokens_per_s", "decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
                         "itl_p95_s"):
                 assert st[key] is not None and st[key] > 0, key
-        assert lv["ratios"]["vs_one_at_a_time"] > 0 and lv["ratios"]["vs_padded_batch"] > 0
+        for p in lv["peers"]:
+            assert p["end_to_end_ratio"] == pytest.approx(
+                lv["engine"]["end_to_end_tokens_per_s"] / p["stats"]["end_to_end_tokens_per_s"])
+            assert p["decode_ratio"] == pytest.approx(
+                lv["engine"]["decode_tokens_per_s"] / p["stats"]["decode_tokens_per_s"])
     w = report["ttft_cold_warm"]
     assert w["cold_s"] > 0 and w["warm_s"] > 0 and w["warm_over_cold"] == pytest.approx(w["warm_s"] / w["cold_s"])
+    # transformers has no cold-prompt probe: only pagedchat's own, the same figure as the cold/warm table's.
+    assert [(t["runner"], t["median_s"]) for t in report["cold_first_token"]] == [("pagedchat", w["cold_s"])]
+
+
+def test_startup_is_timed_in_a_fresh_process(report):
+    (startup,) = report["startup"]
+    assert startup["runner"] == "pagedchat" and len(startup["all_s"]) == 1
+    # A fresh interpreter that imports torch and builds an Engine: more than a few milliseconds, bounded.
+    assert 0.05 < startup["median_s"] < 300
+
+
+def test_startup_probe_failure_is_one_line(tmp_path):
+    from pagedchat.bench.startup import time_to_ready
+
+    with pytest.raises(BenchError, match="the startup probe failed: .*no such model"):
+        time_to_ready(["-c", "import sys; sys.exit('no such model')"])
+    assert time_to_ready(["-c", "import time; time.sleep(0.2); print('ready', repr(time.time()))"]) >= 0.2
 
 
 def test_token_cost(report):
@@ -69,6 +104,49 @@ def test_token_cost(report):
     assert cost["page_bytes"] == BYTES_PER_TOKEN * BLOCK
     assert cost["num_pages"] == 2**20 // (BYTES_PER_TOKEN * BLOCK) == 85
     assert cost["max_context"] == MAX_CONTEXT
+
+
+def test_weights_beside_the_pool(report, tiny_llama):
+    """The tiny model loads unpacked in float32 here: its resident bytes are its parameters x 4, so bf16 weights
+    (x 2) would leave the difference to KV in a fixed budget, and 60% of it under the GPU rule."""
+    from tiny_models import load_reference
+
+    w, cost = report["weights"], report["token_cost"]
+    params = sum(p.numel() for p in load_reference(tiny_llama).parameters())  # tied: the embedding counted once
+    assert w["parameters"] == params
+    assert w["weight_bytes"] == 4 * params and w["bf16_weight_bytes"] == 2 * params
+    assert w["kv_pool_bytes"] == cost["pool_bytes"] and w["budget_bytes"] == 2 * params + cost["pool_bytes"]
+    assert w["fixed_bf16"]["tokens"] == cost["pool_bytes"] // BYTES_PER_TOKEN
+    assert w["fixed_loaded"]["tokens"] == (cost["pool_bytes"] - 2 * params) // BYTES_PER_TOKEN
+    assert w["fixed_extra_tokens"] == w["fixed_loaded"]["tokens"] - w["fixed_bf16"]["tokens"] < 0
+    assert not w["gpu_free_measured"] and w["gpu_free_bytes"] == w["budget_bytes"]
+    assert w["gpu_bf16"]["kv_bytes"] == int(0.6 * cost["pool_bytes"])
+    assert w["gpu_loaded"]["kv_bytes"] == int(0.6 * (cost["pool_bytes"] - 2 * params))
+
+
+def test_packed_weights_leave_room(report):
+    """Weights smaller than bf16 (as packed int4 ones are) leave their saving to the KV pool."""
+    from pagedchat.bench.memory import TokenCost, weight_capacity
+
+    cost = TokenCost(**{k: v for k, v in report["token_cost"].items()})
+    params = 1_000_000
+    w = weight_capacity(params, params // 2, cost, ceiling_bytes=10**12, gpu_free_bytes=8 * 10**9)
+    per = cost.bytes_per_token_model
+    assert w.fixed_extra_tokens == (cost.pool_bytes + 2 * params - params // 2) // per - cost.pool_bytes // per
+    assert w.gpu_loaded.kv_bytes == int(0.6 * (8 * 10**9 - params // 2))
+    assert w.gpu_extra_tokens == w.gpu_loaded.tokens - int(0.6 * (8 * 10**9 - 2 * params)) // per > 0
+    capped = weight_capacity(params, params // 2, cost, ceiling_bytes=per * 100, gpu_free_bytes=8 * 10**9)
+    assert capped.gpu_loaded.tokens == capped.gpu_bf16.tokens == 100 and capped.gpu_extra_tokens == 0
+
+
+def test_parameter_count_untied_and_biased(tmp_path):
+    from pagedchat.model.config import ModelConfig
+    from tiny_models import load_reference, make_tiny_model
+
+    for arch, tie in (("llama", False), ("qwen2", True)):
+        folder = make_tiny_model(tmp_path / f"{arch}-{tie}", arch, tie=tie, layers=2)
+        expected = sum(p.numel() for p in load_reference(folder).parameters())
+        assert parameter_count(ModelConfig.from_folder(folder)) == expected
 
 
 def test_workload(report):
@@ -125,20 +203,6 @@ def test_accounting_at_peak(report):
     assert SYSTEM_TOKENS <= w["warm_cached_tokens"] < (shared + 1) * BLOCK
 
 
-def test_tables_render(report):
-    from rich.console import Console
-
-    buf = io.StringIO()
-    bench.render(report, Console(file=buf, width=160))
-    text = buf.getvalue()
-    for title in ("What one token costs", "Capacity", "Waste measured", "Sharing", "Speed", "First token",
-                  "transformers, padded batch"):
-        assert title in text
-    assert f"{BYTES_PER_TOKEN:,}" in text
-    md = bench.to_markdown(report)
-    assert "**1. What one token costs**" in md and "| chats | runner |" in md and md.count("|---:|") >= 1
-
-
 class _CountingProgress:
     def __init__(self):
         self.total, self.done, self.texts = None, 0, []
@@ -153,28 +217,134 @@ class _CountingProgress:
         self.done += n
 
 
-def test_repeat_alternates_rounds_and_shows_the_median(tiny_llama, report):
+STAND_IN_STEP_S = 0.01  # the stand-in's chats all get a token every 10 ms, from 10 ms after submission
+
+
+def _stand_in_llamacpp(cfg, engine, work) -> Peer:
+    """A peer with llama.cpp's shape and a known speed: N chats x T tokens in T x 10 ms."""
+    from pagedchat.bench.stats import timing_stats as stats
+
+    def run(prompts, max_tokens, progress):
+        progress.advance(len(prompts) * max_tokens)
+        return stats(0.0, [[STAND_IN_STEP_S * (k + 1) for k in range(max_tokens)] for _ in prompts])
+
+    return Peer("llama.cpp", (Runner("llama.cpp", "llama.cpp, shared prompt", True, run),), close=lambda: None,
+                cold_first_token=lambda prompts: [0.5, 0.25, 1.0][:len(prompts)],
+                startup=lambda: 0.125)
+
+
+def test_rounds_alternate_over_every_peer_and_show_the_median(tiny_llama, report, monkeypatch):
+    monkeypatch.setitem(LOADERS, "llama.cpp", _stand_in_llamacpp)
     progress = _CountingProgress()
-    cfg = bench.BenchConfig(model=str(tiny_llama), chats=[1, 2], max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
-                            repeat=3, against="transformers", kv_cache_memory="1MiB")
-    rep = bench.run_bench(cfg, progress)
+    cfg = BenchConfig(model=str(tiny_llama), chats=(1, 2), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
+                      repeat=3, against=("transformers", "llama.cpp"), kv_cache_memory="1MiB", startup=False)
+    rep = run_bench(cfg, progress)
     assert progress.done == progress.total  # the bar ends full
     assert [t for t in progress.texts if "2 chats" in t] == [
-        "pagedchat · 2 chats · round 1 of 3", "transformers, padded batch · 2 chats · round 1 of 3",
-        "pagedchat · 2 chats · round 2 of 3", "transformers, padded batch · 2 chats · round 2 of 3",
-        "pagedchat · 2 chats · round 3 of 3", "transformers, padded batch · 2 chats · round 3 of 3",
-        "transformers, one at a time · 2 chats"]
-    for lv, single in zip(rep["levels"], report["levels"]):
-        assert len(lv["rounds"]) == 3
-        for r in lv["rounds"]:
-            assert r["pagedchat"]["tokens"] == r["padded_batch"]["tokens"] == lv["chats"] * MAX_TOKENS
-        for runner, shown in (("pagedchat", lv["engine"]), ("padded_batch", lv["transformers"]["padded_batch"])):
-            rates = sorted(r[runner]["end_to_end_tokens_per_s"] for r in lv["rounds"])
-            assert shown["end_to_end_tokens_per_s"] == rates[1]
-        assert lv["ratios"]["vs_padded_batch"] == pytest.approx(
-            lv["engine"]["end_to_end_tokens_per_s"] / lv["transformers"]["padded_batch"]["end_to_end_tokens_per_s"])
-        assert lv["sharing"] == single["sharing"]  # the accounting does not depend on the round
-    assert "3 rounds of pagedchat" in bench.header_lines(rep)[1]
+        f"{runner} · 2 chats · round {r} of 3" for r in (1, 2, 3)
+        for runner in ("pagedchat", "transformers, padded batch", "llama.cpp, shared prompt")
+    ] + ["transformers, one at a time · 2 chats"]
+    stand_in_rate = MAX_TOKENS / (STAND_IN_STEP_S * MAX_TOKENS)  # per chat
+    for lv, single in zip(rep.levels, report["levels"]):
+        assert len(lv.rounds) == 3
+        assert [[r.runner for r in rnd] for rnd in lv.rounds] == [
+            ["pagedchat", "transformers_padded_batch", "llama.cpp"]] * 3
+        for runner, shown in (("pagedchat", lv.engine), ("transformers_padded_batch",
+                                                         lv.peer("transformers_padded_batch").stats)):
+            rates = sorted(st.end_to_end_tokens_per_s for st in lv.round_stats(runner))
+            assert shown.end_to_end_tokens_per_s == rates[1]
+            assert all(st.tokens == lv.chats * MAX_TOKENS for st in lv.round_stats(runner))
+        llama = lv.peer("llama.cpp")
+        assert llama.stats.end_to_end_tokens_per_s == pytest.approx(lv.chats * stand_in_rate)
+        assert llama.end_to_end_ratio == pytest.approx(lv.engine.end_to_end_tokens_per_s / (lv.chats * stand_in_rate))
+        # decode: after the first token at 10 ms, the other T - 1 tokens of each chat in (T - 1) x 10 ms
+        assert llama.decode_ratio == pytest.approx(lv.engine.decode_tokens_per_s / (lv.chats * stand_in_rate))
+        assert [p.runner for p in lv.peers] == ["transformers_padded_batch", "llama.cpp", "transformers_one_at_a_time"]
+        assert lv.sharing.pages_with == single["sharing"]["pages_with"]  # the accounting does not depend on the round
+    assert [(t.runner, t.median_s) for t in rep.cold_first_token] == [
+        ("pagedchat", rep.ttft_cold_warm.cold_s), ("llama.cpp", 0.5)]
+    assert rep.startup == ()
+    assert ("3 rounds per level of pagedchat, transformers, padded batch, llama.cpp, shared prompt"
+            in header_lines(rep)[1])
+    buf = io.StringIO()
+    from rich.console import Console
+
+    render(rep, Console(file=buf, width=220))
+    text = buf.getvalue()
+    assert "llama.cpp, shared prompt" in text and "decode: pagedchat is" in text and "llama.cpp, cold" in text
+
+
+def test_startup_alternates_runners(tiny_llama, monkeypatch):
+    from pagedchat.bench import harness
+
+    order = []
+    monkeypatch.setattr(harness, "time_to_ready", lambda args: order.append("pagedchat") or 2.0)
+    peer = Peer("llama.cpp", (), close=lambda: None, startup=lambda: order.append("llama.cpp") or 0.5)
+    got = harness._startup(BenchConfig(model=str(tiny_llama), repeat=3), 2, [peer], _CountingProgress())
+    assert order == ["pagedchat", "llama.cpp"] * 3
+    assert [(t.runner, t.median_s, len(t.all_s)) for t in got] == [("pagedchat", 2.0, 3), ("llama.cpp", 0.5, 3)]
+
+
+def test_tables_render(tiny_llama, monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setitem(LOADERS, "llama.cpp", _stand_in_llamacpp)
+    rep = run_bench(BenchConfig(model=str(tiny_llama), chats=(1,), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
+                                against=("llama.cpp",), kv_cache_memory="1MiB", startup=False))
+    buf = io.StringIO()
+    render(rep, Console(file=buf, width=200))
+    text = buf.getvalue()
+    for title in ("What one token costs", "Capacity", "Weights beside the KV pool", "Waste measured", "Sharing",
+                  "Speed", "First token", "llama.cpp, shared prompt", "GPU rule"):
+        assert title in text
+    assert f"{BYTES_PER_TOKEN:,}" in text
+    md = to_markdown(rep)
+    assert "**1. What one token costs**" in md and "| chats | runner |" in md and md.count("|---:|") >= 1
+
+
+def test_llamacpp_missing_is_one_line(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: None)
+    args = _parse(["--model", str(tiny_llama), "--chats", "1", "--max-tokens", str(MAX_TOKENS),
+                   "--system-tokens", str(SYSTEM_TOKENS), "--kv-cache-memory", "1MiB", "--against", "llama.cpp"])
+    assert bench.run(args) == 2
+    err = capsys.readouterr().err
+    assert "needs llama-cpp-python: pip install 'pagedchat[llamacpp]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gguf_file_found(tmp_path, monkeypatch):
+    from pagedchat.model import pull
+
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert llamacpp.gguf_file(str(gguf), tmp_path) == gguf
+    assert llamacpp.gguf_file(str(tmp_path), tmp_path) == gguf  # a folder holding one
+    with pytest.raises(BenchError, match="pass --model FILE.gguf"):
+        llamacpp.gguf_file(str(tmp_path / "missing"), tmp_path)
+    # The default model: its folder's GGUF when it keeps one, else the one pull fetches.
+    default = tmp_path / "default"
+    default.mkdir()
+    monkeypatch.setattr(pull, "default_model_dir", lambda: default)
+    monkeypatch.setattr(pull, "fetch_default_gguf", lambda dest: dest / "fetched.gguf")
+    assert llamacpp.gguf_file(None, tmp_path / "keep") == tmp_path / "keep" / "fetched.gguf"
+    (default / "kept.gguf").write_bytes(b"GGUF")
+    assert llamacpp.gguf_file(None, tmp_path / "keep") == default / "kept.gguf"
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (CI never builds it)")
+def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
+    """On a tiny GGUF: every chat gets exactly max_tokens tokens, the shared prefix decoded once."""
+    from test_loader import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", quantized=())
+    cfg = BenchConfig(model=str(gguf), chats=(1, 3), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
+                      against=("llama.cpp",), kv_cache_memory="1MiB", repeat=1)
+    rep = run_bench(cfg)
+    for lv in rep.levels:
+        llama = lv.peer("llama.cpp")
+        assert llama.stats.tokens == lv.chats * MAX_TOKENS and llama.end_to_end_ratio > 0
+    cold = rep.cold_first_token[1]
+    assert cold.runner == "llama.cpp" and len(cold.all_s) == 3 and cold.median_s > 0
+    assert [t.runner for t in rep.startup] == ["pagedchat", "llama.cpp"] and rep.startup[1].median_s > 0
 
 
 def test_budget_too_small(tiny_llama, capsys):
@@ -198,22 +368,26 @@ def test_workload_exact_lengths():
 
     tok = make_tokenizer()
     for s in (20, 40, 300, 1000):  # 1000 needs the policy repeated
-        work = bench.build_workload(tok, s, 30, seed=3)
+        work = build_workload(tok, s, 30, seed=3)
         assert len(work.system_ids) == s
         assert all(p[:s] == work.system_ids for p in work.prompts)
         assert len(set(work.questions)) == 30  # more chats than stock questions: still distinct
         cold = work.cold_prefix(5)
         assert len(cold) == s and cold[:BLOCK] != work.system_ids[:BLOCK]
         assert cold[:BLOCK] != work.cold_prefix(6)[:BLOCK]
-    assert bench.build_workload(tok, 40, 4, seed=1).questions == bench.build_workload(tok, 40, 4, seed=1).questions
+    assert build_workload(tok, 40, 4, seed=1).questions == build_workload(tok, 40, 4, seed=1).questions
 
 
 def test_stats():
-    assert bench.percentile([1, 2, 3, 4], 50) == 2.5
-    assert bench.percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
-    st = bench.timing_stats(0.0, [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]])
-    assert st["tokens"] == 6 and st["end_to_end_tokens_per_s"] == pytest.approx(6 / 3.5)
-    assert st["ttft_p50_s"] == pytest.approx(1.25)
-    assert st["itl_p50_s"] == pytest.approx(1.0)
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
+    st = timing_stats(0.0, [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]])
+    assert st.tokens == 6 and st.end_to_end_tokens_per_s == pytest.approx(6 / 3.5)
+    assert st.ttft_p50_s == pytest.approx(1.25)
+    assert st.itl_p50_s == pytest.approx(1.0)
     # decode: from 1.5 s (both chats started) to 3.5 s, the 4 tokens after 1.5 s
-    assert st["decode_tokens_per_s"] == pytest.approx(4 / 2.0)
+    assert st.decode_tokens_per_s == pytest.approx(4 / 2.0)
+
+
+def test_peer_names_match_the_loaders():
+    assert set(bench_config.PEERS) == set(LOADERS)

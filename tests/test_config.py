@@ -71,11 +71,32 @@ def test_with_overrides_rejects_unknown_fields():
 def test_the_app_hands_its_thread_setting_to_the_engine(tmp_path, monkeypatch):
     """threads (config.toml or --threads) reaches the engine; unset, the engine keeps torch's one per core."""
     import pagedchat.engine.engine as engine_module
-    from pagedchat.tui.app import default_engine_factory
+    from pagedchat.errors import PagedChatError
+    from pagedchat.tui.app import default_backend_factory
 
     made = []
-    monkeypatch.setattr(engine_module, "Engine", lambda *args, **kwargs: made.append(kwargs))
+
+    def record(*args, **kwargs):
+        made.append(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(engine_module, "Engine", record)
     for threads in (None, 1):
         config = load_config(config_dir=tmp_path, threads=threads)
-        default_engine_factory(config)(lambda *a: None)
+        with pytest.raises(PagedChatError, match="The model could not be loaded: recorded"):
+            default_backend_factory(config)(lambda *a: None)
     assert [kwargs["threads"] for kwargs in made] == [None, 1]
+
+
+def test_server_and_api_key_from_file_env_and_flags(tmp_path, monkeypatch):
+    """server / api_key in config.toml; PAGEDCHAT_API_KEY over the file's key, a flag over both."""
+    (tmp_path / "config.toml").write_text('server = "http://gpu-box:8000/v1"\napi_key = "from-file"\n')
+    monkeypatch.delenv("PAGEDCHAT_API_KEY", raising=False)
+    config = load_config(config_dir=tmp_path)
+    assert (config.server, config.api_key) == ("http://gpu-box:8000/v1", "from-file")
+    monkeypatch.setenv("PAGEDCHAT_API_KEY", "from-env")
+    assert load_config(config_dir=tmp_path).api_key == "from-env"
+    assert load_config(config_dir=tmp_path, api_key="from-flag").api_key == "from-flag"
+    (tmp_path / "config.toml").write_text("server = 8000\n")
+    with pytest.raises(ConfigError, match="server must be a str"):
+        load_config(config_dir=tmp_path)

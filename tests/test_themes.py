@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from textual.app import App
+from pagedchat.backends.local import LocalBackend
 from tui_support import ScriptedEngine, make_config, wait_for
 
 from pagedchat.tui.app import PagedChatApp
@@ -75,7 +76,7 @@ async def test_a_bad_or_missing_theme_in_config_starts_with_the_default_and_says
     config.user_theme_dir.mkdir(parents=True)
     (config.user_theme_dir / "bad.toml").write_text('name = "bad"\nprimary = "#336699"\n[variables]\n'
                                                     'text-muted = "x"\n')
-    app = PagedChatApp(config, engine_factory=lambda progress: ScriptedEngine([]))
+    app = PagedChatApp(config, backend_factory=lambda progress: LocalBackend(ScriptedEngine([])))
     async with app.run_test(notifications=True) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         assert app.theme == "pagedchat-dark" and "bad" not in app.available_themes

@@ -1,26 +1,28 @@
 """Snapshots of the context figure on the input's border: at 0% (muted), 75% (warning) and 95% (error).
 
-The engine is the snapshot stand-in with an 8,192-token context; each chat's size comes from its saved last
+The backend is the snapshot stand-in with an 8,192-token context; each chat's size comes from its saved last
 reply (prompt plus generated tokens), as it does after a restart.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
 from pagedchat.tui.store import Store
-from test_tui_snapshots import StandInEngine, _loaded
+from test_tui_snapshots import _loaded, stand_in
 from tui_support import make_config
 
 CONTEXT = 8192
 
 
-class ContextEngine(StandInEngine):
-    config = SimpleNamespace(max_position_embeddings=CONTEXT)
+def context_backend(progress):
+    backend = stand_in(progress)
+    backend.info = replace(backend.info, context_length=CONTEXT)
+    return backend
 
 
 def chat_at(config, used: int) -> None:
@@ -40,5 +42,5 @@ def chat_at(config, used: int) -> None:
 def test_context_figure(tmp_path, snap_compare, used):
     config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct")
     chat_at(config, used)
-    app = PagedChatApp(config, engine_factory=lambda progress: ContextEngine())
+    app = PagedChatApp(config, backend_factory=context_backend)
     assert snap_compare(app, terminal_size=(80, 16), run_before=_loaded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedchat.backends.local import LocalBackend
 from pagedchat.engine.core import Phase
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.engine import Engine
@@ -54,18 +55,18 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
                 raise Broken("the GPU fell off")
 
         engines.append(Engine(str(model), kv_cache_memory="4MiB", fault_hook=break_first_engine))
-        return engines[-1]
+        return LocalBackend(engines[-1])
 
-    app = PagedChatApp(make_config(tmp_path, model), engine_factory=factory)
+    app = PagedChatApp(make_config(tmp_path, model), backend_factory=factory)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None, "the model to load")
+        await wait_for(pilot, lambda: app.backend is not None, "the model to load")
         session = app.active_session
         session.record.settings = ChatSettings(max_tokens=20, temperature=0.0, top_p=1.0)
         prompt = app.chat_view(session).prompt
         prompt.focus()
         prompt.text = "hello there"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.engine.failure is not None and not session.busy, "the engine to stop")
+        await wait_for(pilot, lambda: app.backend.failure is not None and not session.busy, "the engine to stop")
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "error"
         assert "engine stopped: Broken: the GPU fell off" in reply.stats.line()
@@ -78,7 +79,7 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
 
         [restart] = [c for c in app.get_system_commands(app.screen) if c.title == "Restart engine"]
         restart.callback()
-        await wait_for(pilot, lambda: app.engine is not None and len(engines) == 2, "the new engine")
+        await wait_for(pilot, lambda: app.backend is not None and len(engines) == 2, "the new engine")
         assert not [c for c in app.get_system_commands(app.screen) if c.title == "Restart engine"]
         await pilot.press("enter")
         await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "a new reply")

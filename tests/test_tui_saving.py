@@ -53,7 +53,7 @@ async def test_a_refused_regenerate_keeps_the_old_reply(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         session, before = await answered(pilot)
-        app.engine.shutdown()  # the engine refuses every request from now on
+        app.backend.shutdown()  # the engine refuses every request from now on
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: any("shut down" in n for n in notes(app)), "the refusal")
         assert [m.content for m in session.record.messages] == before

@@ -1,23 +1,21 @@
 """Snapshots of the main screen and of the memory inspector (pytest-textual-snapshot).
 
-Nothing live goes into a snapshot: the chats come from a saved database, and the engine is a stand-in whose
+Nothing live goes into a snapshot: the chats come from a saved database, and the backend is a stand-in whose
 memory() returns one fixed picture (three chats, one of them a branch sharing three pages with its parent).
 Update with `pytest tests/test_tui_snapshots.py --snapshot-update` after checking the new SVGs by eye.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 from textual.widgets import TextArea
 
+from pagedchat.backends.base import BackendInfo
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
 from pagedchat.tui.store import Store
-from tui_support import make_config
+from tui_support import StandInBackend, make_config
 
 PAGE_BYTES = 16 * 2 * 30 * 3 * 64 * 2   # SmolLM2-135M in bf16: 16 tokens x K,V x 30 layers x 3 heads x 64
 
@@ -43,23 +41,10 @@ def fixed_memory() -> MemorySnapshot:
         live_tokens=135, contiguous_bytes=2 * 2048 * PAGE_BYTES // 16)
 
 
-class StandInEngine:
-    """What the app reads from an engine when nothing is generated."""
-
-    model_path = Path("/models/SmolLM2-135M-Instruct")
-    device = "cuda"
-    block_size = 16
-    cache_plan = SimpleNamespace(num_pages=96)
-    failure = None
-
-    def memory(self) -> MemorySnapshot:
-        return fixed_memory()
-
-    def cancel(self, request_id: str) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
+def stand_in(progress) -> StandInBackend:
+    """What the app reads from a backend when nothing is generated."""
+    return StandInBackend(fixed_memory, BackendInfo(model="SmolLM2-135M-Instruct", where="on cuda", block_size=16,
+                                                    num_pages=96, page_bytes=PAGE_BYTES))
 
 
 REPLY = """Paged attention stores the KV cache in fixed-size **pages**, so a sequence only holds what it fills:
@@ -96,13 +81,13 @@ def saved_chats(config) -> list[ChatRecord]:
 def app(tmp_path):
     config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct")
     saved_chats(config)
-    return PagedChatApp(config, engine_factory=lambda progress: StandInEngine())
+    return PagedChatApp(config, backend_factory=stand_in)
 
 
 async def _loaded(pilot) -> None:
     app = pilot.app
     for _ in range(500):
-        if app.engine is not None:
+        if app.backend is not None:
             break
         await pilot.pause(0.01)
     _steady_cursors(app)
@@ -143,7 +128,7 @@ def test_main_screen(app, snap_compare):
 def test_main_screen_light_theme(tmp_path, snap_compare):
     config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct", theme="pagedchat-light")
     saved_chats(config)
-    app = PagedChatApp(config, engine_factory=lambda progress: StandInEngine())
+    app = PagedChatApp(config, backend_factory=stand_in)
     assert snap_compare(app, terminal_size=(100, 32), run_before=_loaded)
 
 

@@ -21,6 +21,7 @@ from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.store import Store
+from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.transfer import ExportFormat
 from tui_support import ScriptedEngine, make_config, screen_text, static_text, wait_for
 
@@ -44,13 +45,13 @@ def _quick_pilot(monkeypatch):
 
 def scripted_app(tmp_path, replies) -> PagedChatApp:
     engine = ScriptedEngine(replies)
-    return PagedChatApp(make_config(tmp_path), engine_factory=lambda progress: engine)
+    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
 
 
 async def chat_once(pilot, text: str):
     """Send text from the active chat's input and wait for the scripted reply to finish."""
     app = pilot.app
-    await wait_for(pilot, lambda: app.engine is not None, "the engine")
+    await wait_for(pilot, lambda: app.backend is not None, "the engine")
     session = app.active_session
     prompt = app.chat_view(session).prompt
     prompt.focus()
@@ -220,7 +221,7 @@ async def test_a_stopped_engines_reason_is_shown_as_text(tmp_path):
     app = scripted_app(tmp_path, ["hi"])
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await chat_once(pilot, "hello")
-        app.engine.failure = reason
+        app.backend.engine.failure = reason  # the stand-in engine stops, as Engine sets failure
         await wait_for(pilot, lambda: "engine stopped" in static_text(app, "#status"), "the status line")
         assert static_text(app, "#status") == f"engine stopped: {visible_controls(reason)}"
         await pilot.pause()

@@ -1,14 +1,20 @@
-"""Helpers for the app tests: configs on temporary dirs, waiting on conditions, reading the screen."""
+"""Helpers for the app tests: configs on temporary dirs, a stand-in backend, waiting on conditions, reading
+the screen."""
 
 from __future__ import annotations
 
 import queue
 import threading
+from types import SimpleNamespace
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.config import AppConfig, load_config
+from pagedchat.tui.records import ChatSettings
+from pagedchat.errors import PagedChatError
 
 WAIT_S = 30.0
 
@@ -31,6 +37,22 @@ async def wait_for(pilot, condition, what: str = "condition", timeout: float = W
         await pilot.pause(0.01)
 
 
+async def send(pilot, text: str, max_tokens: int | None = None):
+    """Type into the active chat's input and press Enter; returns the chat's session."""
+    app = pilot.app
+    session = app.active_session
+    if max_tokens is not None:
+        session.record.settings = ChatSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+    prompt = app.chat_view(session).prompt
+    prompt.focus()
+    prompt.text = text
+    said = len(app._notifications)
+    await pilot.press("enter")
+    # Handled: the input is cleared once the reply has started, or a notice says why it did not.
+    await wait_for(pilot, lambda: not prompt.text or len(app._notifications) > said, "the message to be handled")
+    return session
+
+
 def screen_text(app) -> str:
     """The screen as plain text, for asserting on what the user sees."""
     strips = app.screen._compositor.render_strips()
@@ -43,6 +65,33 @@ def static_text(app, selector: str) -> str:
     return getattr(content, "plain", str(content))
 
 
+class StandInBackend:
+    """The backend face with no model behind it: a fixed picture of memory, and no replies (submit refuses).
+    For screens that must not move, such as the snapshot tests."""
+
+    failure = None
+
+    def __init__(self, memory: Callable[[], MemoryView], info: BackendInfo) -> None:
+        self._memory = memory
+        self.info = info
+
+    def submit(self, messages, params, *, previous=None, on_update=None):
+        raise PagedChatError("the stand-in backend writes no replies")
+
+    def prompt_tokens(self, messages, previous=None) -> None:
+        return None   # no tokenizer behind it: the context figure comes from saved stats alone
+
+    def fork(self, parent, params, *, on_update=None):
+        raise PagedChatError("the stand-in backend writes no replies")
+
+    def memory(self) -> MemoryView:
+        return self._memory()
+
+    def shutdown(self) -> None:
+        pass
+
+
+
 class ScriptedEngine:
     """A stand-in for Engine in app and CLI tests: each reply is the next scripted text, streamed from a thread of
     its own in a few deltas, the way the engine's compute thread calls on_update. No model runs. Use it where a
@@ -53,6 +102,10 @@ class ScriptedEngine:
     block_size = 16
     model_path = "scripted-model"
     device = "cpu"
+    dtype = "float32"
+    config = SimpleNamespace(max_position_embeddings=2048)
+    cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024)
+    model = SimpleNamespace(weight_precision="float32")
 
     def __init__(self, replies: list[str | tuple[str, str]], chunks: int = 3) -> None:
         from tiny_models import make_tokenizer

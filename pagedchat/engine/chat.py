@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+def render_chat(tokenizer, messages: list[dict], continue_final: bool = False) -> str:
+    """The template's text; continue_final: the last (assistant) message is left open for the model to go on
+    with, instead of closed and followed by a new assistant turn (how a fork over HTTP continues a reply)."""
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=not continue_final,
+                                         continue_final_message=continue_final, tokenize=False)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None,
+                    continue_final: bool = False) -> list[int]:
     """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated).
 
     Re-tokenising a reply's text need not give back the ids the model generated, and then nothing after the
     first difference hits the cache. So when the template renders the earlier ids' text unchanged as a
     prefix, those exact ids are kept and only the new text is tokenised.
     """
-    text = render_chat(tokenizer, messages)
+    text = render_chat(tokenizer, messages, continue_final)
     if previous_ids:
         before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if text.startswith(before):

@@ -30,8 +30,9 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sampling import Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
-from pagedchat.engine.sizing import parse_bytes, parse_dtype, plan_cache
+from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
+from pagedchat.model import packed_cache
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.llama import LlamaModel
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
@@ -41,7 +42,7 @@ log = logging.getLogger("pagedchat.engine")
 Prompt = Union[str, list[int], list[dict]]
 __all__ = ["Engine", "Completion", "RequestHandle", "StreamDelta"]
 
-# Faults in a row that failed no request: the engine is stuck on something no request explains.
+# Steps in a row that failed and failed no request: the engine is stuck on something no request explains.
 MAX_BLAMELESS_FAULTS = 3
 
 
@@ -71,7 +72,7 @@ class Engine:
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
-                 autostart: bool = True, fault_hook: FaultHook | None = None):
+                 autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -79,6 +80,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids(folder, self.config.eos_token_ids, self.tokenizer))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, self.device)
+        self.quantize = parse_quantize(quantize)
         if progress:
             progress("loading weights", None)
         self._compute = ComputeThread("pagedchat-engine", threads)
@@ -92,6 +94,7 @@ class Engine:
         except BaseException:
             self._compute.close()
             raise
+        self.weight_bytes = self.model.weight_bytes()  # fixed once loaded; F2 and the bench show it beside the pool
         # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
         # daemon, and a live loop would make close() wait there.
         weakref.finalize(self, self._compute.close, 0).atexit = False
@@ -109,11 +112,10 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # every request submitted and not yet ended
         self._stopped = False
         self._looping = False
-        self._blameless_faults = 0              # faults in a row, with no progress between, that failed no request
-        self._steps_at_fault = 0
+        self._blameless_faults = 0              # failed steps in a row that failed no request
 
     def _load_model(self, folder) -> LlamaModel:
-        return LlamaModel(self.config, load_weights(folder, self.dtype, self.device), self.device, self.dtype)
+        return packed_cache.load_model(folder, self.config, self.device, self.dtype, self.quantize, load_weights)
 
     @property
     def steps(self) -> int:
@@ -188,7 +190,7 @@ class Engine:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
             return snapshot(self.blocks, self.scheduler, self.config.max_position_embeddings,
-                            self.cache_plan.page_bytes)
+                            self.cache_plan.page_bytes, self.weight_bytes, self.model.weight_precision)
 
     def has_work(self) -> bool:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""
@@ -274,6 +276,7 @@ class Engine:
             tokens = self._sample(plan, self._run(plan))
             with self._lock:
                 out += self.core.postprocess(plan, tokens, time.perf_counter())
+            self._blameless_faults = 0
         except Exception as exc:  # a batch phase failed: the core fails the requests it concerns
             out += self._recover(exc)
         return self._deliver(out)
@@ -300,11 +303,7 @@ class Engine:
         log.exception("engine step failed in %s", self.core.phase.value)
         with self._lock:
             out = self.core.abort_step(exc)
-        if out or self.core.steps != self._steps_at_fault:  # it blamed a request, or steps ran since the last
-            self._blameless_faults = 0
-        if not out:
-            self._blameless_faults += 1
-        self._steps_at_fault = self.core.steps
+        self._blameless_faults = 0 if out else self._blameless_faults + 1
         if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
             self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
                                    f"({type(exc).__name__}: {exc})")

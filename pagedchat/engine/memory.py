@@ -39,6 +39,8 @@ class MemorySnapshot:
     recent_hit_rate: float    # prefix cache, the last 64 admissions
     live_tokens: int          # tokens held by live sequences
     contiguous_bytes: int     # what reserving the model's full context per live sequence would take
+    weight_bytes: int = 0     # the model's resident weights, which share the memory with the pool (0: unknown)
+    weight_precision: str = ""  # how they run, e.g. "Q4_1 as int4 + Q8_0 as 2×int4" ("": unknown)
 
     def to_json(self) -> dict:
         """Plain JSON types (the page-keyed maps get string keys), as `pagedchat serve` sends it at /v1/memory."""
@@ -75,7 +77,8 @@ def _rate(queried: int, hit: int) -> float:
     return hit / queried if queried else 0.0
 
 
-def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int) -> MemorySnapshot:
+def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int,
+             weight_bytes: int = 0, weight_precision: str = "") -> MemorySnapshot:
     seqs = scheduler.all_seqs()
     owners: dict[int, list[str]] = {}
     for seq in seqs:
@@ -103,4 +106,6 @@ def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_
         recent_hit_rate=_rate(sum(q for q, _ in recent), sum(h for _, h in recent)),
         live_tokens=sum(len(s.token_ids) for s in seqs),
         contiguous_bytes=len(seqs) * max_context * page_bytes // blocks.block_size,
+        weight_bytes=weight_bytes,
+        weight_precision=weight_precision,
     )

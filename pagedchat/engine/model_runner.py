@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from pagedchat.attention import AttentionMetadata
 from pagedchat.engine.block_manager import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
 from pagedchat.model.llama import LlamaModel
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on the CPU from calloc'd memory (numpy's zeros): the OS hands out zero pages as they are
+    first touched, instead of torch writing the whole pool at start (a GiB takes seconds on a small machine)."""
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:  # an empty array has no bytes to view as another dtype
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -18,9 +30,12 @@ class ModelRunner:
         self.block_size = block_size
         page = (block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: masked-out slots are still multiplied by a zero weight, and NaN * 0 is NaN.
-        self.kv_cache = torch.zeros((cfg.num_layers, 2, num_pages, *page), dtype=model.dtype, device=self.device)
-        pin = self.device.type == "cuda"
-        self.cpu_cache = torch.zeros((cfg.num_layers, 2, num_cpu_pages, *page), dtype=model.dtype, pin_memory=pin)
+        self.kv_cache = zeros((cfg.num_layers, 2, num_pages, *page), model.dtype, self.device)
+        shape = (cfg.num_layers, 2, num_cpu_pages, *page)
+        if self.device.type == "cuda":  # pinned, for asynchronous copies to the GPU
+            self.cpu_cache = torch.zeros(shape, dtype=model.dtype, pin_memory=True)
+        else:
+            self.cpu_cache = zeros(shape, model.dtype, torch.device("cpu"))
 
     def copy_pages(self, ops: CopyPlan) -> None:
         """Swap-outs first: a page swapped out this step may be handed to another sequence in the same step."""

@@ -60,6 +60,18 @@ def parse_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.
         raise ValueError(f"unknown dtype {value!r}: use one of auto, float32, bfloat16, float16") from None
 
 
+QUANTIZE_CHOICES = ("int4", "int8")
+
+
+def parse_quantize(value: str | None) -> str | None:
+    """`--quantize`: None (weights as the file holds them), int4 or int8 (group-wise, weight-only)."""
+    if value is None or str(value).lower() in ("", "none", "off"):
+        return None
+    if str(value).lower() not in QUANTIZE_CHOICES:
+        raise ValueError(f"unknown quantization {value!r}: use int4, int8 or none")
+    return str(value).lower()
+
+
 @dataclass(frozen=True)
 class CachePlan:
     num_pages: int

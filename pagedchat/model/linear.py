@@ -1,16 +1,42 @@
-"""A projection (y = x @ W.T + b) with its weight stored in the layout its matmul runs fastest in.
+"""Projections (y = x @ W.T + b), each with its weight in the form its matmul runs fastest in.
 
-On the CPU in bf16, torch's F.linear runs oneDNN on a plain row-major weight. Handing oneDNN the weight already
-packed in its own blocked layout gives the same numbers bit for bit and ran the default model's projections
-1.3-2x faster here (batch 1: 21 -> 12 ms a step for the 120 layer matmuls). oneDNN's packing is a private torch
-op, so it is used only where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear
-takes MKL's sgemm, the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
+- `Linear`: a dense weight. On the CPU in bf16, torch's F.linear runs oneDNN on a plain row-major weight;
+  handing oneDNN the weight already packed in its own blocked layout gives the same numbers bit for bit and ran
+  the default model's projections 1.3-2x faster here. oneDNN's packing is a private torch op, so it is used only
+  where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's sgemm,
+  the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
+- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel (bf16 on the CPU).
+- `Concat`: projections side by side, where a fused one (q, k and v) mixes types with no common form.
+
+`build` picks among them for a model's weights: see `Placement`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from pagedchat.model import quant
+
+# `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
+QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
+
+
+def resident(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory a tensor keeps alive. oneDNN's packed weights are opaque (no storage to
+    ask): their bytes are their elements', which the blocked layout holds, padded at most to its block."""
+    try:
+        storage = t.untyped_storage()
+    except NotImplementedError:
+        return id(t), t.numel() * t.element_size()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the memory behind tensors, each piece once."""
+    return sum(dict(resident(t) for t in tensors).values())
 
 
 class Linear:
@@ -19,16 +45,36 @@ class Linear:
         self.weight = None if packed else weight
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What this projection keeps resident, in whatever layout it holds it."""
+        return [t for t in (self.weight, self._packed, self.bias) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        """Bytes this projection keeps resident, in whatever layout it holds them."""
-        held = [t for t in (self.weight, self._packed, self.bias) if t is not None]
-        return sum(t.untyped_storage().nbytes() for t in held)
+        return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Concat:
+    """Several projections of one input, their outputs side by side, then one bias."""
+
+    def __init__(self, parts: list, bias: torch.Tensor | None):
+        self.parts, self.bias = parts, bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.tensors()] + ([] if self.bias is None else [self.bias])
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.tensors())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
 def packing_is_exact(weight: torch.Tensor) -> bool:
@@ -45,3 +91,118 @@ def packing_is_exact(weight: torch.Tensor) -> bool:
         return True
     except (RuntimeError, AttributeError):  # an older or newer torch without these ops
         return False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a model's weights are held: dtype and device for dense ones, and whether quantized ones stay packed.
+
+    int4: packed int4 matmuls are used (CPU, bf16 activations, the kernel present; its fp32 path is a slow
+    reference loop). Off, every quantized tensor is dequantized exactly (gguf's d*q+m) into dtype: the float32
+    path, whose tokens equal transformers'. quantize: "int4"/"int8" quantizes dense (safetensors) weights too."""
+
+    dtype: torch.dtype
+    device: torch.device
+    int4: bool
+    quantize: str | None = None
+    onednn: bool = False  # dense bf16 weights pre-packed for oneDNN (see Linear)
+
+    @classmethod
+    def choose(cls, dtype: torch.dtype, device: torch.device, quantize: str | None) -> "Placement":
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+        return cls(dtype, device, cpu_bf16 and quant.int4_available(), quantize, packing_is_exact(probe))
+
+    def groups(self, w) -> quant.Int4Groups | None:
+        """w (a torch tensor or a loader.GGUFTensor) as int4 groups where this placement packs it."""
+        if not self.int4:
+            return None
+        if isinstance(w, torch.Tensor):
+            fits = w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % quant.GROUP == 0
+            return quant.quantize(w, QUANTIZE_TYPES[self.quantize]) if self.quantize and fits else None
+        return w.int4()
+
+    def dense(self, w) -> torch.Tensor:
+        t = w if isinstance(w, torch.Tensor) else w.dense(self.dtype)
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def label(self, w, groups: quant.Int4Groups | None) -> str:
+        """What w is and how it runs, for LlamaModel.weight_precision: "Q4_1 as int4", "Q6_K as bfloat16"."""
+        runs = str(self.dtype).removeprefix("torch.")
+        if groups is not None:
+            runs = "2×int4" if groups.doubled else "int4"
+        if isinstance(w, torch.Tensor):  # a safetensors weight: as stored, or packed by --quantize
+            return f"{runs} (quantized at load)" if groups is not None else runs
+        return f"{w.kind} as {runs}"
+
+
+class Builder:
+    """Builds a model's projections and dense tensors under stable keys ("model.layers.3.qkv"), recording each
+    one's final tensors and form: what the packed-weights cache saves. Built from such a record instead
+    (`cached`), it only copies tensors in: no decoding, no packing."""
+
+    def __init__(self, placement: Placement, cached: dict[str, torch.Tensor] | None = None,
+                 forms: dict[str, str] | None = None):
+        self.placement = placement
+        self.cached = cached
+        self.forms: dict[str, str] = dict(forms or {})  # key -> "dense" | "linear" | "int4 <doubled> <source>" | "concat <n>"
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.labels: list[str] = []
+
+    def dense(self, key: str, w) -> torch.Tensor:
+        t = self.cached[key] if self.cached is not None else self.placement.dense(w)
+        self.tensors[key] = t
+        self.forms[key] = "dense"
+        return t
+
+    def projection(self, key: str, parts: list, bias: torch.Tensor | None = None):
+        """One projection for weights stacked along the output (q, k, v): a single matmul wherever the parts
+        share a form, each part's precision appended to labels."""
+        if self.cached is not None:
+            return self._restore(key)
+        runs: list[tuple[object, list]] = []  # consecutive parts of one form: (form, weights or groups)
+        for w in parts:
+            g = self.placement.groups(w)
+            self.labels.append(self.placement.label(w, g))
+            form = None if g is None else g.doubled
+            if runs and runs[-1][0] == form:
+                runs[-1][1].append(w if g is None else g)
+            else:
+                runs.append((form, [w if g is None else g]))
+        if len(runs) == 1:
+            return self._single(key, *runs[0], bias)
+        self.forms[key] = f"concat {len(runs)}"
+        projections = [self._single(f"{key}.{i}", form, items, None) for i, (form, items) in enumerate(runs)]
+        return Concat(projections, None if bias is None else self._bias(key, bias))
+
+    def _bias(self, key: str, bias: torch.Tensor) -> torch.Tensor:
+        self.tensors[f"{key}.bias"] = bias
+        return bias
+
+    def _single(self, key: str, form, items: list, bias: torch.Tensor | None):
+        if bias is not None:
+            bias = self._bias(key, bias)
+        if form is not None:
+            p = quant.Int4Linear(quant.concat(items) if len(items) > 1 else items[0], bias)
+            self.tensors[f"{key}.packed"], self.tensors[f"{key}.scale_zeros"] = p.packed, p.scale_zeros
+            self.forms[key] = f"int4 {int(p.doubled)} {p.source}"
+            return p
+        weight = torch.cat([self.placement.dense(w) for w in items]) if len(items) > 1 else self.placement.dense(items[0])
+        self.tensors[f"{key}.weight"] = weight
+        self.forms[key] = "linear"
+        return Linear(weight, bias, self.placement.onednn)
+
+    def _restore(self, key: str):
+        form, *args = self.forms[key].split(" ")
+        bias = self.cached.get(f"{key}.bias")
+        if form == "concat":
+            return Concat([self._restore(f"{key}.{i}") for i in range(int(args[0]))], bias)
+        if form == "int4":
+            return quant.Int4Linear.from_packed(self.cached[f"{key}.packed"], self.cached[f"{key}.scale_zeros"],
+                                                bias, doubled=args[0] == "1", source=args[1])
+        return Linear(self.cached[f"{key}.weight"], bias, self.placement.onednn)
+
+    @property
+    def packs(self) -> bool:
+        """Whether anything was packed: only then is a cache worth its disk (dense weights load fast as they are)."""
+        return any(f.startswith("int4") for f in self.forms.values())

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.linear import Linear, packing_is_exact
+from pagedchat.model.linear import Builder, Placement, nbytes
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -55,36 +55,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, config: ModelConfig, packed: bool):
+    def __init__(self, w: dict, prefix: str, config: ModelConfig, build: Builder):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        get = (lambda name: None) if build.cached is not None else w.__getitem__  # noqa: E731 - a cache needs none
+        qkv_bias = None
+        if config.qkv_bias and build.cached is None:
+            qkv_bias = torch.cat([build.placement.dense(get(f"{attn}.{p}_proj.bias")) for p in "qkv"])
         # One matmul for q, k and v, and one for gate and up: fewer, larger GEMMs per layer.
-        qkv_bias = torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
-        self.qkv = Linear(torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"]), qkv_bias, packed)
-        self.o = Linear(w[f"{attn}.o_proj.weight"], packed=packed)
-        self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]), packed=packed)
-        self.down = Linear(w[f"{mlp}.down_proj.weight"], packed=packed)
-        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
-        self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        self.qkv = build.projection(f"{prefix}.qkv", [get(f"{attn}.{p}_proj.weight") for p in "qkv"], qkv_bias)
+        self.o = build.projection(f"{prefix}.o", [get(f"{attn}.o_proj.weight")])
+        self.gate_up = build.projection(f"{prefix}.gate_up", [get(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])
+        self.down = build.projection(f"{prefix}.down", [get(f"{mlp}.down_proj.weight")])
+        self.input_norm = build.dense(f"{prefix}.input_norm", get(f"{prefix}.input_layernorm.weight"))
+        self.post_norm = build.dense(f"{prefix}.post_norm", get(f"{prefix}.post_attention_layernorm.weight"))
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict | None, device: torch.device, dtype: torch.dtype,
+                 quantize: str | None = None, cached: "PackedWeights | None" = None):
+        """weights: torch tensors (a safetensors model) or loader.GGUFTensors; quantize: "int4"/"int8" packs
+        dense weights group-wise too (changing their numbers), where packed int4 runs (CPU, bf16). cached: the
+        model as a packed-weights cache saved it (see pagedchat/model/packed_cache.py), in place of weights."""
         self.config = config
         self.device = device
         self.dtype = dtype
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        placement = Placement.choose(dtype, device, quantize)
+        build = Builder(placement, *(cached.tensors, cached.forms) if cached else ())
+        get = (lambda name: None) if cached else weights.__getitem__  # noqa: E731
         try:
-            self.embed = w["model.embed_tokens.weight"]
-            self.norm = w["model.norm.weight"]
-            self.packed_weights = packing_is_exact(self.embed)  # any weight of the model's dtype tells
-            head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
-            self.lm_head = Linear(head, packed=self.packed_weights)
-            self.layers = [Layer(w, f"model.layers.{i}", config, self.packed_weights)
-                           for i in range(config.num_layers)]
+            tied = config.tie_word_embeddings
+            self.layers = [Layer(weights, f"model.layers.{i}", config, build) for i in range(config.num_layers)]
+            self.lm_head = build.projection("lm_head", [get("model.embed_tokens.weight" if tied else "lm_head.weight")])
+            self.norm = build.dense("norm", get("model.norm.weight"))
+            self.embed = self._embedding(get("model.embed_tokens.weight"), tied, build)
         except KeyError as exc:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
+        self.weight_precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
+        self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qk_size = q_size + kv_size
@@ -97,14 +105,48 @@ class LlamaModel:
         sin[:, : config.head_dim // 2].neg_()
         self.sin = sin.to(device=device, dtype=dtype)
         self.use_triton = backend(device) == "triton"
+        self._views_of: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _embedding(self, weight, tied: bool, build: Builder):
+        """The token table: the packed head itself when tied and readable by rows, a packed copy of a
+        quantized untied table, else dense in dtype (a plain dense head is the table itself)."""
+        form = build.forms.get("embed")
+        if form is None:  # building from the weights: pick, and record the pick for a cache
+            if tied:
+                form = "head" if getattr(self.lm_head, "gathers_rows", False) or \
+                    getattr(self.lm_head, "weight", None) is not None else "dense"
+            else:
+                form = "packed" if build.placement.groups(weight) is not None else "dense"
+        if form == "head":
+            build.forms["embed"] = "head"
+            return self.lm_head if getattr(self.lm_head, "gathers_rows", False) else self.lm_head.weight
+        if form == "packed":
+            packed = build.projection("embed.table", [weight])
+            if getattr(packed, "gathers_rows", False):
+                build.forms["embed"] = "packed"
+                return packed
+        table = build.dense("embed.table", weight)
+        if build.cached is None:
+            build.labels.append(build.placement.label(weight, None))
+        build.forms["embed"] = "dense"
+        return table
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(input_ids, self.embed)
+        return self.embed.rows(input_ids).to(self.dtype)
+
+    def _held(self) -> list[torch.Tensor]:
+        projections = [self.lm_head] + [p for l in self.layers for p in (l.qkv, l.o, l.gate_up, l.down)]
+        tensors = [self.norm] + [t for l in self.layers for t in (l.input_norm, l.post_norm)]
+        tensors += [self.embed] if isinstance(self.embed, torch.Tensor) else self.embed.tensors()
+        return tensors + [t for p in projections for t in p.tensors()]
 
     def weight_bytes(self) -> int:
-        """Resident bytes of every weight: what competes with the KV cache for memory."""
-        tensors = [self.embed, self.norm] + [t for l in self.layers for t in (l.input_norm, l.post_norm)]
-        linears = [l for layer in self.layers for l in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        tied = self.lm_head.weight is self.embed
-        return (sum(t.untyped_storage().nbytes() for t in tensors) + sum(l.nbytes for l in linears)
-                + (0 if tied else self.lm_head.nbytes))
+        """Resident bytes of every weight, each storage once (a tied head and its table share theirs): what
+        competes with the KV cache for memory."""
+        return nbytes(self._held())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -114,22 +156,28 @@ class LlamaModel:
         kv_cache is [layers, 2, pages, block_size, kv_heads, head_dim]."""
         cfg = self.config
         t = input_ids.shape[0]
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        for layer, (k_cache, v_cache) in zip(self.layers, self._cache_views(kv_cache)):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
             # q and k sit side by side in qkv: one rotary call turns both.
             qk = apply_rope(qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton)
-            x = x + layer.o(attn.reshape(t, -1))
+            x.add_(layer.o(attn.reshape(t, -1)))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x.add_(layer.down(F.silu(gate, inplace=True).mul(up)))  # SiLU in place: one new tensor, not two
         x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(x).float()
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V pages, sliced once per cache rather than twice per layer in every step."""
+        if self._views_of is not kv_cache:
+            self._views = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+            self._views_of = kv_cache
+        return self._views

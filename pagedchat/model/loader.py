@@ -1,30 +1,35 @@
-"""Finding a model and reading it: Hugging Face folders, hub ids, and GGUF files converted to Hugging Face form.
+"""Finding a model and reading it: Hugging Face folders, hub ids, and GGUF files.
 
-The engine only ever reads a Hugging Face folder (config.json, safetensors, tokenizer files). A GGUF is turned
-into one once, with its quantized weights dequantized to float32, so everything downstream has one path.
+The engine reads a Hugging Face-shaped folder: config.json, tokenizer files, and weights. For a GGUF the folder
+is written once into the cache from the file's metadata (config, tokenizer, chat template: a few MB), and the
+weights stay in the GGUF, read from its memory map at each load: quantized tensors go to the model as they are
+(see GGUFTensor and pagedchat/model/quant.py), never as a float32 copy on disk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagedchat.errors import ModelError
+from pagedchat.model import quant
 
 Progress = Callable[[str, "float | None"], None]
 
 # Written last into a converted folder: a folder without it is a leftover and is never used.
 COMPLETE_MARKER = ".pagedchat-complete"
+# In a converted folder: which GGUF holds the weights. Folders converted before it held float32 safetensors.
+GGUF_POINTER = "gguf.json"
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"]
@@ -182,42 +187,58 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor, shape: tuple[int, ...]) -> np.ndarray:
-    import gguf
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF, read lazily from the file's memory map, in the form the model asks for."""
 
+    name: str
+    kind: str                # the GGML type name: F32, Q4_1, Q8_0, Q6_K...
+    shape: tuple[int, ...]   # torch order
+    data: np.ndarray         # the raw blocks as gguf's reader maps them
+    heads: int = 0           # llama q/k: undo llama.cpp's rotary row order over this many heads
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized by gguf's own code (what transformers' GGUF loader runs), d*q+m in float32, then dtype."""
+        import gguf
+
+        try:
+            arr = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
+        except NotImplementedError:
+            raise ModelError(f"tensor {self.name} uses {self.kind}, which gguf cannot dequantize") from None
+        except Exception as exc:
+            raise ModelError(f"tensor {self.name} could not be read ({_first_line(exc)}); the GGUF is corrupt") from None
+        w = np.array(arr.reshape(self.shape), dtype=np.float32)  # a copy: an F32 tensor's array is the read-only map
+        if self.heads:
+            w = np.ascontiguousarray(_unpermute_qk(w, self.heads))
+        return torch.from_numpy(w).to(dtype)
+
+    def int4(self) -> quant.Int4Groups | None:
+        """The tensor as int4 groups with its own numbers, or None for types with no such mapping."""
+        if self.kind not in quant.INT4_TYPES or len(self.shape) != 2 or self.shape[0] % 16:
+            return None
+        groups = quant.int4_groups(self.data, self.kind, self.shape)
+        return groups.rows(lambda a: _unpermute_qk(a, self.heads)) if self.heads else groups
+
+
+def _gguf_tensors(reader, cfg: dict, path: Path) -> dict[str, GGUFTensor]:
+    """Every tensor the model needs under its Hugging Face name, shapes checked against the metadata."""
+    tensors = {t.name: t for t in reader.tensors}
     try:
-        arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ModelError(f"tensor {tensor.name} uses {tensor.tensor_type.name}, which gguf cannot dequantize") from None
-    except Exception as exc:
-        raise ModelError(f"tensor {tensor.name} could not be read ({_first_line(exc)}); the GGUF is corrupt") from None
-    # GGUF lists dims innermost first; reversed they are torch's order, which the config fixes independently.
-    if tuple(reversed([int(x) for x in tensor.shape])) != shape or arr.size != math.prod(shape):
-        raise ModelError(f"tensor {tensor.name} has shape {tuple(reversed(tensor.shape.tolist()))}, "
-                         f"but the GGUF metadata implies {shape}")
-    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
-
-
-def _write_safetensors(path: Path, specs: dict, produce: Callable[[str], np.ndarray],
-                       progress: Progress | None) -> None:
-    """Write float32 tensors one at a time, so peak memory is one tensor rather than the whole model.
-
-    The format is an 8-byte little-endian header length, a JSON header of dtype/shape/byte ranges, then the data.
-    """
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (shape, _) in specs.items():
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section must start 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for i, name in enumerate(specs):
-            f.write(produce(name).tobytes())
-            report(progress, f"converting weights: {i + 1}/{len(specs)} tensors", (i + 1) / len(specs))
+        specs = _expected_shapes(cfg, tensors)
+    except ModelError as exc:
+        raise ModelError(f"{path.name}: {exc}") from None
+    out = {}
+    for name, (shape, gname) in specs.items():
+        t = tensors[gname]
+        # GGUF lists dims innermost first; reversed they are torch's order, which the config fixes independently.
+        found = tuple(reversed([int(x) for x in t.shape]))
+        if found != shape:
+            raise ModelError(f"{path.name}: tensor {gname} has shape {found}, but the GGUF metadata implies {shape}")
+        heads = 0
+        if cfg["model_type"] == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads"] if gname.split(".")[-2] == "attn_q" else cfg["num_key_value_heads"]
+        out[name] = GGUFTensor(gname, t.tensor_type.name, shape, t.data, heads)
+    return out
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
@@ -246,34 +267,38 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template:
         raise ModelError(f"{gguf_path.name}: the chat template did not survive tokenizer conversion")
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: Progress | None = None) -> Path:
-    """Write a Hugging Face folder (config, generation config, float32 safetensors, tokenizer) for a GGUF."""
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: Progress | None = None,
+                 weights: str | None = None) -> Path:
+    """Write a Hugging Face folder for a GGUF: config, generation config, tokenizer, and GGUF_POINTER naming the
+    GGUF the weights are read from at load (`weights`, relative to the folder or absolute; default gguf_path).
+    No weights are written: they stay quantized in the GGUF."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     report(progress, f"reading {gguf_path.name}")
     reader = _open_gguf(gguf_path)
     cfg = _gguf_config(reader, gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    try:
-        specs = _expected_shapes(cfg, tensors)
-    except ModelError as exc:
-        raise ModelError(f"{gguf_path.name}: {exc}") from None
+    _gguf_tensors(reader, cfg, gguf_path)  # a file with missing or misshapen tensors is refused now, not at load
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-    def produce(name: str) -> np.ndarray:
-        shape, gname = specs[name]
-        w = _dequantize(tensors[gname], shape)
-        if cfg["model_type"] == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
-            is_q = gname.split(".")[-2] == "attn_q"
-            w = _unpermute_qk(w, cfg["num_attention_heads"] if is_q else cfg["num_key_value_heads"])
-        return w
-
-    _write_safetensors(out_dir / "model.safetensors", specs, produce, progress)
-    report(progress, "converting the tokenizer")
+    report(progress, "converting the tokenizer", 0.5)
     _convert_tokenizer(gguf_path, out_dir, cfg, _field(reader, "tokenizer.chat_template"))
+    (out_dir / GGUF_POINTER).write_text(json.dumps({"file": weights or str(gguf_path.resolve())}) + "\n")
+    report(progress, "converted", 1.0)
     return out_dir
+
+
+def gguf_weights(folder: str | os.PathLike) -> Path | None:
+    """The GGUF a converted folder reads its weights from, or None for a folder of safetensors."""
+    pointer = Path(folder) / GGUF_POINTER
+    if not pointer.is_file():
+        return None
+    try:
+        name = json.loads(pointer.read_text())["file"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise ModelError(f"{pointer}: unreadable; delete the folder to convert the model again") from None
+    return Path(folder) / name
 
 
 def is_complete(folder: Path) -> bool:
@@ -281,16 +306,20 @@ def is_complete(folder: Path) -> bool:
 
 
 def convert_gguf_into_place(gguf_path: str | os.PathLike, final_dir: str | os.PathLike,
-                            progress: Progress | None = None, replace: bool = False) -> Path:
+                            progress: Progress | None = None, replace: bool = False, keep: bool = False) -> Path:
     """convert_gguf into a temporary sibling, then rename it to final_dir: a crash never leaves half a model there.
 
     replace=True swaps out a complete final_dir too (a forced re-pull); otherwise a complete one is kept.
+    keep=True moves the GGUF itself into the folder (a pulled model, whose download folder goes away);
+    otherwise the folder points at the GGUF where it lies.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
     try:
-        convert_gguf(gguf_path, tmp, progress)
+        if keep:
+            gguf_path = Path(shutil.move(str(gguf_path), tmp / Path(gguf_path).name))
+        convert_gguf(gguf_path, tmp, progress, weights=Path(gguf_path).name if keep else None)
         (tmp / COMPLETE_MARKER).write_text("ok\n")
         _move_into_place(tmp, final_dir, replace)
     finally:
@@ -329,13 +358,27 @@ def _gguf_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+def source_fingerprint(folder: str | os.PathLike) -> str:
+    """What identifies a model folder's weights: its GGUF's fingerprint, or its safetensors files' names, sizes
+    and modification times (cheap, and any rewrite changes them)."""
+    gguf_path = gguf_weights(folder)
+    if gguf_path is not None:
+        return _gguf_fingerprint(gguf_path)
+    files = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in _weight_files(Path(folder))
+             if p.is_file()]
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
 def _resolve_gguf(path: Path, progress: Progress | None) -> Path:
     from pagedchat.model.pull import cache_root
 
     folder = cache_root() / "models" / f"gguf-{_gguf_fingerprint(path)}"
-    if is_complete(folder):
+    if is_complete(folder) and gguf_weights(folder) is not None:
+        if gguf_weights(folder) != path.resolve():  # the same file, moved or copied: read it where it is now
+            (folder / GGUF_POINTER).write_text(json.dumps({"file": str(path.resolve())}) + "\n")
         return folder
-    return convert_gguf_into_place(path, folder, progress)
+    # Absent, or converted by an older pagedchat into float32 safetensors: convert (replacing that copy).
+    return convert_gguf_into_place(path, folder, progress, replace=True)
 
 
 def _resolve_hub(repo_id: str, progress: Progress | None) -> Path:
@@ -389,8 +432,13 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder}: no model.safetensors (pagedchat reads safetensors weights only)")
 
 
-def load_weights(folder: str | os.PathLike, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors file(s), under its Hugging Face name, in dtype on device."""
+def load_weights(folder: str | os.PathLike, dtype: torch.dtype, device) -> dict[str, torch.Tensor | GGUFTensor]:
+    """Every tensor under its Hugging Face name: from safetensors in dtype on device, or from the folder's GGUF
+    as GGUFTensors (memory-mapped, still quantized) for the model to place."""
+    gguf_path = gguf_weights(folder)
+    if gguf_path is not None:
+        reader = _open_gguf(gguf_path)
+        return _gguf_tensors(reader, json.loads((Path(folder) / "config.json").read_text()), gguf_path)
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
@@ -407,12 +455,26 @@ def load_weights(folder: str | os.PathLike, dtype: torch.dtype, device) -> dict[
     return weights
 
 
-def load_tokenizer(folder: str | os.PathLike):
-    """The folder's transformers tokenizer. A missing chat template is left for the engine to fall back on."""
-    from transformers import AutoTokenizer
+# tokenizer_config.json classes that are the plain tokenizers-library tokenizer, which AutoTokenizer would
+# resolve to PreTrainedTokenizerFast (TokenizersBackend) after importing its whole model registry.
+_PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(folder: str | os.PathLike):
+    """The folder's transformers tokenizer. A missing chat template is left for the engine to fall back on.
+
+    A plain tokenizer.json (what every converted GGUF has) is loaded as the class AutoTokenizer would pick,
+    without AutoTokenizer's registry lookups, several times faster at start; any other class goes through it."""
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        declared = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None  # no readable config: AutoTokenizer decides, and reports what is wrong
+    if declared in _PLAIN_TOKENIZERS and (Path(folder) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
+    try:
+        return loader.from_pretrained(str(folder))
     except Exception as exc:
         raise ModelError(f"{folder}: could not load its tokenizer ({_first_line(exc)})") from None
 

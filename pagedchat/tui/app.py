@@ -1,9 +1,11 @@
-"""The pagedchat app: chat tabs over one Engine, streaming replies, the memory inspector, saved chats.
+"""The pagedchat app: chat tabs over one backend, streaming replies, the memory inspector, saved chats.
 
-Threads: the engine steps on its own thread and hands deltas to DeltaInbox, which wakes the UI with one
-DeltasReady message at a time; the model loads on a daemon thread. Everything else, including SQLite writes
-(a few ms, when a chat changes and twice a second per streaming reply), runs on Textual's event loop, so no
-widget is ever touched off-thread. What is saved when is marked through a Saver (`saver.py`).
+The backend (pagedchat.backends) is the in-process engine or an OpenAI-compatible server; the app sees only
+its face. Threads: the backend streams on its own thread and hands updates to DeltaInbox, which wakes the UI
+with one DeltasReady message at a time; the backend starts (model load, or server connect) on a daemon
+thread. Everything else, including SQLite writes (a few ms, when a chat changes and twice a second per
+streaming reply), runs on Textual's event loop, so no widget is ever touched off-thread. What is saved when is
+marked through a Saver (`saver.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, TabbedContent, TabPane
 
+from pagedchat.backends.base import Backend, Outcome, request_pages
 from pagedchat.config import DEFAULT_THEME, AppConfig
-from pagedchat.tui import chat_ops, context
+from pagedchat.errors import PagedChatError
 from pagedchat.text import escaped_markup, visible_controls
+from pagedchat.tui import chat_ops, context
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
 from pagedchat.tui.commands import ChatCommands
@@ -48,21 +52,33 @@ SAVE_EVERY_S = 0.5     # a streaming reply is saved this often, so a crash loses
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 PANE_PREFIX = "chat-"
 
-EngineFactory = Callable[[Callable[[str, "float | None"], None]], object]
+BackendFactory = Callable[[Callable[[str, "float | None"], None]], Backend]
 
 
-def default_engine_factory(config: AppConfig) -> EngineFactory:
-    def make(progress):
+def default_backend_factory(config: AppConfig) -> BackendFactory:
+    """The server named by --server / `server =`, else the engine in this process."""
+    def connect(progress) -> Backend:
+        from pagedchat.backends.remote import RemoteBackend
+
+        progress(f"connecting to {config.server}", None)
+        return RemoteBackend(config.server, config.api_key, config.model, progress)
+
+    def load(progress) -> Backend:
+        from pagedchat.backends.local import LocalBackend
         from pagedchat.engine.engine import Engine  # torch and transformers load here, off the UI thread
 
         # Every core computes, the event loop's included: it needs little CPU between steps. On 2 cores, two
         # chats streaming 160 tokens each ran 1.4-1.75x faster in the app than with a core left to the event
         # loop, whose timer then fired late by 8-12 ms at p95 and 26 ms at worst (6 and 16 with the core left).
-        return Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
-                      device=config.device, dtype=config.dtype, swap_space=config.swap_space,
-                      threads=config.threads, progress=progress)
+        try:
+            engine = Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
+                            device=config.device, dtype=config.dtype, swap_space=config.swap_space,
+                            threads=config.threads, progress=progress, quantize=config.quantize)
+        except Exception as exc:
+            raise PagedChatError(f"The model could not be loaded: {exc}") from exc
+        return LocalBackend(engine)
 
-    return make
+    return connect if config.server else load
 
 
 class PagedChatApp(App):
@@ -89,15 +105,15 @@ class PagedChatApp(App):
         Binding("f8", "delete_chat", "Delete chat", show=False, priority=True, id="delete_chat"),
     ]
 
-    def __init__(self, config: AppConfig, *, engine_factory: EngineFactory | None = None,
+    def __init__(self, config: AppConfig, *, backend_factory: BackendFactory | None = None,
                  open_store: Callable[[Path], Store] = Store.open) -> None:
         super().__init__()
         self.config = config
         self._open_store_at = open_store
-        self.engine = None
-        self.engine_error: str | None = None
-        self._stop_noted = False                      # the engine's failure has been shown
-        self._factory = engine_factory or default_engine_factory(config)
+        self.backend: Backend | None = None
+        self.backend_error: str | None = None
+        self._stop_noted = False                      # the backend's failure has been shown
+        self._factory = backend_factory or default_backend_factory(config)
         self.inbox = DeltaInbox(self)
         self.sessions: dict[str, ChatSession] = {}
         self.requests: dict[str, str] = {}           # live request id -> chat id
@@ -123,7 +139,7 @@ class PagedChatApp(App):
             yield TabbedContent(id="chats")
             yield InspectorView(id="inspector")
         with Horizontal(id="statusbar"):
-            yield Label("loading the model…", id="status")
+            yield Label("connecting to the server…" if self.config.server else "loading the model…", id="status")
             yield ProgressBar(total=None, show_eta=False, id="load-progress")
         yield Footer(compact=True)
 
@@ -300,22 +316,34 @@ class PagedChatApp(App):
         session.saved_at = time.monotonic()
 
     # ---- sending and streaming -----------------------------------------------------------------------------
-    def _engine_or_say(self) -> object | None:
-        if self.engine is not None and self.engine.failure is not None:
+    def _backend_or_say(self) -> Backend | None:
+        """The backend, or a notice why there is none; one that failed to start is started again."""
+        if self.backend is not None and self.backend.failure is not None:
             self.notify(f"{self._stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
             return None
-        if self.engine is None:
-            self.notify(self.engine_error or "The model is still loading; your message is kept in the input.",
-                        severity="error" if self.engine_error else "warning")
-        return self.engine
+        if self.backend is None and self.backend_error:
+            self.notify(f"{self.backend_error} Trying again; your message is kept in the input.",
+                        severity="error", timeout=8)
+            self._start_backend()
+        elif self.backend is None:
+            self.notify("The model is still loading; your message is kept in the input.", severity="warning")
+        return self.backend
+
+    def _start_backend(self) -> None:
+        self.backend_error = None
+        bar = self._load_bar()
+        if bar is not None:
+            bar.display = True
+            bar.update(total=None)
+        start_loading(self, self._factory)
 
     # ---- an engine that stopped, and its restart ------------------------------------------------------------
     def _stopped_text(self) -> str:
-        return f"engine stopped: {self.engine.failure}. Restart it from the command palette (Restart engine)."
+        return f"engine stopped: {self.backend.failure}. Restart it from the command palette (Restart engine)."
 
     def _note_engine_stopped(self) -> bool:
         """Once per failure: say in the status bar and a notice that the engine stopped, and how to restart."""
-        if self.engine.failure is None:
+        if self.backend.failure is None:
             return False
         if not self._stop_noted:
             self._stop_noted = True
@@ -325,15 +353,11 @@ class PagedChatApp(App):
 
     def restart_engine(self) -> None:
         """Load a fresh engine in place of one that stopped; the chats stay as they are."""
-        old, self.engine, self._stop_noted = self.engine, None, False
+        old, self.backend, self._stop_noted = self.backend, None, False
         if old is not None:
             old.shutdown()
-        bar = self._load_bar()
-        if bar is not None:
-            bar.display = True
-            bar.update(total=None)
         self.query_one("#status", Label).update("loading the model…")
-        start_loading(self, self._factory)
+        self._start_backend()
 
     @on(PromptInput.Submitted)
     async def _submitted(self, event: PromptInput.Submitted) -> None:
@@ -344,7 +368,7 @@ class PagedChatApp(App):
         if session.busy:
             self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
             return
-        if self._engine_or_say() is None:
+        if self._backend_or_say() is None:
             return
         if (notice := context.prompt_too_long(self, session, event.text)) is not None:
             self.notify(notice, severity="warning", timeout=10)
@@ -358,49 +382,50 @@ class PagedChatApp(App):
     def _recall(self, event: PromptInput.Recall) -> None:
         self.prompt_history.step(event.prompt, event.step)
 
-    async def _append(self, session: ChatSession, message: ChatMessage) -> MessageView | None:
-        session.record.messages.append(message)
-        view = self.chat_view(session)
-        return await view.add_message(message, len(session.record.messages) - 1) if view else None
-
     async def _start_reply(self, session: ChatSession, keep: int | None = None, ask: str | None = None) -> bool:
         """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
         by the user's new message `ask` if given. Messages from `keep` on (a reply being regenerated, a message
-        being edited and what followed it) are removed only once the engine has accepted the request, so a
+        being edited and what followed it) are removed only once the backend has accepted the request, so a
         refused one changes nothing. True if the reply started."""
-        from pagedchat.engine.chat import chat_prompt_ids
-
-        engine = self._engine_or_say()
-        if engine is None:
+        backend = self._backend_or_say()
+        if backend is None:
             return False
         record = session.record
         keep = len(record.messages) if keep is None else keep
         conversation = record.conversation(keep) + ([{"role": "user", "content": ask}] if ask is not None else [])
         try:
-            ids = chat_prompt_ids(engine.tokenizer, conversation, session.previous_ids(keep))
             params = record.settings.params()
-            handle = engine.submit(ids, params, on_update=self.inbox.callback(session.id))
-        except Exception as exc:  # a template or settings problem, RequestError: say so, keep the chat as is
+            handle = backend.submit(conversation, params, previous=session.previous(keep),
+                                    on_update=self.inbox.callback(session.id))
+        except Exception as exc:  # settings, or a prompt too long for the context or the cache: keep the chat
             self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
             return False
-        await self._cut(session, keep)
+        # The record changes in one go (no await between the cut and the new messages), then the screen.
+        dropped = session.truncate(keep)
+        if dropped:
+            self.saver.removed(record, dropped)
         if ask is not None:
             if not record.messages and record.title == "New chat":
                 record.title = title_from(ask)
-            await self._append(session, ChatMessage("user", ask))
-        view = await self._append(session, ChatMessage("assistant", ""))
+            record.messages.append(ChatMessage("user", ask))
+        record.messages.append(ChatMessage("assistant", ""))
         index = len(record.messages) - 1
-        if view is not None:
-            await view.start_stream()
         self._track(session, handle, index)
         self._save(session, *range(keep, index + 1), row=True)
+        chat = self.chat_view(session)
+        if chat is not None:
+            await chat.truncate(keep)
+            for i in range(keep, index + 1):
+                view = await chat.add_message(record.messages[i], i)
+            await view.start_stream()
         return True
 
-    def _track(self, session: ChatSession, handle, index: int, prefix: str = "") -> None:
+    def _track(self, session: ChatSession, handle, index: int, prefix: str = "", inheriting: bool = False) -> None:
         session.request_id = handle.request_id
         session.handle = handle
         session.reply_index = index
         session.reply_prefix = prefix
+        session.inheriting = inheriting
         session.received_text = ""
         session.received_tokens = 0
         self.requests[handle.request_id] = session.id
@@ -410,23 +435,26 @@ class PagedChatApp(App):
 
     async def on_deltas_ready(self, _: DeltasReady) -> None:
         batches: dict[str, list] = {}
-        for _chat_id, delta in self.inbox.take():
-            batches.setdefault(delta.request_id, []).append(delta)
-        for request_id, deltas in batches.items():
+        for _chat_id, update in self.inbox.take():
+            batches.setdefault(update.request_id, []).append(update)
+        for request_id, updates in batches.items():
             session = self.sessions.get(self.requests.get(request_id, ""))
             if session is None or session.request_id != request_id:
-                continue  # a closed chat or an abandoned reply: the engine has been told to cancel it
+                continue  # a closed chat or an abandoned reply: the backend has been told to cancel it
             view = self._reply_view(session)
-            if session.fork_parent_len is not None:
-                await self._begin_fork_stream(session, view)
-            text = "".join(d.text for d in deltas)
-            tokens = sum(len(d.token_ids) for d in deltas)
+            inherited = next((u.inherited for u in updates if u.inherited is not None), None)
+            if inherited is not None:
+                await self._begin_fork_stream(session, view, inherited)
+            for notice in {u.notice for u in updates if u.notice}:
+                self.notify(notice, severity="warning", timeout=8)
+            text = "".join(u.text for u in updates)
+            tokens = sum(u.tokens for u in updates)
             session.received_text += text
             session.received_tokens += tokens
             session.record.messages[session.reply_index].content = session.reply_prefix + session.received_text
-            final = next((d for d in deltas if d.finished), None)
+            final = next((u.outcome for u in updates if u.finished), None)
             if final is not None:
-                await self._finish_reply(session, final.completion)
+                await self._finish_reply(session, final)
                 continue
             if view is not None:
                 view.feed(text, tokens)
@@ -438,29 +466,30 @@ class PagedChatApp(App):
         chat = self.chat_view(session)
         return chat.view_at(session.reply_index) if chat and session.reply_index is not None else None
 
-    async def _begin_fork_stream(self, session: ChatSession, view: MessageView | None) -> None:
-        """A branch forked from a live reply: its text so far is the parent's tokens up to the fork point."""
-        parent_len, session.fork_parent_len = session.fork_parent_len, None
-        ids = session.handle.prompt_token_ids[parent_len:]
-        session.reply_prefix += self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+    async def _begin_fork_stream(self, session: ChatSession, view: MessageView | None, inherited: str) -> None:
+        """A branch forked from a live reply: its text so far is the parent's reply up to the fork point."""
+        session.inheriting = False
+        session.reply_prefix += inherited
         if view is not None:
             await view.start_stream(session.reply_prefix)
 
-    async def _finish_reply(self, session: ChatSession, completion) -> None:
-        """The final delta: render the whole reply once, record its ids and stats, then mark the chat idle."""
+    async def _finish_reply(self, session: ChatSession, outcome: Outcome) -> None:
+        """The final update: render the whole reply once, record its outcome and stats, then mark the chat idle."""
         self.requests.pop(session.request_id, None)
         index = session.reply_index
-        stats = ReplyStats.from_completion(completion)
-        content = session.reply_prefix + completion.text
-        if completion.finish_reason != "error":
-            session.turn_ids[index] = list(completion.prompt_token_ids) + list(completion.token_ids)
+        stats = ReplyStats.from_outcome(outcome)
+        content = session.reply_prefix + outcome.text
+        if outcome.finish_reason != "error":
+            session.turns[index] = outcome
         else:
-            self.notify(f"The reply failed: {completion.error}", severity="error", timeout=10)
+            kept = "The text so far is kept; " if content else ""
+            self.notify(f"The reply failed: {outcome.error}. {kept}ctrl+r asks again.", severity="error", timeout=10)
         # The final block table: the inspector colours this idle chat's cached pages by it.
-        if completion.pages:
-            session.pages = tuple(completion.pages)
-            session.page_tokens = len(completion.prompt_token_ids) + len(completion.token_ids)
-        if not completion.token_ids and not content and completion.finish_reason in ("cancelled", "error"):
+        if outcome.pages:
+            session.pages, session.page_tokens = outcome.pages, outcome.total_tokens
+        elif not session.pages:
+            session.page_tokens = outcome.total_tokens  # a backend that shows no pages: tokens, for estimates
+        if not outcome.generated_tokens and not content and outcome.finish_reason in ("cancelled", "error"):
             await self._cut(session, index)  # nothing came: drop the empty reply rather than keep a blank one
             index = None
         else:
@@ -480,25 +509,25 @@ class PagedChatApp(App):
         self._tick()  # the inspector shows the chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
         self._save(session, *(() if index is None else (index,)))
-        context.after_reply(self, session, completion.finish_reason)
+        context.after_reply(self, session, outcome.finish_reason)
 
     async def _abandon(self, session: ChatSession) -> None:
-        """Stop a reply now, without waiting for the engine's final delta (closing, quitting, editing)."""
+        """Stop a reply now, without waiting for the backend's final update (closing, quitting, editing)."""
         if not session.busy:
             return
-        self.engine.cancel(session.request_id)
+        stats = session.live_stats("cancelled")  # before the cancel: the figures as they stand
+        session.handle.cancel()
         self.requests.pop(session.request_id, None)
-        stats = session.live_stats("cancelled")
         index = session.reply_index
         message = session.record.messages[index]
-        if session.fork_parent_len is None:  # (a fork with no delta yet keeps the parent's text it started with)
+        if not session.inheriting:  # (a fork with no update yet keeps the parent's text it started with)
             message.content = session.reply_prefix + session.received_text
         content, message.stats = message.content, stats
         view = self._reply_view(session)
         if view is not None:
             await view.finish(content, stats)
         session.request_id = session.handle = None
-        session.fork_parent_len = None
+        session.inheriting = False
         session.reply_index = None
         session.reply_prefix = ""
         self._refresh_label(session)
@@ -537,7 +566,7 @@ class PagedChatApp(App):
     def _stop(self, event: ChatView.StopRequested) -> None:
         session = self.sessions.get(event.view.chat_id)
         if session is not None and session.busy:
-            self.engine.cancel(session.request_id)  # the final delta arrives as "cancelled" with its stats
+            session.handle.cancel()  # the final update arrives as "cancelled" with its stats
         elif isinstance(self.focused, MessageView):
             event.view.prompt.focus()
 
@@ -641,7 +670,7 @@ class PagedChatApp(App):
 
     async def action_regenerate(self, index: int | None = None) -> None:
         session = self.active_session
-        if session is None or self._engine_or_say() is None:
+        if session is None or self._backend_or_say() is None:
             return
         messages = session.record.messages
         last = len(messages) - 1
@@ -673,7 +702,7 @@ class PagedChatApp(App):
             return
 
         async def done(text: str | None) -> None:
-            if text is None or session.id not in self.sessions or self._engine_or_say() is None:
+            if text is None or session.id not in self.sessions or self._backend_or_say() is None:
                 return
             await self._abandon(session)
             await self._start_reply(session, keep=index, ask=text)
@@ -705,23 +734,27 @@ class PagedChatApp(App):
         """A new tab with the messages up to `index`; ending on a question, it is answered there."""
         messages = deepcopy(session.record.messages[:index + 1])
         branch = ChatSession(self._branch_record(session, messages))
-        branch.turn_ids = {i: ids for i, ids in session.turn_ids.items() if i <= index}
-        if self.engine is not None:
-            block_size = self.engine.block_size
-            branch.pages = session.prefix_pages(branch.previous_ids(index + 1), block_size)
-            branch.page_tokens = len(branch.pages) * block_size
+        branch.turns = session.turns_before(index + 1)
+        self._inherit_pages(branch, branch.previous(index + 1))
         await self._open_session(branch, after=session)
         self._save(branch, messages=True)
-        if messages[-1].role == "user" and self.engine is not None:
+        if messages[-1].role == "user" and self.backend is not None:
             await self._start_reply(branch)
 
+    def _inherit_pages(self, branch: ChatSession, turn: Outcome | None) -> None:
+        """A branch starts out owning the full pages of the exchange it copies (cached ones, in the map)."""
+        block_size = self.backend.info.block_size if self.backend is not None else None
+        if turn is not None and turn.pages and block_size:
+            branch.pages = turn.pages[:turn.total_tokens // block_size]
+            branch.page_tokens = len(branch.pages) * block_size
+
     async def _fork_live(self, session: ChatSession) -> None:
-        """Branch at the reply being written: the engine forks the request, sharing its pages copy-on-write."""
+        """Branch at the reply being written: the backend forks it (locally, sharing its pages copy-on-write)."""
         index = session.reply_index
         remaining = max(1, session.record.settings.max_tokens - session.received_tokens)
         try:
-            handle = self.engine.fork(session.request_id, session.record.settings.params(max_tokens=remaining),
-                                      on_update=self.inbox.callback(""))
+            handle = self.backend.fork(session.handle, session.record.settings.params(max_tokens=remaining),
+                                       on_update=self.inbox.callback(""))
         except Exception as exc:
             self.notify(f"Cannot fork this reply ({exc}); branching from the last finished message.",
                         severity="warning")
@@ -730,9 +763,8 @@ class PagedChatApp(App):
         partial = session.reply_prefix + session.received_text
         messages = deepcopy(session.record.messages[:index]) + [ChatMessage("assistant", partial)]
         branch = ChatSession(self._branch_record(session, messages))
-        branch.turn_ids = {i: ids for i, ids in session.turn_ids.items() if i < index}
-        branch.fork_parent_len = len(session.handle.prompt_token_ids)
-        self._track(branch, handle, index, prefix=session.reply_prefix)
+        branch.turns = session.turns_before(index)
+        self._track(branch, handle, index, prefix=session.reply_prefix, inheriting=True)
         view = await self._open_session(branch, after=session)
         reply = view.view_at(index)
         if reply is not None:
@@ -802,13 +834,13 @@ class PagedChatApp(App):
 
     def on_unmount(self) -> None:
         self._remove_exit_signals()
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.backend is not None:
+            self.backend.shutdown()
         if self.store is not None:
             self.saver.retry(BUSY_TIMEOUT_S)  # the last chance: wait as long as any write would
             self.store.close()
 
-    # ---- the engine arriving, and the periodic refresh -------------------------------------------------------
+    # ---- the backend arriving, and the periodic refresh ------------------------------------------------------
     def _load_bar(self) -> ProgressBar | None:
         """None once the app is closing: a load that ends during shutdown finds no widgets left."""
         bars = self.query("#load-progress")
@@ -830,7 +862,7 @@ class PagedChatApp(App):
         if bar is None:
             event.engine.shutdown()
             return
-        self.engine = event.engine
+        self.backend = event.engine
         bar.display = False
         self._update_status()
         for session in self.sessions.values():
@@ -838,32 +870,29 @@ class PagedChatApp(App):
         self._tick(force=True)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
-        self.engine_error = f"The model could not be loaded: {event.error}"
+        self.backend_error = event.error.rstrip(".") + "."
         bar = self._load_bar()
         if bar is None:
             return
         bar.display = False
-        self.query_one("#status", Label).update(Content.styled(visible_controls(self.engine_error), "$error"))
-        self.query_one(InspectorView).show_message(self.engine_error)
-        self.notify(self.engine_error, severity="error", timeout=15)
+        self.query_one("#status", Label).update(Content.styled(visible_controls(self.backend_error), "$error"))
+        self.query_one(InspectorView).show_message(self.backend_error)
+        self.notify(self.backend_error, severity="error", timeout=15)
 
     def _update_status(self) -> None:
-        if self.engine is None:
+        if self.backend is None:
             return
-        if self.engine.failure is not None:
+        if self.backend.failure is not None:
             self.query_one("#status", Label).update(
-                Content.styled(visible_controls(f"engine stopped: {self.engine.failure}"), "$error"))
+                Content.styled(visible_controls(f"engine stopped: {self.backend.failure}"), "$error"))
             return
+        info = self.backend.info
         busy = sum(1 for s in self.sessions.values() if s.busy)
-        model = visible_controls(Path(str(getattr(self.engine, "model_path", "model"))).name)
-        plan = getattr(self.engine, "cache_plan", None)
-        pages = f" · {plan.num_pages} pages" if plan is not None else ""
-        device = getattr(self.engine, "device", "")
-        dtype = getattr(self.engine, "dtype", None)
-        precision = f" · {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        pages = f" · {info.num_pages} pages" if info.num_pages else ""
         activity = f" · {busy} generating" if busy else ""
         self.query_one("#status", Label).update(
-            Content.assemble((model, "bold"), (f" on {device}{precision}{pages}{activity}", "$text-muted")))
+            Content.assemble((visible_controls(info.model), "bold"),
+                             (f" {visible_controls(info.where)}{pages}{activity}", "$text-muted")))
 
     def chat_pages(self) -> list[ChatPages]:
         return [ChatPages(s.id, s.record.title, self._colour_of(s), s.request_id, s.pages, s.page_tokens)
@@ -871,7 +900,7 @@ class PagedChatApp(App):
 
     def _tick(self, force: bool = False) -> None:
         """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
-        if self.engine is None or not self.is_running or self._note_engine_stopped():
+        if self.backend is None or not self.is_running or self._note_engine_stopped():
             return
         try:
             inspector = self.query_one(InspectorView)
@@ -880,17 +909,17 @@ class PagedChatApp(App):
         busy = [s for s in self.sessions.values() if s.busy]
         if not busy and not inspector.display:
             return
-        snap = self.engine.memory()
+        view = self.backend.memory()
         for session in busy:
-            seq = snap.seqs.get(session.request_id)
-            if seq is not None and seq.pages:
-                session.pages, session.page_tokens = tuple(seq.pages), seq.num_tokens
+            held = request_pages(view, session.request_id)
+            if held is not None:
+                session.pages, session.page_tokens = held
             context.show_fill(self, session)
         if inspector.display:
             pages = self.chat_pages()
             active = self.active_session
             focused = next((c for c in pages if active and c.chat_id == active.id), None)
-            inspector.update_view(snap, pages, focused, force=force)
+            inspector.update_view(view, pages, focused, force=force)
 
     # ---- the command palette -----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -910,9 +939,9 @@ class PagedChatApp(App):
         yield SystemCommand("Memory inspector", "Show or hide the KV-cache page inspector (F2)",
                             self.action_toggle_inspector)
         yield SystemCommand("Help", "Keys, the inspector, where files are kept (F1)", self.action_help)
-        if self.engine is not None and self.engine.failure is not None:
+        if self.backend is not None and self.backend.failure is not None:
             yield SystemCommand("Restart engine",
-                                f"The engine stopped ({escaped_markup(self.engine.failure)}); load it again",
+                                f"The engine stopped ({escaped_markup(self.backend.failure)}); load it again",
                                 self.restart_engine)
         yield SystemCommand("Stop reply", "Stop the reply in this tab (Esc)", self._stop_active)
         yield SystemCommand("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
@@ -937,7 +966,7 @@ class PagedChatApp(App):
     def _stop_active(self) -> None:
         session = self.active_session
         if session is not None and session.busy:
-            self.engine.cancel(session.request_id)
+            session.handle.cancel()
 
     async def _branch_index(self, index: int) -> None:
         await self.action_branch(index)
@@ -962,9 +991,9 @@ def binding_catalogue() -> list[Binding]:
     return out
 
 
-def run_app(config: AppConfig, *, engine_factory: EngineFactory | None = None) -> None:
+def run_app(config: AppConfig, *, backend_factory: BackendFactory | None = None) -> None:
     """Run the chat app until the user quits (the CLI's entry point)."""
-    app = PagedChatApp(config, engine_factory=engine_factory)
+    app = PagedChatApp(config, backend_factory=backend_factory)
     app.run()
     if app.saver is not None and app.saver.pending:  # the last save at exit failed too: say so, not silently
         print(f"pagedchat: the latest changes could not be saved ({app.saver.failing})", file=sys.stderr)

@@ -1,13 +1,15 @@
 """The widgets of one chat tab: the scrolling log of messages and the prompt input.
 
 These widgets know nothing about the engine. The app feeds a reply's text in with MessageView.feed() as
-engine deltas arrive; the view batches it (at most one Markdown append per FLUSH_S) so a fast model cannot
-flood the UI with re-renders, and finish() replaces the streamed document with one full parse. Every piece of
-text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
+engine deltas arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
+of the machine the engine runs on, and finish() replaces the streamed document with one full parse. Every piece
+of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
 the text exactly as written.
 """
 
 from __future__ import annotations
+
+import time
 
 from textual import events
 from textual.app import ComposeResult
@@ -16,14 +18,17 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Label, Markdown, TextArea
-from textual.widgets.markdown import MarkdownStream
 
 from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatMessage, ReplyStats
 
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
-# core: on 2 cores the default model decoded 9-12 tok/s in the app at 20 flushes/s and 14-15 at 10 (16 alone).
+# core, and an append costs more as the reply grows (Textual re-parses the last block and rebuilds a list or a
+# code block whole), so each flush waits at least RENDER_SPACING times as long as the last append took: the
+# appends then hold the main thread a bounded share of the time. Measurements: docs/bench.md, "The app keeps up".
 FLUSH_S = 0.1
+MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
+RENDER_SPACING = 20
 
 
 class PromptInput(TextArea):
@@ -105,9 +110,10 @@ class MessageView(Vertical, can_focus=True):
         super().__init__(classes=f"message -{message.role}")
         self.message = message
         self.index = index
-        self._stream: MarkdownStream | None = None
+        self._streaming = False
         self._pending: list[str] = []
         self._flush_timer: Timer | None = None
+        self._flush_gap = FLUSH_S   # from the last append's end to the next one's start
         self._streamed_tokens = 0
 
     def compose(self) -> ComposeResult:
@@ -128,13 +134,14 @@ class MessageView(Vertical, can_focus=True):
     # ---- streaming ----------------------------------------------------------------------------------------
     @property
     def streaming(self) -> bool:
-        return self._stream is not None
+        return self._streaming
 
     async def start_stream(self, prefix: str = "") -> None:
         """Begin a reply (prefix: text it already has, as when a branch continues a live reply)."""
         if prefix:
             await self.body.update(visible_controls(prefix))
-        self._stream = Markdown.get_stream(self.body)
+        self._streaming = True
+        self._flush_gap = FLUSH_S
         self._streamed_tokens = 0
         self.set_stats("waiting for the first token…  (Esc stops)")
 
@@ -144,17 +151,24 @@ class MessageView(Vertical, can_focus=True):
         if text:
             self._pending.append(text)
         if self._flush_timer is None:
-            self._flush_timer = self.set_timer(FLUSH_S, self._flush)
+            self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
     async def _flush(self) -> None:
-        self._flush_timer = None
-        if self._stream is None:
+        if not self._streaming:
+            self._flush_timer = None
             return
         text = "".join(self._pending)
         self._pending.clear()
         self.set_stats(f"generating · {self._streamed_tokens} tokens  (Esc stops)")
+        # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
+        started = time.thread_time()
         if text:
-            await self._stream.write(visible_controls(text))
+            await self.body.append(visible_controls(text))
+        self._flush_gap = min(MAX_FLUSH_S, max(FLUSH_S, RENDER_SPACING * (time.thread_time() - started)))
+        # Cleared only now: text fed during the append waits for the next flush instead of racing this one.
+        self._flush_timer = None
+        if self._pending and self._streaming:
+            self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
     async def finish(self, content: str, stats: ReplyStats | None) -> None:
         """End streaming with one full parse of the final text and the stats line."""
@@ -162,9 +176,7 @@ class MessageView(Vertical, can_focus=True):
             self._flush_timer.stop()
             self._flush_timer = None
         self._pending.clear()
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
+        self._streaming = False
         self.message.content = content
         self.message.stats = stats
         await self.body.update(visible_controls(content))

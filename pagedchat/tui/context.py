@@ -1,8 +1,9 @@
 """How full a chat's context is: the figure on its input's border, the check before sending, and carrying a
 full chat over into a new one.
 
-A chat's size is what its last request held (prompt plus generated tokens): the engine's own count, so it
-needs no re-tokenising. While a reply streams it grows with each delta.
+A chat's size is what its last request held (prompt plus generated tokens): the backend's own count, so it
+needs no re-tokenising. While a reply streams it grows with each update. The app never tokenizes: the check
+before sending asks the backend (Backend.prompt_tokens), and is skipped where the backend cannot count.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual.content import Content
+
+from pagedchat.errors import PagedChatError
 
 from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.session import ChatSession
@@ -41,17 +44,22 @@ class ContextFill:
         return Content.styled(f" {self.used:,} / {self.limit:,} ", self.style())
 
 
-def context_length(engine) -> int | None:
-    """The model's context in tokens (the engine refuses prompts that reach it); None from an engine that does
-    not say (a stand-in, a remote server that does not report it): then no figure is shown and nothing is
-    checked before sending, and the engine's own refusal is what the user sees."""
-    return getattr(getattr(engine, "config", None), "max_position_embeddings", None)
+# A rough English-text rule, only where the backend cannot count (a remote server): a carried chat then fits
+# the budget approximately, and the server's own refusal still guards the limit.
+CHARS_PER_TOKEN = 4
+
+
+def context_length(app) -> int | None:
+    """The model's context in tokens (the backend refuses prompts that reach it); None from a backend that does
+    not say (a stand-in, a server that does not report it): then no figure is shown and nothing is checked
+    before sending, and the backend's own refusal is what the user sees."""
+    return app.backend.info.context_length if app.backend is not None else None
 
 
 def tokens_in_use(session: ChatSession) -> int:
     """Tokens the chat holds: the live request's so far, else what its last reply's request held."""
     if session.busy and session.handle is not None:
-        return len(session.handle.prompt_token_ids) + session.received_tokens
+        return session.handle.so_far().prompt_tokens + session.received_tokens
     for message in reversed(session.record.messages):
         if message.role == "assistant" and message.stats is not None:
             return message.stats.prompt_tokens + message.stats.generated_tokens
@@ -59,30 +67,27 @@ def tokens_in_use(session: ChatSession) -> int:
 
 
 def show_fill(app, session: ChatSession) -> None:
-    """Write the chat's figure on its input's bottom border (nothing until the engine is there)."""
+    """Write the chat's figure on its input's bottom border (nothing until the backend is there)."""
     view = app.chat_view(session)
-    if view is None or app.engine is None:
-        return
-    limit = context_length(app.engine)
-    if limit is not None:
+    limit = context_length(app)
+    if view is not None and limit is not None:
         view.prompt.border_subtitle = ContextFill(tokens_in_use(session), limit).content()
 
 
 def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
     """A notice when sending `text` would not leave the reply a single token of context, else None."""
-    from pagedchat.engine.chat import chat_prompt_ids
-
-    engine = app.engine
+    limit = context_length(app)
+    if limit is None:
+        return None
     record = session.record
     messages = record.conversation() + [{"role": "user", "content": text}]
     try:
-        ids = chat_prompt_ids(engine.tokenizer, messages, session.previous_ids(len(record.messages)))
-    except Exception:  # a template problem: the send path reports it with its own words
+        count = app.backend.prompt_tokens(messages, session.previous(len(record.messages)))
+    except PagedChatError:  # a template problem: the send path reports it with its own words
         return None
-    limit = context_length(engine)
-    if limit is None or len(ids) < limit:
+    if count is None or count < limit:
         return None
-    return (f"This message would make the chat {len(ids):,} tokens, but the model's context holds {limit:,}; "
+    return (f"This message would make the chat {count:,} tokens, but the model's context holds {limit:,}; "
             f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
 
 
@@ -91,6 +96,14 @@ def after_reply(app, session: ChatSession, finish_reason: str | None) -> None:
     if finish_reason == "context_full":
         app.notify(f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}.",
                    severity="warning", timeout=10)
+
+
+def conversation_tokens(backend, conversation: list[dict]) -> int:
+    """The backend's count where it can count, else an estimate from the characters (CHARS_PER_TOKEN)."""
+    count = backend.prompt_tokens(conversation)
+    if count is not None:
+        return count
+    return sum(len(m["content"]) for m in conversation) // CHARS_PER_TOKEN
 
 
 def carried_messages(record: ChatRecord, count_tokens, budget: float) -> list[ChatMessage]:
@@ -110,15 +123,13 @@ async def continue_in_new_chat(app) -> ChatSession | None:
     """A new tab with the active chat's system prompt, settings and the last turns that fit half the context."""
     from copy import deepcopy
 
-    from pagedchat.engine.chat import chat_prompt_ids
-
     session = app.active_session
-    if session is None or app._engine_or_say() is None:
+    if session is None or app._backend_or_say() is None:
         return None
     record = session.record
-    limit = context_length(app.engine)
+    limit = context_length(app)
     budget = int(limit * CARRY_SHARE) if limit is not None else float("inf")   # unknown: carry every turn
-    messages = carried_messages(record, lambda conv: len(chat_prompt_ids(app.engine.tokenizer, conv)), budget)
+    messages = carried_messages(record, lambda conv: conversation_tokens(app.backend, conv), budget)
     new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
                                  settings=deepcopy(record.settings), messages=messages))
     await app._open_session(new, after=session)

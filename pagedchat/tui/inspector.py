@@ -7,57 +7,22 @@ active theme: chat colours from themes.chat_colours(), the rest as $variables re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from pagedchat.backends.base import has_page_map
 from pagedchat.text import visible_controls
+from pagedchat.tui.inspector_parts import (CACHED, FREE, GLYPH_CACHED, GLYPH_FREE, GLYPH_SHARED, GLYPH_USED, MUTED,
+                                           USED, ChatPages, fmt_bytes)
+from pagedchat.tui.inspector_parts import clip as _clip
+from pagedchat.tui.inspector_parts import heading as _heading
+from pagedchat.tui.inspector_parts import kv as _kv
+from pagedchat.tui.inspector_remote import render_without_map
 
-FREE, USED, CACHED = "free", "used", "cached"
-GLYPH_USED, GLYPH_SHARED, GLYPH_CACHED, GLYPH_FREE = "█", "◆", "░", "·"
 MAX_CELLS = 2048           # above this, one map cell stands for several pages
 MAX_TABLE_ROWS = 48        # block-table rows shown before eliding the middle
-MUTED = "$foreground-muted"
-
-
-@dataclass(frozen=True)
-class ChatPages:
-    """What the inspector needs to know about one chat."""
-
-    chat_id: str
-    title: str
-    colour: str
-    request_id: str | None = None   # its live request, if generating
-    pages: tuple[int, ...] = ()     # pages its last request held, for idle chats (now cached or reused)
-    tokens: int = 0                 # tokens its last request held
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _heading(text: str) -> Content:
-    return Content.styled(text, "bold $primary")
-
-
-KEY_W = 12
-
-
-def _kv(key: str, value: str | Content, note: str = "", width: int = 80) -> Content:
-    """`key  value  note`, the note moved under the value when the line would wrap."""
-    line = Content.assemble(Content.styled(f"{key:<{KEY_W - 1}} ", MUTED), value)
-    if not note:
-        return line
-    if line.cell_length + 2 + len(note) <= width:
-        return Content.assemble(line, Content.styled(f"  {note}", MUTED))
-    return Content.assemble(line, "\n", Content.styled(" " * KEY_W + note, MUTED))
 
 
 def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[int, ChatPages]]:
@@ -93,6 +58,11 @@ def render_summary(snap, width: int = 80) -> Content:
         _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
         _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
     ]
+    if snap.weight_bytes:  # weights and pages share one memory: what the model takes is what the pool cannot
+        lines.append(_kv("weights", fmt_bytes(snap.weight_bytes),
+                         f"pool {fmt_bytes(snap.total_blocks * snap.page_bytes)}", width))
+        if snap.weight_precision:
+            lines.append(_kv("", visible_controls(snap.weight_precision), "", width))
     if snap.cpu_total:
         lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
                          f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached", width))
@@ -195,12 +165,6 @@ def render_chats(snap, chats: list[ChatPages], width: int = 80) -> Content:
     return Content("\n").join(lines)
 
 
-def _clip(title: str, n: int) -> str:
-    """A chat's title in at most n cells, its terminal controls shown as pictures."""
-    title = visible_controls(title)
-    return title if len(title) <= n else title[:n - 1] + "…"
-
-
 def render_sharing(snap, width: int = 80) -> Content:
     c = snap.counters
     saved = snap.pages_saved_by_sharing
@@ -281,24 +245,41 @@ class InspectorView(VerticalScroll):
         yield Static(id="insp-sharing")
         yield Static(id="insp-chats")
         yield Static(id="insp-table")
+        remote = Static(id="insp-remote")  # shown instead of the five above for a server without a page map
+        remote.display = False
+        yield remote
 
     def map_width(self) -> int:
         # The content region, less a column for the scrollbar that appears once the panel overflows.
         return max(8, self.scrollable_content_region.width - (0 if self.show_vertical_scrollbar else 1))
 
-    def update_view(self, snap, chats: list[ChatPages], focused: ChatPages | None, force: bool = False) -> None:
+    def update_view(self, view, chats: list[ChatPages], focused: ChatPages | None, force: bool = False) -> None:
+        """Draw a backend's memory view: a snapshot's full page map, or what a server without one tells."""
         width = self.map_width()
-        key = (snap, tuple(chats), focused, width)
+        key = (view, tuple(chats), focused, width)
         if not force and key == self._last_key:
             return
         self._last_key = key
-        self.last_snapshot = snap
+        if not has_page_map(view):
+            self._show_parts(render_without_map(view, chats, width))
+            return
+        snap = self.last_snapshot = view
+        self._show_parts(())
         self.query_one("#insp-summary", Static).update(render_summary(snap, width))
         self.query_one("#insp-map", Static).update(render_map(snap, chats, width))
         self.query_one("#insp-sharing", Static).update(render_sharing(snap, width))
         self.query_one("#insp-chats", Static).update(render_chats(snap, chats, width))
         self.query_one("#insp-table", Static).update(render_block_table(snap, focused))
 
+    def _show_parts(self, parts: tuple[Content, ...]) -> None:
+        """parts: what a view without a page map shows, in place of the summary and the chats; () for a map."""
+        self.query_one("#insp-remote", Static).display = bool(parts)
+        for part in ("#insp-summary", "#insp-map", "#insp-sharing", "#insp-chats", "#insp-table"):
+            self.query_one(part, Static).display = not parts
+        if parts:
+            self.query_one("#insp-remote", Static).update(Content("\n\n").join(parts))
+
     def show_message(self, text: str) -> None:
         self._last_key = None
+        self._show_parts(())
         self.query_one("#insp-summary", Static).update(Content.styled(visible_controls(text), MUTED))

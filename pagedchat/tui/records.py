@@ -39,10 +39,6 @@ class ChatSettings(SamplingSettings):
 INTERRUPTED = "interrupted"
 
 
-# A reply saved while it was still being written: what a crash, a closed terminal or SIGTERM leaves behind.
-INTERRUPTED = "interrupted"
-
-
 @dataclass
 class ReplyStats:
     """The quiet line under a reply."""
@@ -56,10 +52,11 @@ class ReplyStats:
     error: str | None = None
 
     @classmethod
-    def from_completion(cls, c) -> ReplyStats:
-        return cls(prompt_tokens=len(c.prompt_token_ids), cached_tokens=c.cached_tokens,
-                   generated_tokens=len(c.token_ids), ttft=c.time_to_first_token,
-                   tokens_per_s=c.decode_tokens_per_s, finish_reason=c.finish_reason, error=c.error)
+    def from_outcome(cls, o) -> ReplyStats:
+        """From a backend's Outcome (pagedchat.backends.base)."""
+        return cls(prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens, generated_tokens=o.generated_tokens,
+                   ttft=o.time_to_first_token, tokens_per_s=o.tokens_per_s, finish_reason=o.finish_reason,
+                   error=o.error)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ReplyStats | None:

@@ -1,14 +1,15 @@
-"""A chat's live state in this run: its record plus what only matters while the engine runs.
+"""A chat's live state in this run: its record plus what only matters while the backend runs.
 
-turn_ids keeps the exact token ids of every finished exchange (prompt + generated ids) by the index of its
-reply, so the next prompt, a regenerate, an edit or a branch can start from ids the engine has cached instead
-of re-tokenised text (which may tokenise differently and miss the prefix cache).
+turns keeps the Outcome of every finished exchange by the index of its reply. The next prompt, a regenerate,
+an edit or a branch hands the one before it back to the backend, which reuses what it can: the local engine
+starts from its exact token ids (re-tokenised text may tokenise differently and miss the prefix cache).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pagedchat.backends.base import Outcome
 from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ReplyStats
 
 
@@ -17,13 +18,13 @@ class ChatSession:
     record: ChatRecord
     colour: int = 0                            # index into the theme's chat colours
     request_id: str | None = None              # the live request, if a reply is being generated
-    handle: object | None = None               # its RequestHandle
+    handle: object | None = None               # its ReplyHandle
     reply_index: int | None = None             # the message the live request writes into
     reply_prefix: str = ""                     # text the reply had before this request (a forked branch)
-    fork_parent_len: int | None = None         # forked branch: parent prompt length, to recover the prefix
+    inheriting: bool = False                   # a forked branch whose first update (the text it inherits) is due
     received_text: str = ""                    # text streamed by the live request so far
     received_tokens: int = 0
-    turn_ids: dict[int, list[int]] = field(default_factory=dict)
+    turns: dict[int, Outcome] = field(default_factory=dict)
     pages: tuple[int, ...] = ()                # the pages its last request held (seen while it ran)
     page_tokens: int = 0
     unseen: bool = False                       # a reply finished while the tab was not in view
@@ -39,10 +40,8 @@ class ChatSession:
 
     def live_stats(self, finish_reason: str) -> ReplyStats:
         """The live reply's stats line as it stands, ended by `finish_reason`."""
-        handle = self.handle
-        return ReplyStats(prompt_tokens=len(handle.prompt_token_ids), cached_tokens=handle.cached_tokens,
-                          generated_tokens=self.received_tokens, ttft=handle.time_to_first_token,
-                          tokens_per_s=handle.decode_tokens_per_s, finish_reason=finish_reason)
+        return replace(ReplyStats.from_outcome(self.handle.so_far()), generated_tokens=self.received_tokens,
+                       finish_reason=finish_reason)
 
     def reply_snapshot(self) -> ChatMessage:
         """The live reply as saved while it is written: its text so far, marked interrupted, which is what
@@ -50,23 +49,17 @@ class ChatSession:
         message = self.record.messages[self.reply_index]
         return ChatMessage(message.role, message.content, self.live_stats(INTERRUPTED), message.id)
 
-    def previous_ids(self, upto: int) -> list[int] | None:
-        """Token ids of the latest exchange whose reply comes before message `upto`."""
-        earlier = [i for i in self.turn_ids if i < upto]
-        return self.turn_ids[max(earlier)] if earlier else None
+    def previous(self, upto: int) -> Outcome | None:
+        """The latest exchange whose reply comes before message `upto`."""
+        earlier = [i for i in self.turns if i < upto]
+        return self.turns[max(earlier)] if earlier else None
 
     def truncate(self, count: int) -> list[ChatMessage]:
-        """Drop messages from index `count` on, with the token ids that covered them; returns the dropped."""
+        """Drop messages from index `count` on, with the turns that covered them; returns the dropped."""
         dropped = self.record.messages[count:]
         del self.record.messages[count:]
-        self.turn_ids = {i: ids for i, ids in self.turn_ids.items() if i < count}
+        self.turns = {i: turn for i, turn in self.turns.items() if i < count}
         return dropped
 
-    def prefix_pages(self, ids: list[int] | None, block_size: int) -> tuple[int, ...]:
-        """The full pages of `ids` among the remembered pages, when the last request's tokens start with ids."""
-        if not ids or not self.pages:
-            return ()
-        last = self.turn_ids[max(self.turn_ids)] if self.turn_ids else None
-        if last is None or last[:len(ids)] != ids:
-            return ()
-        return self.pages[:len(ids) // block_size]
+    def turns_before(self, index: int) -> dict[int, Outcome]:
+        return {i: turn for i, turn in self.turns.items() if i < index}

@@ -9,7 +9,7 @@ kept as a chat of its own, a branch of the original.
 from __future__ import annotations
 
 from copy import deepcopy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from textual import on
 from textual.app import ComposeResult
@@ -18,6 +18,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, TextArea
 
+from pagedchat.backends.base import Outcome, ReplyHandle
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.inspector import ChatPages, InspectorView
@@ -108,21 +109,30 @@ class CompareSetupScreen(_Modal):
 
 @dataclass(eq=False)
 class Side:
-    """One answer while it is written: its request, its text so far and, at the end, its completion."""
+    """One answer while it is written: its reply, its text so far and, at the end, its outcome."""
 
     name: str
     variant: Variant
     view: MessageView
-    request_id: str | None = None
-    prompt_ids: list[int] = field(default_factory=list)
+    handle: ReplyHandle | None = None
     text: str = ""
     tokens: int = 0
-    completion: object | None = None
+    outcome: Outcome | None = None
     error: str | None = None
 
     @property
+    def request_id(self) -> str | None:
+        return self.handle.request_id if self.handle is not None else None
+
+    @property
     def running(self) -> bool:
-        return self.request_id is not None and self.completion is None
+        return self.handle is not None and self.outcome is None
+
+    def tokens_held(self) -> int:
+        """Prompt plus generated tokens: final from the outcome, else as they stand."""
+        if self.outcome is not None:
+            return self.outcome.total_tokens
+        return (self.handle.so_far().prompt_tokens if self.handle is not None else 0) + self.tokens
 
 
 class CompareScreen(Screen):
@@ -165,40 +175,35 @@ class CompareScreen(Screen):
         self.set_interval(TICK_S, self._tick)
 
     async def _submit(self, side: Side) -> None:
-        from pagedchat.engine.chat import chat_prompt_ids
-
-        engine = self.app.engine
+        backend = self.app.backend
         parent = self.parent_session
         conversation = ChatRecord(system_prompt=side.variant.system_prompt, messages=self.history).conversation()
         # The parent's exact ids keep the shared pages shared; they only hold for the same system prompt.
         same = side.variant.system_prompt == parent.record.system_prompt
-        previous = parent.previous_ids(len(self.history)) if same else None
         try:
-            side.prompt_ids = chat_prompt_ids(engine.tokenizer, conversation, previous)
-            handle = engine.submit(side.prompt_ids, side.variant.settings.params(),
-                                   on_update=self.inbox.callback(side.name))
-        except Exception as exc:  # RequestError (too long for the context or the cache), a template problem
+            side.handle = backend.submit(conversation, side.variant.settings.params(),
+                                         previous=parent.previous(len(self.history)) if same else None,
+                                         on_update=self.inbox.callback(side.name))
+        except Exception as exc:  # too long for the context or the cache, a template or settings problem
             side.error = str(exc)
             await side.view.finish("", None)
             side.view.set_stats(f"not started: {exc}")
             return
-        side.request_id = handle.request_id
         await side.view.start_stream()
 
     async def on_deltas_ready(self, event: DeltasReady) -> None:
         event.stop()   # this screen's inbox, not the app's
-        for name, delta in self.inbox.take():
+        for name, update in self.inbox.take():
             side = self.sides[SIDES.index(name)]
-            if delta.request_id != side.request_id or side.completion is not None:
+            if update.request_id != side.request_id or side.outcome is not None:
                 continue
-            side.text += delta.text
-            side.tokens += len(delta.token_ids)
-            if delta.finished:
-                side.completion = delta.completion
-                stats = ReplyStats.from_completion(delta.completion)
-                await side.view.finish(delta.completion.text, stats)
+            side.text += update.text
+            side.tokens += update.tokens
+            if update.finished:
+                side.outcome = update.outcome
+                await side.view.finish(update.outcome.text, ReplyStats.from_outcome(update.outcome))
             else:
-                side.view.feed(delta.text, len(delta.token_ids))
+                side.view.feed(update.text, update.tokens)
         self.refresh_bindings()
 
     def chat_pages(self) -> list[ChatPages]:
@@ -208,18 +213,18 @@ class CompareScreen(Screen):
         out = [ChatPages(parent.id, parent.record.title, app._colour_of(parent), None, parent.pages,
                          parent.page_tokens)]
         for n, side in enumerate(self.sides):
-            pages = tuple(side.completion.pages) if side.completion is not None else ()
-            tokens = len(side.prompt_ids) + side.tokens
+            pages = side.outcome.pages if side.outcome is not None else ()
+            tokens = side.tokens_held()
             colour = colours[(parent.colour + 1 + n) % len(colours)]
             out.append(ChatPages(f"compare-{side.name}", f"{side.name} · {parent.record.title}", colour,
                                  side.request_id if side.running else None, pages, tokens))
         return out
 
     def _tick(self, force: bool = False) -> None:
-        if not self.inspector.display or self.app.engine is None:
+        if not self.inspector.display or self.app.backend is None:
             return
         pages = self.chat_pages()
-        self.inspector.update_view(self.app.engine.memory(), pages, pages[1], force=force)
+        self.inspector.update_view(self.app.backend.memory(), pages, pages[1], force=force)
 
     def toggle_inspector(self) -> None:
         self.inspector.display = not self.inspector.display
@@ -233,7 +238,7 @@ class CompareScreen(Screen):
     def action_stop(self) -> None:
         for side in self.sides:
             if side.running:
-                self.app.engine.cancel(side.request_id)   # the final delta arrives as "cancelled"
+                side.handle.cancel()   # the final update arrives as "cancelled"
 
     def action_back(self) -> None:
         self.action_stop()
@@ -241,7 +246,7 @@ class CompareScreen(Screen):
 
     async def action_keep(self, n: int) -> None:
         side = self.sides[n]
-        if side.completion is None:
+        if side.outcome is None:
             self.app.notify(f"{side.name} is still being written: wait, or press s to stop both.",
                             severity="warning")
             return
@@ -249,25 +254,26 @@ class CompareScreen(Screen):
         self.dismiss(self.kept(side))
 
     def kept(self, side: Side) -> ChatSession:
-        """The side as a chat of its own: the history, its answer, its settings, its token ids."""
-        done = side.completion
+        """The side as a chat of its own: the history, its answer, its settings, its outcome (the next turn's
+        prompt reuses it)."""
+        done = side.outcome
         parent = self.parent_session
-        reply = ChatMessage("assistant", done.text, ReplyStats.from_completion(done))
+        reply = ChatMessage("assistant", done.text, ReplyStats.from_outcome(done))
         record = ChatRecord(title=f"{side.name}: {parent.record.title}"[:40], system_prompt=side.variant.system_prompt,
                             settings=deepcopy(side.variant.settings), messages=deepcopy(self.history) + [reply])
         session = ChatSession(record)
         index = len(record.messages) - 1
         if done.finish_reason != "error":
-            session.turn_ids[index] = list(done.prompt_token_ids) + list(done.token_ids)
-        session.pages = tuple(done.pages or ())
-        session.page_tokens = len(done.prompt_token_ids) + len(done.token_ids)
+            session.turns[index] = done
+        session.pages = done.pages
+        session.page_tokens = done.total_tokens
         return session
 
 
 def start_compare(app) -> None:
     """F5 / palette: ask for the two variants, then show both answers being written."""
     session = app.active_session
-    if session is None or app._engine_or_say() is None:
+    if session is None or app._backend_or_say() is None:
         return
     if not any(m.role == "user" for m in session.record.messages):
         app.notify("Nothing to compare yet: send a message first.", severity="warning")

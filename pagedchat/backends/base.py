@@ -1,0 +1,126 @@
+"""The one face the app sees of whatever writes its replies.
+
+A backend takes chat messages (with the outcome of the turn before, so it can reuse what that turn computed),
+streams Updates to a callback on a thread of its own, forks a live reply, and reports memory. The app never
+tokenizes, never reads an engine's internals and never asks which kind of backend it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
+
+from pagedchat.backends.metrics import ServerMetrics
+
+if TYPE_CHECKING:  # both import torch, which the app loads off its UI thread, with the backend
+    from pagedchat.engine.memory import MemorySnapshot
+    from pagedchat.engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the status line and the inspector say about the model; None where the backend cannot know."""
+
+    model: str
+    where: str                      # "on cpu · float32", "via http://127.0.0.1:8000/v1"
+    context_length: int | None = None
+    block_size: int | None = None   # tokens per page
+    num_pages: int | None = None
+    page_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A reply's figures: final in the last Update, or so far (finish_reason None) from ReplyHandle.so_far()."""
+
+    request_id: str
+    text: str = ""
+    finish_reason: str | None = None   # stop, length, cancelled, error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token: float | None = None
+    tokens_per_s: float | None = None
+    error: str | None = None
+    pages: tuple[int, ...] = ()        # its block table when it ended, where the backend can see it
+    token_ids: tuple[int, ...] = ()    # prompt and reply ids, where known: the next turn's prompt reuses them
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a reply added since the last update. A fork's first update says what text it inherited."""
+
+    request_id: str
+    text: str
+    tokens: int = 0
+    inherited: str | None = None      # a fork's first update: the parent reply's text it continues ("" = none)
+    notice: str | None = None         # something the user should be told about this reply
+    outcome: Outcome | None = None    # set on the last update only
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+
+@dataclass(frozen=True)
+class MemoryUnavailable:
+    """The backend can show no memory picture; `reason` is the one line the inspector prints."""
+
+    reason: str
+
+
+# What memory() returns: the full page map (the local engine, `pagedchat serve`), server-wide figures from
+# Prometheus metrics (vLLM), or a line saying there is nothing to show.
+MemoryView = Union["MemorySnapshot", ServerMetrics, "MemoryUnavailable"]
+OnUpdate = Callable[[Update], None]
+
+
+@runtime_checkable
+class ReplyHandle(Protocol):
+    request_id: str
+
+    def cancel(self) -> None:
+        """Stop the reply; its final Update (finish_reason "cancelled") still comes."""
+
+    def so_far(self) -> Outcome:
+        """The figures up to now, for a reply abandoned before its final update."""
+
+    def result(self, timeout: float | None = None) -> Outcome:
+        """Wait for the final outcome."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    info: BackendInfo
+    failure: str | None   # why it stopped for good (the local engine's loop broke), else None
+
+    def submit(self, messages: list[dict], params: "SamplingParams", *, previous: Outcome | None = None,
+               on_update: OnUpdate | None = None) -> ReplyHandle:
+        """Start a reply to `messages` (the last one the user's). Raises PagedChatError when it cannot start."""
+
+    def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int | None:
+        """The prompt's size in tokens, where the backend can count it (None: only the backend's refusal tells)."""
+
+    def fork(self, parent: ReplyHandle, params: "SamplingParams", *,
+             on_update: OnUpdate | None = None) -> ReplyHandle:
+        """A new reply continuing `parent`'s text so far. Raises PagedChatError when it cannot fork."""
+
+    def memory(self) -> MemoryView:
+        """The latest memory picture; never waits on the network (the UI thread calls it on a timer)."""
+
+    def shutdown(self) -> None: ...
+
+
+def has_page_map(view: MemoryView) -> bool:
+    """True for a MemorySnapshot: told apart from the other two kinds, which import no torch."""
+    return not isinstance(view, (ServerMetrics, MemoryUnavailable))
+
+
+def request_pages(view: MemoryView, request_id: str) -> tuple[tuple[int, ...], int] | None:
+    """(pages, tokens) a live request holds, where the memory view shows them by request id."""
+    seq = view.seqs.get(request_id) if has_page_map(view) else None
+    return (tuple(seq.pages), seq.num_tokens) if seq is not None and seq.pages else None

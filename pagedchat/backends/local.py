@@ -1,0 +1,107 @@
+"""The in-process engine behind the backend face: prompt building, deltas to Updates, forks that share pages."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Update
+from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.sequence import Completion, StreamDelta
+from pagedchat.errors import PagedChatError
+
+
+def outcome_of(c: Completion) -> Outcome:
+    return Outcome(request_id=c.request_id, text=c.text, finish_reason=c.finish_reason,
+                   prompt_tokens=len(c.prompt_token_ids), cached_tokens=c.cached_tokens,
+                   generated_tokens=len(c.token_ids), time_to_first_token=c.time_to_first_token,
+                   tokens_per_s=c.decode_tokens_per_s, error=c.error, pages=tuple(c.pages),
+                   token_ids=tuple(c.prompt_token_ids) + tuple(c.token_ids))
+
+
+class LocalReply:
+    """One engine request seen through the face. A fork also knows its parent's prompt length, so that its
+    first update can say which of the parent's reply tokens it starts from (the parent may grow until the
+    engine thread takes the fork in)."""
+
+    def __init__(self, backend: "LocalBackend", on_update: OnUpdate | None, parent_prompt_len: int | None = None):
+        self._backend = backend
+        self._on_update = on_update
+        self._parent_prompt_len = parent_prompt_len
+        self._bound = threading.Event()
+        self.handle = None
+        self.request_id = ""
+
+    def bind(self, handle) -> "LocalReply":
+        self.handle, self.request_id = handle, handle.request_id
+        self._bound.set()
+        return self
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        """Engine thread. A delta can come before submit() has returned the handle; wait for it (microseconds)."""
+        self._bound.wait()
+        inherited = None
+        if self._parent_prompt_len is not None:
+            ids = self.handle.prompt_token_ids[self._parent_prompt_len:]
+            inherited = self._backend.engine.tokenizer.decode(ids, skip_special_tokens=True)
+            self._parent_prompt_len = None
+        outcome = outcome_of(delta.completion) if delta.finished else None
+        if self._on_update is not None:
+            self._on_update(Update(delta.request_id, delta.text, len(delta.token_ids), inherited=inherited,
+                                   outcome=outcome))
+
+    def cancel(self) -> None:
+        self._backend.engine.cancel(self.request_id)
+
+    def so_far(self) -> Outcome:
+        h = self.handle
+        return Outcome(self.request_id, prompt_tokens=len(h.prompt_token_ids), cached_tokens=h.cached_tokens,
+                       time_to_first_token=h.time_to_first_token, tokens_per_s=h.decode_tokens_per_s)
+
+    def result(self, timeout: float | None = None) -> Outcome:
+        return outcome_of(self.handle.result(timeout))
+
+
+class LocalBackend:
+    """pagedchat's own Engine, in this process."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        plan = engine.cache_plan
+        precision = str(engine.dtype).removeprefix("torch.")
+        weights = engine.model.weight_precision
+        if weights != precision:  # packed weights run in their own format beside the activations' dtype
+            precision += f" · weights {weights}"
+        self.info = BackendInfo(model=Path(str(engine.model_path)).name, where=f"on {engine.device} · {precision}",
+                                context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
+                                num_pages=plan.num_pages, page_bytes=plan.page_bytes)
+
+    def _prompt_ids(self, messages: list[dict], previous: Outcome | None) -> list[int]:
+        try:
+            return chat_prompt_ids(self.engine.tokenizer, messages, list(previous.token_ids) if previous else None)
+        except Exception as exc:  # a template problem (no chat template, a role it refuses)
+            raise PagedChatError(f"Cannot build the prompt: {exc}") from exc
+
+    def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int:
+        return len(self._prompt_ids(messages, previous))
+
+    def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
+               on_update: OnUpdate | None = None) -> LocalReply:
+        ids = self._prompt_ids(messages, previous)
+        reply = LocalReply(self, on_update)
+        return reply.bind(self.engine.submit(ids, params, on_update=reply.on_delta))
+
+    def fork(self, parent: LocalReply, params, *, on_update: OnUpdate | None = None) -> LocalReply:
+        reply = LocalReply(self, on_update, parent_prompt_len=len(parent.handle.prompt_token_ids))
+        return reply.bind(self.engine.fork(parent.request_id, params, on_update=reply.on_delta))
+
+    @property
+    def failure(self) -> str | None:
+        return self.engine.failure
+
+    def memory(self) -> MemorySnapshot:
+        return self.engine.memory()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,85 @@
+"""`pagedchat bench`'s flags and the command itself: run, print the tables, write JSON and Markdown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pagedchat.argtypes import positive_int
+from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names
+from pagedchat.errors import PagedChatError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the bench's flags on an (sub)parser."""
+    parser.add_argument("--model", default=None,
+                        help="model folder, .gguf file or hub id (default: the app's default model)")
+    parser.add_argument("--chats", type=chat_counts, default=DEFAULT_CHATS, metavar="N,N,...",
+                        help=f"concurrent chats to measure, comma-separated (default: "
+                             f"{','.join(map(str, DEFAULT_CHATS))})")
+    parser.add_argument("--max-tokens", type=positive_int, default=128, metavar="N",
+                        help="tokens generated per chat; every reply is forced to this length (default: 128)")
+    parser.add_argument("--system-tokens", type=positive_int, default=300, metavar="N",
+                        help="length of the shared system prompt in tokens, chat template included (default: 300)")
+    parser.add_argument("--seed", type=int, default=0, help="picks the user questions (default: 0)")
+    parser.add_argument("--repeat", type=positive_int, default=1, metavar="N",
+                        help="rounds per level of pagedchat and each peer (transformers' padded batch, "
+                             "llama.cpp), alternating; the tables show the median round, for machines shared "
+                             "with other work (default: 1)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                        help="also write every figure to FILE as JSON ('-' for stdout)")
+    parser.add_argument("--markdown", dest="markdown_path", default=None, metavar="FILE",
+                        help="also write the tables to FILE as Markdown (for a README)")
+    parser.add_argument("--against", type=peer_names, default=(), metavar="|".join(PEERS),
+                        help="also run the same workload on transformers generate and/or llama.cpp "
+                             "(llama-cpp-python, on the model's GGUF file), comma-separated, and report ratios")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="KV cache budget, like 512MiB or 2GB (default: the engine's own sizing)")
+    parser.add_argument("--dtype", default=None,
+                        help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--serve", action="store_true",
+                        help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
+                             "in-process, on the same workload (the HTTP overhead in tokens/s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench as the CLI asked; print the tables (and JSON). Returns the exit status."""
+    if args.serve:
+        from pagedchat.serve import bench as serve_bench
+
+        return serve_bench.run(args)
+    from rich.console import Console
+    from rich.markup import escape
+
+    from pagedchat.bench.progress import ProgressBar
+    from pagedchat.bench.render import render, to_markdown
+    from pagedchat.bench.report import to_json
+    from pagedchat.bench.harness import run_bench
+
+    out = Console()
+    if not out.is_terminal:  # piped or redirected: wide enough that the speed table keeps one line per row
+        out = Console(width=170)
+    err = Console(stderr=True)
+    cfg = BenchConfig(model=args.model, chats=tuple(args.chats), max_tokens=args.max_tokens,
+                      system_tokens=args.system_tokens, seed=args.seed, repeat=args.repeat,
+                      against=tuple(args.against), kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                      device=args.device)
+    try:
+        with ProgressBar(err) as progress:
+            report = run_bench(cfg, progress)
+    except (PagedChatError, ValueError) as exc:
+        err.print(f"[bold red]pagedchat bench:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    figures = json.dumps(to_json(report), indent=2)
+    if args.json_path == "-":
+        print(figures)
+    else:
+        render(report, out)
+        if args.json_path:
+            Path(args.json_path).write_text(figures + "\n")
+            out.print(f"[dim]figures written to {args.json_path}[/]")
+    if args.markdown_path:
+        Path(args.markdown_path).write_text(to_markdown(report))
+    return 0

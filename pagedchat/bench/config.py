@@ -1,0 +1,50 @@
+"""What one bench run is asked to do, and the one error it stops with."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pagedchat.errors import PagedChatError
+
+DEFAULT_CHATS = (1, 2, 4, 8, 16)
+PEERS = ("transformers", "llama.cpp")  # what --against accepts
+
+
+class BenchError(PagedChatError):
+    """The bench cannot run as asked: one line, non-zero exit."""
+
+
+def chat_counts(value: str) -> tuple[int, ...]:
+    """argparse type for --chats: distinct positive counts, sorted."""
+    try:
+        counts = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: give chat counts like 1,2,4,8") from None
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: chat counts must be positive integers, like 1,2,4,8")
+    return tuple(counts)
+
+
+def peer_names(value: str) -> tuple[str, ...]:
+    """argparse type for --against: one or more of PEERS, comma-separated, in the order given."""
+    names = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: --against takes {' or '.join(PEERS)}, or both comma-separated")
+    return names
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None = None
+    chats: tuple[int, ...] = DEFAULT_CHATS
+    max_tokens: int = 128
+    system_tokens: int = 300
+    seed: int = 0
+    repeat: int = 1
+    against: tuple[str, ...] = ()
+    kv_cache_memory: str | int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    startup: bool = True  # time "start to model ready" in fresh processes

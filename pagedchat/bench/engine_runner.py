@@ -1,0 +1,125 @@
+"""pagedchat's side of the bench: the workload on an Engine, with the peak page snapshot and a cold against a
+warm first token."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from pagedchat.bench.config import BenchConfig, BenchError
+from pagedchat.bench.memory import PeakAccounting, Sharing, peak_accounting
+from pagedchat.bench.stats import RunStats, median, timing_stats
+from pagedchat.bench.workload import WARM_QUESTION, Workload
+
+WARM_REPEATS = 3
+
+
+def engine_kwargs(cfg: BenchConfig, max_chats: int) -> dict:
+    """Engine's keyword arguments for this run: also what the startup probe's fresh process is given."""
+    return {"kv_cache_memory": cfg.kv_cache_memory, "dtype": cfg.dtype, "device": cfg.device, "swap_space": 0,
+            "max_seqs": max(64, max_chats)}
+
+
+def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]):
+    from pagedchat.engine.engine import Engine
+
+    describe("loading the engine")
+    return Engine(cfg.model, **engine_kwargs(cfg, max_chats))
+
+
+def warm_up(engine, work: Workload) -> None:
+    """One short request on a prompt that shares no page with the workload: first-call costs off the clock."""
+    from pagedchat.engine.sampling import SamplingParams
+
+    engine.generate([work.cold_prefix(0)], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    stats: RunStats
+    peak: PeakAccounting
+    sharing: Sharing
+
+
+def run_engine_level(engine, prompts: list[list[int]], max_tokens: int, progress, tag: str) -> EngineRun:
+    """All prompts submitted at once; per-token arrival times, and pages at the peak."""
+    from pagedchat.engine.sampling import SamplingParams
+
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    arrivals: list[list[float]] = [[] for _ in prompts]
+    peak = {"step": -1, "used": -1, "snap": None}
+
+    def on_update(delta) -> None:  # on the engine thread, between steps
+        now = time.perf_counter()
+        arrivals[index[delta.request_id]].extend([now] * len(delta.token_ids))
+        progress.advance(len(delta.token_ids))
+        if engine.steps != peak["step"] and not delta.finished:
+            peak["step"] = engine.steps
+            used = engine.blocks.num_pages - engine.blocks.num_available()
+            # A snapshot of a large pool costs milliseconds of engine time: take one when the page count
+            # grows, and in the last steps before replies end, where the most tokens fill the most pages.
+            ending = len(arrivals[index[delta.request_id]]) >= max_tokens - 1
+            if used > peak["used"] or (used == peak["used"] and ending):
+                peak["used"] = used
+                peak["snap"] = engine.memory()
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    handles = engine.submit_many(prompts, params, on_update=on_update, request_ids=ids)
+    completions = [h.result() for h in handles]
+    bad = [c for c in completions if c.finish_reason != "length"]
+    if bad:
+        raise BenchError(f"request {bad[0].request_id} ended with {bad[0].finish_reason!r}"
+                         f"{': ' + bad[0].error if bad[0].error else ''}")
+    acct = peak_accounting(peak["snap"], engine.config.max_position_embeddings)
+    sharing = Sharing(pages_with=acct.pages_with_sharing, pages_without=acct.pages_without_sharing,
+                      pages_saved=acct.pages_saved, prompt_tokens=sum(len(p) for p in prompts),
+                      prefill_tokens_computed=sum(c.prefilled_tokens for c in completions),
+                      prefill_tokens_saved=sum(c.cached_tokens for c in completions))
+    return EngineRun(timing_stats(start, arrivals), acct, sharing)
+
+
+@dataclass(frozen=True)
+class ColdWarm:
+    """A new chat alone: its system prompt already cached (warm) against one the cache has never seen (cold)."""
+
+    repeats: int
+    prompt_tokens: int
+    warm_cached_tokens: int
+    cold_s: float
+    warm_s: float
+    warm_over_cold: float
+    cold_all_s: tuple[float, ...]
+    warm_all_s: tuple[float, ...]
+
+
+def cold_prompts(work: Workload) -> list[tuple[list[int], list[int]]]:
+    """(cold prefix, user turn) per repeat: a question no chat asked, different from its first token on, so only
+    the system prompt can be cached; cold and warm get the same user turn, so only the prefix differs. Every
+    runner's cold first token is timed on these same prompts."""
+    return [(work.cold_prefix(100 + k), work.user_turn(f"Ticket {k + 1}: {WARM_QUESTION}"))
+            for k in range(WARM_REPEATS)]
+
+
+def ttft_cold_warm(engine, work: Workload, progress) -> ColdWarm:
+    from pagedchat.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    cold, warm, cached = [], [], []
+    for k, (cold_prefix, question) in enumerate(cold_prompts(work)):
+        for kind, prefix in (("cold", cold_prefix), ("warm", work.system_ids)):
+            t0 = time.perf_counter()
+            got = []
+            handle = engine.submit(prefix + question, params, request_id=f"ttft-{kind}-{k}",
+                                   on_update=lambda d: got.append(time.perf_counter()) if d.token_ids else None)
+            c = handle.result()
+            (cold if kind == "cold" else warm).append(got[0] - t0)
+            if kind == "warm":
+                cached.append(c.cached_tokens)
+            progress.advance(1)
+    c50, w50 = median(cold), median(warm)
+    return ColdWarm(repeats=WARM_REPEATS, prompt_tokens=len(work.system_ids) + len(question),
+                    warm_cached_tokens=cached[0], cold_s=c50, warm_s=w50, warm_over_cold=w50 / c50,
+                    cold_all_s=tuple(cold), warm_all_s=tuple(warm))

@@ -1,0 +1,108 @@
+"""The bench's report: every figure of one run, typed; `to_json` gives the same tree as plain JSON values."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedchat.bench.config import BenchConfig
+from pagedchat.bench.engine_runner import ColdWarm
+from pagedchat.bench.memory import Capacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
+from pagedchat.bench.stats import RunStats
+
+PAGEDCHAT = "pagedchat"  # the runner key of pagedchat's own rounds
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str
+    torch: str
+    torch_threads: int
+    cpu: str
+    cpus: int | None
+    load_average_at_start: tuple[float, ...] | None
+    load_average_at_end: tuple[float, ...] | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    architecture: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WorkloadInfo:
+    system_tokens: int
+    user_tokens: tuple[int, ...]
+    max_tokens: int
+    questions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    runner: str        # PAGEDCHAT or a peer runner's key
+    stats: RunStats
+
+
+@dataclass(frozen=True)
+class PeerFigures:
+    """A peer runner's median round at one level, and pagedchat's figures over its."""
+
+    runner: str
+    label: str
+    every_round: bool  # alternated with pagedchat's rounds (else run once per level)
+    stats: RunStats
+    end_to_end_ratio: float | None
+    decode_ratio: float | None
+
+
+@dataclass(frozen=True)
+class Level:
+    chats: int
+    prompt_tokens: tuple[int, ...]
+    memory_at_peak: PeakAccounting
+    sharing: Sharing
+    engine: RunStats                              # pagedchat's median round
+    peers: tuple[PeerFigures, ...]
+    rounds: tuple[tuple[RoundResult, ...], ...]   # every round, in the order run
+
+    def peer(self, runner: str) -> PeerFigures:
+        return next(p for p in self.peers if p.runner == runner)
+
+    def round_stats(self, runner: str) -> list[RunStats]:
+        return [r.stats for rnd in self.rounds for r in rnd if r.runner == runner]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One runner's figure measured several times: the median, and every time in the order taken."""
+
+    runner: str
+    label: str
+    median_s: float
+    all_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    config: BenchConfig
+    machine: Machine
+    model: ModelInfo
+    workload: WorkloadInfo
+    token_cost: TokenCost
+    capacity: Capacity
+    weights: WeightCapacity
+    ttft_cold_warm: ColdWarm
+    cold_first_token: tuple[Timed, ...]   # pagedchat's cold prompt first, then each peer's, same prompts
+    startup: tuple[Timed, ...]            # start to model ready, pagedchat first; empty when not measured
+    levels: tuple[Level, ...]
+
+    @property
+    def peer_labels(self) -> list[tuple[str, str]]:
+        """(key, label) of every peer runner, in table order."""
+        return [(p.runner, p.label) for p in self.levels[0].peers] if self.levels else []
+
+
+def to_json(report: Report) -> dict:
+    return dataclasses.asdict(report)

@@ -1,0 +1,99 @@
+"""The packed-weights cache: a model's weights saved as the int4 kernel holds them, so a restart skips reading the
+GGUF's metadata, decoding its blocks and packing (which together take seconds) and maps one safetensors file.
+
+Only models with packed weights get one: their file holds the same 4-bit codes as the GGUF (about its size),
+never a float32 copy. A cache entry is keyed by everything that shapes its bytes: the source file, the torch
+version and the packed layout torch uses on this CPU, dtype and `--quantize`; a stale or damaged entry is
+rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedchat.errors import ModelError
+from pagedchat.model import quant
+from pagedchat.model.config import ModelConfig
+from pagedchat.model.linear import Builder
+from pagedchat.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+FORMAT = "1"
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    tensors: dict[str, torch.Tensor]
+    forms: dict[str, str]  # see linear.Builder
+    precision: str
+
+
+def cache_file(folder: Path, dtype: torch.dtype, quantize: str | None) -> Path:
+    """Where the packed weights of this model, in this dtype and quantization, on this torch, are kept."""
+    from pagedchat.model.loader import source_fingerprint
+    from pagedchat.model.pull import cache_root
+
+    key = json.dumps([FORMAT, source_fingerprint(folder), torch.__version__, quant.packed_layout(), str(dtype),
+                      quantize])
+    return cache_root() / "packed" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+
+
+def read(path: Path) -> PackedWeights | None:
+    """A cache entry, or None where there is none or it cannot be read (then it is rebuilt)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return PackedWeights(tensors, json.loads(meta["forms"]), meta["precision"])
+    except Exception as exc:  # a cut-off or foreign file: safetensors raises its own error types
+        log.warning("ignoring unreadable packed-weights cache %s: %s", path, exc)
+        return None
+
+
+def write(path: Path, model: LlamaModel, built: Builder) -> None:
+    """Save the model's built tensors atomically (temporary file, then rename): a crash leaves no half entry."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.contiguous() for name, t in built.tensors.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"forms": json.dumps(built.forms), "precision": model.weight_precision})
+        os.replace(tmp, path)
+    except OSError as exc:  # a full or read-only disk costs the next start its speed, nothing else
+        log.warning("could not write the packed-weights cache %s: %s", path, exc)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, quantize: str | None,
+               read_weights: Callable) -> LlamaModel:
+    """The model from its packed-weights cache where one is valid, else from its weights (saving a cache)."""
+    path = cache_file(folder, dtype, quantize)
+    cached = read(path) if device.type == "cpu" else None
+    if cached is not None:
+        try:
+            model = LlamaModel(config, None, device, dtype, quantize, cached)
+            model.built = None  # its record holds plain copies of weights oneDNN packed: let them go
+            return model
+        except (ModelError, KeyError, ValueError, RuntimeError) as exc:  # written by another version, say
+            log.warning("rebuilding the packed-weights cache %s: %s", path, exc)
+    model = LlamaModel(config, read_weights(folder, dtype, device), device, dtype, quantize)
+    built, model.built = model.built, None
+    if built.packs:
+        write(path, model, built)
+    return model

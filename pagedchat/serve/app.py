@@ -1,0 +1,265 @@
+"""The Starlette app: OpenAI's chat and completion endpoints, models, health, metrics and the page map.
+
+Threads: the event loop only parses, formats and forwards. The engine runs every torch call on its own compute
+thread; its on_update callbacks hand each step's delta to the loop with call_soon_threadsafe. Tokenizing a
+prompt (possibly long, and a chat template render) runs on a worker thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pagedchat.engine.engine import Engine
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.sequence import Completion
+from pagedchat.errors import RequestError
+from pagedchat.serve.metrics import ServeMetrics
+from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
+from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from pagedchat.serve.responses import SSE_DONE, Kind, Reply, sse
+from pagedchat.serve.stream import EngineStream, until_disconnect
+
+log = logging.getLogger("pagedchat.serve")
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that cancels its engine request however it ends: done, client gone, or server stopping."""
+
+    def __init__(self, content, stream: EngineStream):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.close()
+
+
+class BearerAuth:
+    """ASGI middleware: /v1 paths need `Authorization: Bearer KEY`; /health and /metrics stay open, as in vLLM."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                 code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The state behind the routes: the engine once loaded, the exchange memory, the metrics."""
+
+    def __init__(self, load_engine: Callable[[], Engine], model_name: str,
+                 on_load_failure: Callable[[BaseException], None] | None = None):
+        self.load_engine = load_engine
+        self.model_name = model_name
+        self.on_load_failure = on_load_failure
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.exchanges = ExchangeMemory()
+        self.metrics = ServeMetrics(model_name, lambda: self.engine.memory() if self.engine else None)
+        self._tokenizing: anyio.CapacityLimiter | None = None
+
+    # ---- life cycle: listen first, load the model on a thread, so /health can say "loading" ---------------
+    def _load(self) -> None:
+        try:
+            self.engine = self.load_engine()
+            log.info("model %s ready", self.model_name)
+        except BaseException as exc:  # reported, and the CLI exits with it
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("could not load the model: %s", self.load_error)
+            if self.on_load_failure:
+                self.on_load_failure(exc)
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        threading.Thread(target=self._load, name="pagedchat-load", daemon=True).start()
+        yield
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def _ready_engine(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(503, f"the model failed to load: {self.load_error}" if self.load_error
+                           else "the model is still loading; retry when GET /health answers 200",
+                           kind="service_unavailable")
+        return self.engine
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _off_loop(self, fn, *args):
+        """fn on a worker thread, one at a time (tokenizing in parallel only contends for the same cores)."""
+        if self._tokenizing is None:
+            self._tokenizing = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._tokenizing)
+
+    # ---- the OpenAI endpoints ------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        engine = self._ready_engine()
+        req = parse(ChatRequest, await request.body())
+        self._check_model(req.model)
+        ids, rendered = await self._off_loop(build_chat_prompt, engine.tokenizer, req.template_messages(),
+                                             self.exchanges, req.continue_final_message)
+
+        def remember(done: Completion) -> None:
+            self.exchanges.remember(rendered, done.text, ids + done.token_ids)
+
+        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name)
+        return await self._respond(request, engine, reply, ids, req, "messages", remember)
+
+    async def completions(self, request: Request) -> Response:
+        engine = self._ready_engine()
+        req = parse(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        try:
+            ids = await self._off_loop(engine.encode_prompt, req.prompt_input())
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
+        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name)
+        return await self._respond(request, engine, reply, ids, req, "prompt", lambda done: None)
+
+    def _params(self, engine: Engine, ids: list[int], req, prompt_field: str) -> SamplingParams:
+        """The request's sampling; max_tokens defaults to all that the context and the cache leave."""
+        context = engine.config.max_position_embeddings
+        if len(ids) >= context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {context}",
+                           param=prompt_field, code="context_length_exceeded")
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            cache_tokens = engine.cache_plan.num_pages * engine.block_size
+            # Where the context is the limit, the engine stops there and says so (context_full); where the
+            # cache is the smaller one, the reply may take all of it.
+            max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
+            if max_tokens < 1:
+                raise ApiError(400, f"the prompt's {len(ids)} tokens fill the KV cache", param=prompt_field)
+        try:
+            return req.sampling_params(max_tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def _respond(self, request: Request, engine: Engine, reply: Reply, ids: list[int], req, prompt_field,
+                       on_done: Callable[[Completion], None]) -> Response:
+        params = self._params(engine, ids, req, prompt_field)
+        started = time.perf_counter()
+
+        def finished(done: Completion) -> None:
+            self.metrics.observe(done, len(ids), time.perf_counter() - started)
+            if done.finish_reason != "error":
+                on_done(done)
+
+        try:
+            stream = EngineStream(engine, ids, params, reply.id, finished)
+        except RequestError as exc:  # e.g. max_tokens more than the cache can ever hold
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        if req.stream:
+            return EventStream(self._events(reply, stream, len(ids), req.include_usage), stream)
+        try:
+            done = await until_disconnect(request, stream.completion())
+        finally:
+            stream.close()
+        if done is None:  # the client went away; its request is cancelled and its pages freed
+            return Response(status_code=499)
+        if done.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
+        return JSONResponse(reply.whole(len(ids), done))
+
+    async def _events(self, reply: Reply, stream: EngineStream, prompt_tokens: int, include_usage: bool):
+        if reply.kind is Kind.CHAT:
+            yield reply.chunk("", role=True, with_usage=include_usage)
+        async for delta in stream.deltas():
+            if not delta.finished:
+                if delta.text:
+                    yield reply.chunk(delta.text, with_usage=include_usage)
+                continue
+            done = delta.completion
+            if done.finish_reason == "error":
+                yield sse(ApiError(500, f"generation failed: {done.error}", kind="server_error").body())
+                break
+            yield reply.chunk(delta.text or None, finish_reason=done.finish_reason, with_usage=include_usage)
+            if include_usage:
+                yield reply.usage_chunk(prompt_tokens, done)
+        yield SSE_DONE
+
+    # ---- the rest ------------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        engine = self._ready_engine()
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedchat",
+                "root": str(engine.model_path), "max_model_len": engine.config.max_position_embeddings}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine is not None:
+            return JSONResponse({"status": "ok"})
+        status = "failed" if self.load_error else "loading"
+        return JSONResponse({"status": status, "error": self.load_error}, status_code=503)
+
+    async def memory(self, request: Request) -> Response:
+        engine = self._ready_engine()
+        snap = await anyio.to_thread.run_sync(engine.memory)
+        return JSONResponse({"model": self.model_name, "snapshot": snap.to_json()})
+
+    async def prometheus(self, request: Request) -> Response:
+        text = await anyio.to_thread.run_sync(self.metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = (f"no such endpoint: {request.method} {request.url.path}" if exc.status_code == 404
+               else f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405
+               else str(exc.detail))
+    error = ApiError(exc.status_code, message)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("request failed", exc_info=exc)
+    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+def create_app(load_engine: Callable[[], Engine], model_name: str, *, api_key: str | None = None,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+    server = Server(load_engine, model_name, on_load_failure)
+    routes = [
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/memory", server.memory, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
+    ]
+    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=server.lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, 500: _server_error})
+    app.state.server = server
+    return app

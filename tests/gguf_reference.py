@@ -1,0 +1,32 @@
+"""transformers' own model of a GGUF: its GGUF loader's dequantized tensors (gguf's d*q+m, its own q/k row
+order) in a model built from the folder's config. What the quantized paths are compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.utils import logging as hf_logging
+
+from pagedchat.model.loader import gguf_weights
+
+
+def transformers_from_gguf(folder: Path, dtype: torch.dtype = torch.float32):
+    """The model transformers builds from the GGUF that folder (a converted model) reads its weights from.
+    (transformers' from_pretrained(gguf_file=...) does the same, but needs accelerate installed.)"""
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tensors = load_gguf_checkpoint(str(gguf_weights(folder)), return_tensors=True, model_to_load=shell)["tensors"]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # a tied head is the table
+    model.tie_weights()
+    return model.to(dtype).eval()

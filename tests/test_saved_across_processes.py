@@ -1,0 +1,116 @@
+"""The real app in subprocesses: killed (SIGKILL), hung up on (SIGHUP), terminated (SIGTERM) mid-reply, and
+two instances on one database. What they saved is read from the database; the restart is the app itself."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from pty_app import AppProcess, saved, wait_until
+from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord
+from pagedchat.tui.store import Store
+from tiny_models import make_tiny_model
+from tui_support import make_config, screen_text, wait_for
+
+LONG = 3000    # tokens: several seconds of reply, cut short by the tests
+SHORT = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("proc-model"), seed=1, max_positions=4096)
+
+
+@pytest.fixture
+def config(tmp_path, model):
+    return make_config(tmp_path, model)
+
+
+@pytest.fixture
+def launch(config, tmp_path):
+    started: list[AppProcess] = []
+
+    def start(max_tokens: int) -> AppProcess:
+        app = AppProcess(config.model, config.data_dir, config.config_dir, max_tokens=max_tokens, cwd=tmp_path)
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        app.close()
+
+
+def partial_reply(data_dir):
+    """The reply being written, once it has text: saved while it grows, marked interrupted until it ends."""
+    replies = [m for m in saved(data_dir) if m.role == "assistant"]
+    return replies[-1] if replies and replies[-1].content and replies[-1].finish_reason == INTERRUPTED else None
+
+
+async def restarted_shows(config, text: str) -> None:
+    """Start the app again on the same data dir: the reply is there, with its text and the mark."""
+    app = PagedChatApp(config)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.sessions and app.active_session.record.messages, "the restored chat")
+        reply = app.active_session.record.messages[-1]
+        assert reply.content == text and reply.stats.finish_reason == INTERRUPTED
+        await wait_for(pilot, lambda: "interrupted" in screen_text(app), "the interrupted mark on screen")
+
+
+async def test_kill_9_mid_reply_keeps_the_partial_reply(launch, config):
+    app = launch(LONG)
+    app.send("tell me a long story")
+    first = wait_until(lambda: partial_reply(config.data_dir), "a partial reply saved")
+    # Saved as it grows: a later save has more text, well within a second or two.
+    grown = wait_until(lambda: (r := partial_reply(config.data_dir)) and len(r.content) > len(first.content) and r,
+                       "the saved reply to grow", timeout=10)
+    app.signal(signal.SIGKILL)
+    assert app.wait() == -signal.SIGKILL
+    after = partial_reply(config.data_dir)
+    assert after is not None and after.content.startswith(grown.content)
+    await restarted_shows(config, after.content)
+
+
+@pytest.mark.parametrize("how", ["hang up", "SIGTERM"])
+async def test_closed_terminal_or_sigterm_saves_and_exits_cleanly(launch, config, how):
+    app = launch(LONG)
+    app.send("tell me a long story")
+    seen = wait_until(lambda: partial_reply(config.data_dir), "a partial reply saved")
+    if how == "hang up":
+        app.hang_up()
+    else:
+        app.signal(signal.SIGTERM)
+    assert app.wait() == 0, app.screen_tail()  # the handler ran: killed by the signal would be negative
+    after = partial_reply(config.data_dir)
+    assert after is not None and after.content.startswith(seen.content)
+    await restarted_shows(config, after.content)
+
+
+def test_two_instances_on_one_chat_keep_both_turns(launch, config):
+    """Both restore the same open chat and each adds a turn; both quit. Before per-message saves, each
+    instance rewrote the whole chat from its own copy and the last to save deleted the other's turn."""
+    store = Store.open(config.data_dir)
+    store.save_chat(ChatRecord(title="shared", messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hey")]))
+    store.close()
+    first, second = launch(SHORT), launch(SHORT)
+    first.send("from the first window")
+    second.send("from the second window")
+
+    def finished():
+        replies = [m for m in saved(config.data_dir) if m.role == "assistant"]
+        return len(replies) == 3 and all(m.finish_reason in ("length", "stop") for m in replies[1:])
+
+    try:
+        wait_until(finished, "both replies to finish")
+    except AssertionError:
+        raise AssertionError(f"{saved(config.data_dir)}\n{first.screen_tail()}")
+    for app in (first, second):
+        app.type("\x11")  # ctrl+q
+    assert first.wait() == 0 and second.wait() == 0
+    messages = saved(config.data_dir)
+    assert len({m.chat_id for m in messages}) == 1
+    users = sorted(m.content for m in messages if m.role == "user")
+    assert users == ["from the first window", "from the second window", "hi"]
+    assert [m.content for m in messages[:2]] == ["hi", "hey"]
+    assert len(messages) == 6 and all(m.content for m in messages)
