@@ -262,8 +262,7 @@ def cmd_serve(args) -> int:
                               dtype=args.dtype, threads=args.threads))
 
 
-COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, None: cmd_app}
-COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "import": cmd_import, None: cmd_app}
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, "import": cmd_import, None: cmd_app}
 
 
 def main(argv: list[str] | None = None) -> int:

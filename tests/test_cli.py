@@ -159,3 +159,13 @@ def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert err == 'pagedchat: error: not imported: chat.json: "messages" must be a list of {"role", "content"}'
     assert len(Store.open(tmp_path / "data").load_chats()) == 1   # nothing written for the bad file
+
+
+def test_every_subcommand_has_its_handler():
+    """A subcommand the parser accepts but COMMANDS lacks fails with a KeyError (`serve` did after a merge)."""
+    import argparse
+
+    from pagedchat.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(COMMANDS) == set(sub.choices) | {None}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import AutoTokenizer
 
@@ -32,20 +34,21 @@ def test_plain_tokenizer_loads_as_autotokenizer_would(tiny_llama):
 
 
 def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama, tmp_path, monkeypatch):
-    """F2's summary gains a weights line (bytes and precision) once the app knows the model's; the status line
-    reads the same public attribute."""
+    """F2's summary shows the weights' bytes and precision from the engine's snapshot; the status line says
+    how they run through the backend's info."""
     from pagedchat import Engine
-
-    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))  # the packed weights are saved there
-    from pagedchat.tui.app import weight_precision
+    from pagedchat.backends.local import LocalBackend
     from pagedchat.tui.inspector import render_summary
 
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))  # the packed weights are saved there
     engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16", quantize="int4")
-    precision = weight_precision(engine)
-    assert precision == engine.model.weight_precision == "int4 (quantized at load)"
+    precision = engine.model.weight_precision
+    assert precision == "int4 (quantized at load)"
     snap = engine.memory()
+    assert (snap.weight_bytes, snap.weight_precision) == (engine.model.weight_bytes(), precision)
+    assert LocalBackend(engine).info.where == f"on cpu · bfloat16 · weights {precision}"
     engine.shutdown()
-    text = render_summary(snap, 80, (precision, engine.model.weight_bytes())).plain
+    text = render_summary(snap, 80).plain
     assert "weights" in text and precision in text
-    assert "weights" not in render_summary(snap, 80).plain
-    assert weight_precision(object()) is None  # a stand-in engine without a model shows nothing
+    unknown = dataclasses.replace(snap, weight_bytes=0, weight_precision="")
+    assert "weights" not in render_summary(unknown, 80).plain  # a backend that cannot tell shows nothing
