@@ -24,6 +24,7 @@ commands:
   pagedchat ask "question"  stream one answer to stdout (cat notes.txt | pagedchat ask "summarize this")
   pagedchat bench           measure memory and speed, optionally against transformers
   pagedchat serve           an OpenAI-compatible HTTP server over the engine
+  pagedchat import F.json   bring an exported chat (ctrl+o, JSON) back as a new chat
 
 models (--model): a Hugging Face model folder, a .gguf file, or a hub id (needs internet);
   default: SmolLM2-135M-Instruct, pulled on first use into the user cache dir.
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--top-k", type=int, default=0)
     ask.add_argument("--seed", type=int)
     _add_engine_flags(ask)
+
+    imp = sub.add_parser("import", help="bring a JSON chat export back as a new chat")
+    imp.add_argument("file", metavar="FILE.json", help='{"title", "system", "messages": [{"role", "content"}], '
+                     '"settings"}, as ctrl+o writes it')
 
     from pagedchat import bench
 
@@ -215,6 +220,31 @@ def cmd_app(args) -> int:
     return 0
 
 
+def cmd_import(args) -> int:
+    from pathlib import Path
+
+    from pagedchat.config import load_config
+    from pagedchat.tui.chat_ops import save_imported
+    from pagedchat.tui.store import Store
+    from pagedchat.tui.transfer import NotAChatExport, read_chat_file
+
+    config = load_config(args.config)
+    try:
+        record = read_chat_file(Path(args.file))
+    except NotAChatExport as exc:
+        raise PagedChatError(f"not imported: {exc}") from None
+    store = Store.open(config.data_dir)
+    if store.notice:
+        print(store.notice, file=sys.stderr)
+    try:
+        save_imported(store, record)
+    finally:
+        store.close()
+    print(f"Imported “{record.title}” ({len(record.messages)} messages) into {store.path}; "
+          "it opens as a tab at the next start.")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from pagedchat import bench
 
@@ -232,7 +262,7 @@ def cmd_serve(args) -> int:
                               dtype=args.dtype, threads=args.threads))
 
 
-COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, None: cmd_app}
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, "import": cmd_import, None: cmd_app}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,3 +134,38 @@ def test_piped_ask_json_on_a_real_engine_matches_generate(tiny_llama):
     assert result["text"] == expected.text and result["completion_tokens"] == len(expected.token_ids) == 12
     assert result["prompt_tokens"] == len(expected.prompt_token_ids) and result["finish_reason"] == "length"
     assert result["decode_tokens_per_s"] > 0
+
+
+def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, capsys):
+    import json
+
+    from pagedchat.tui.store import Store
+
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    export = tmp_path / "chat.json"
+    export.write_text(json.dumps({"title": "Capitals", "system": "Be brief.", "settings": {"temperature": 0.2},
+                                  "messages": [{"role": "user", "content": "Capital of France?"},
+                                               {"role": "assistant", "content": "Paris."}]}))
+    assert main(["import", str(export)]) == 0
+    assert "Imported “Capitals” (2 messages)" in capsys.readouterr().out
+    [chat] = Store.open(tmp_path / "data").load_chats()
+    assert chat.title == "Capitals" and chat.system_prompt == "Be brief." and chat.settings.temperature == 0.2
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "Capital of France?"), ("assistant", "Paris.")]
+    assert chat.is_open
+
+    export.write_text('{"messages": "hello"}')
+    assert main(["import", str(export)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == 'pagedchat: error: not imported: chat.json: "messages" must be a list of {"role", "content"}'
+    assert len(Store.open(tmp_path / "data").load_chats()) == 1   # nothing written for the bad file
+
+
+def test_every_subcommand_has_its_handler():
+    """A subcommand the parser accepts but COMMANDS lacks fails with a KeyError (`serve` did after a merge)."""
+    import argparse
+
+    from pagedchat.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(COMMANDS) == set(sub.choices) | {None}

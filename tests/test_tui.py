@@ -18,11 +18,13 @@ from textual._wait import wait_for_idle
 
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
+from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.chat import PromptInput
 from pagedchat.tui.inspector import InspectorView, fmt_bytes
 from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
 from pagedchat.tui.store import DB_NAME, Store
+from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
 from tui_support import make_config, screen_text, send, static_text, wait_for
 
@@ -305,7 +307,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         await pilot.press("k")
         assert copied == [session.record.messages[-1].content, "print('hi')"]
 
-        path = app.action_export_chat()
+        path = export_chat(app, session, ExportFormat.MARKDOWN)
         assert path.parent == config.data_dir / "exports"
         text = path.read_text()
         assert text.startswith("# Renamed") and "Answer in one line." in text and "print('hi')" in text
@@ -407,7 +409,7 @@ async def test_keys_remap_and_every_action_is_in_the_palette(config):
         titles = {c.title for c in app.get_system_commands(app.screen)}
         for wanted in ("New chat", "Close chat", "Next chat", "Previous chat", "Rename chat", "Chat settings",
                        "Memory inspector", "Help", "Stop reply", "Regenerate last reply", "Branch chat at a message…",
-                       "Edit a message and resend…", "Copy last reply", "Export chat to Markdown", "Theme", "Quit"):
+                       "Edit a message and resend…", "Copy last reply", "Export chat…", "Theme", "Quit"):
             assert wanted in titles
         assert {b.id for b in binding_catalogue()} >= {"new_chat", "close_chat", "next_chat", "prev_chat",
                                                        "toggle_inspector", "help", "stop", "newline"}

@@ -17,10 +17,12 @@ from textual.widgets import OptionList, TextArea
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.store import Store
 from pagedchat.backends.local import LocalBackend
+from pagedchat.tui.transfer import ExportFormat
 from tui_support import ScriptedEngine, make_config, screen_text, static_text, wait_for
 
 SIZE = (120, 36)
@@ -173,7 +175,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
         assert raw_controls(edit) == [] and "␛]2;user-title␇" in edit
         await pilot.press("escape")
 
-        path = app.action_export_chat()
+        path = export_chat(app, app.active_session, ExportFormat.MARKDOWN)
         exported = path.read_text(encoding="utf-8")
         assert raw_controls(exported) == [] and "␛]52;c;cHduZWQ=␇" in exported
 

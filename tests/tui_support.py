@@ -78,6 +78,9 @@ class StandInBackend:
     def submit(self, messages, params, *, previous=None, on_update=None):
         raise PagedChatError("the stand-in backend writes no replies")
 
+    def prompt_tokens(self, messages, previous=None) -> None:
+        return None   # no tokenizer behind it: the context figure comes from saved stats alone
+
     def fork(self, parent, params, *, on_update=None):
         raise PagedChatError("the stand-in backend writes no replies")
 

@@ -102,6 +102,9 @@ class Backend(Protocol):
                on_update: OnUpdate | None = None) -> ReplyHandle:
         """Start a reply to `messages` (the last one the user's). Raises PagedChatError when it cannot start."""
 
+    def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int | None:
+        """The prompt's size in tokens, where the backend can count it (None: only the backend's refusal tells)."""
+
     def fork(self, parent: ReplyHandle, params: "SamplingParams", *,
              on_update: OnUpdate | None = None) -> ReplyHandle:
         """A new reply continuing `parent`'s text so far. Raises PagedChatError when it cannot fork."""

@@ -77,13 +77,18 @@ class LocalBackend:
                                 context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
                                 num_pages=plan.num_pages, page_bytes=plan.page_bytes)
 
-    def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
-               on_update: OnUpdate | None = None) -> LocalReply:
-        tokenizer = self.engine.tokenizer
+    def _prompt_ids(self, messages: list[dict], previous: Outcome | None) -> list[int]:
         try:
-            ids = chat_prompt_ids(tokenizer, messages, list(previous.token_ids) if previous else None)
+            return chat_prompt_ids(self.engine.tokenizer, messages, list(previous.token_ids) if previous else None)
         except Exception as exc:  # a template problem (no chat template, a role it refuses)
             raise PagedChatError(f"Cannot build the prompt: {exc}") from exc
+
+    def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int:
+        return len(self._prompt_ids(messages, previous))
+
+    def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
+               on_update: OnUpdate | None = None) -> LocalReply:
+        ids = self._prompt_ids(messages, previous)
         reply = LocalReply(self, on_update)
         return reply.bind(self.engine.submit(ids, params, on_update=reply.on_delta))
 

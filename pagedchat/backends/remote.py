@@ -217,6 +217,10 @@ class RemoteBackend:
         reply._future = asyncio.run_coroutine_threadsafe(self._stream(reply, fork=False), self._loop)
         return reply
 
+    def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> None:
+        # The server's tokenizer and template are not ours to run: its own 400 says when a prompt is too long.
+        return None
+
     def fork(self, parent: RemoteReply, params, *, on_update: OnUpdate | None = None) -> RemoteReply:
         # Read on the UI thread while the parent streams: a str is swapped whole, so this is one consistent value.
         text = parent.text

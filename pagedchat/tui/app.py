@@ -32,11 +32,15 @@ from pagedchat.backends.base import Backend, Outcome, request_pages
 from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.errors import PagedChatError
 from pagedchat.text import escaped_markup, visible_controls
+from pagedchat.tui import chat_ops, context
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress, start_loading
 from pagedchat.tui.chat import ChatView, MessageView, PromptInput
+from pagedchat.tui.commands import ChatCommands
+from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import ChatPages, InspectorView
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, slug, title_from
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats, title_from
 from pagedchat.tui.saver import RETRY_S, Saver
+from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.session import ChatSession
@@ -80,6 +84,7 @@ def default_backend_factory(config: AppConfig) -> BackendFactory:
 class PagedChatApp(App):
     CSS_PATH = "pagedchat.tcss"
     TITLE = "pagedchat"
+    COMMANDS = App.COMMANDS | {ChatCommands}   # search, history, delete, import, compare (tui/commands.py)
 
     # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the
     # TextArea also uses (it takes f6/f7, ctrl+w, ...) still reaches the app.
@@ -96,6 +101,8 @@ class PagedChatApp(App):
         Binding("ctrl+r", "regenerate", "Regenerate", show=False, priority=True, id="regenerate"),
         Binding("ctrl+b", "branch", "Branch", show=False, priority=True, id="branch"),
         Binding("ctrl+o", "export_chat", "Export", show=False, priority=True, id="export_chat"),
+        Binding("f5", "compare", "Compare", show=False, priority=True, id="compare"),
+        Binding("f8", "delete_chat", "Delete chat", show=False, priority=True, id="delete_chat"),
     ]
 
     def __init__(self, config: AppConfig, *, backend_factory: BackendFactory | None = None,
@@ -140,6 +147,7 @@ class PagedChatApp(App):
         self.store = self._open_store()
         self.saver = Saver(self.store, lambda text, severity: self.notify(text, severity=severity, timeout=10))
         self._install_exit_signals()
+        self.prompt_history = PromptHistory(self.store.recent_prompts())
         self._apply_theme()
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
@@ -281,6 +289,7 @@ class PagedChatApp(App):
                 view.prompt.focus()
         self.saver.state("active_chat", session.id)
         self.saver.flush()
+        context.show_fill(self, session)
         self._tick(force=True)
 
     def _save_order(self) -> None:
@@ -359,8 +368,19 @@ class PagedChatApp(App):
         if session.busy:
             self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
             return
+        if self._backend_or_say() is None:
+            return
+        if (notice := context.prompt_too_long(self, session, event.text)) is not None:
+            self.notify(notice, severity="warning", timeout=10)
+            return
         if await self._start_reply(session, ask=event.text):
             event.prompt.clear()  # only now: a refused message stays in the input
+            self.prompt_history.add(event.text)
+            self.prompt_history.forget_walk(event.prompt)
+
+    @on(PromptInput.Recall)
+    def _recall(self, event: PromptInput.Recall) -> None:
+        self.prompt_history.step(event.prompt, event.step)
 
     async def _start_reply(self, session: ChatSession, keep: int | None = None, ask: str | None = None) -> bool:
         """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
@@ -489,6 +509,7 @@ class PagedChatApp(App):
         self._tick()  # the inspector shows the chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
         self._save(session, *(() if index is None else (index,)))
+        context.after_reply(self, session, outcome.finish_reason)
 
     async def _abandon(self, session: ChatSession) -> None:
         """Stop a reply now, without waiting for the backend's final update (closing, quitting, editing)."""
@@ -564,6 +585,11 @@ class PagedChatApp(App):
         await self._abandon(session)
         session.record.is_open = False
         self._save(session, row=True)
+        await self._remove_tab(session)
+        self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
+
+    async def _remove_tab(self, session: ChatSession) -> None:
+        await self._abandon(session)
         del self.sessions[session.id]
         await self.tabs.remove_pane(PANE_PREFIX + session.id)
         if not self.sessions:
@@ -571,7 +597,12 @@ class PagedChatApp(App):
         else:
             await self._activated(self.active_session)
         self._save_order()
-        self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
+
+    def action_delete_chat(self) -> None:
+        chat_ops.confirm_delete(self)
+
+    def action_compare(self) -> None:
+        start_compare(self)
 
     async def reopen_chat(self, chat_id: str) -> None:
         record = next((r for r in self.store.load_chats(open_only=False) if r.id == chat_id), None)
@@ -593,6 +624,9 @@ class PagedChatApp(App):
         self._switch(-1)
 
     def action_toggle_inspector(self) -> None:
+        if isinstance(self.screen, CompareScreen):   # it has an inspector of its own, for its two requests
+            self.screen.toggle_inspector()
+            return
         inspector = self.query_one(InspectorView)
         inspector.display = not inspector.display
         self._tick(force=True)
@@ -759,21 +793,8 @@ class PagedChatApp(App):
         self.copy_to_clipboard(text)
         self.notify(f"Copied the {what} ({len(text)} characters) to the clipboard via OSC 52.", timeout=3)
 
-    def action_export_chat(self) -> Path | None:
-        session = self.active_session
-        if session is None:
-            return None
-        folder = self.config.data_dir / "exports"
-        path = folder / f"{slug(session.record.title)}-{time.strftime('%Y%m%d-%H%M%S')}.md"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            # Shown with `cat` or a pager, the file is a terminal path too: its controls are pictures.
-            path.write_text(visible_controls(session.record.to_markdown()), encoding="utf-8")
-        except OSError as exc:
-            self.notify(f"Export failed: {exc}", severity="error")
-            return None
-        self.notify(f"Exported to {path}", timeout=8)
-        return path
+    def action_export_chat(self) -> None:
+        chat_ops.offer_export(self)
 
     def pick_message(self, title: str, then: Callable[[int], object], role: str | None = None) -> None:
         session = self.active_session
@@ -844,6 +865,8 @@ class PagedChatApp(App):
         self.backend = event.engine
         bar.display = False
         self._update_status()
+        for session in self.sessions.values():
+            context.show_fill(self, session)
         self._tick(force=True)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
@@ -891,6 +914,7 @@ class PagedChatApp(App):
             held = request_pages(view, session.request_id)
             if held is not None:
                 session.pages, session.page_tokens = held
+            context.show_fill(self, session)
         if inspector.display:
             pages = self.chat_pages()
             active = self.active_session
@@ -931,8 +955,8 @@ class PagedChatApp(App):
         yield SystemCommand("Copy last reply", "To the clipboard (OSC 52)", lambda: self._copy_last(False))
         yield SystemCommand("Copy a code block from the last reply", "To the clipboard (OSC 52)",
                             lambda: self._copy_last(True))
-        yield SystemCommand("Export chat to Markdown",
-                            f"Write it to {escaped_markup(str(self.config.data_dir / 'exports'))} (ctrl+o)",
+        yield SystemCommand("Export chat…", "Markdown, or JSON that imports back, in "
+                            f"{escaped_markup(str(self.config.data_dir / 'exports'))} (ctrl+o)",
                             self.action_export_chat)
         for chat_id, title, count in self.store.closed_chats():
             # The palette parses titles as markup.

@@ -44,9 +44,26 @@ class PromptInput(TextArea):
             self.prompt = prompt
             self.text = text
 
+    class Recall(Message):
+        """Up on the first line (or Down while recalling): step -1 to an older prompt, +1 to a newer one."""
+
+        def __init__(self, prompt: PromptInput, step: int) -> None:
+            super().__init__()
+            self.prompt = prompt
+            self.step = step
+
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message  (Enter sends · ctrl+j newline · F1 help)", **kwargs)
+        self.recalling = False   # the text is a recalled prompt (tui/history.py)
+
+    def _recall_step(self, key: str) -> int | None:
+        row, column = self.cursor_location
+        if key == "up" and row == 0 and (self.recalling or not self.text or column == 0):
+            return -1
+        if key == "down" and self.recalling and row == self.document.line_count - 1:
+            return 1
+        return None
 
     async def _on_key(self, event: events.Key) -> None:
         # Enter is handled here, before TextArea would insert a newline; other keys behave as in TextArea.
@@ -55,6 +72,11 @@ class PromptInput(TextArea):
             event.prevent_default()
             if self.text.strip():
                 self.post_message(self.Submitted(self, self.text))
+            return
+        if (step := self._recall_step(event.key)) is not None:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Recall(self, step))
             return
         await super()._on_key(event)
 

@@ -219,6 +219,14 @@ class Store:
         return [SearchHit(chat_id=cid, title=title, message_index=index, role=role, snippet=snippet,
                           is_open=bool(is_open)) for cid, title, is_open, role, index, snippet in rows]
 
+    def recent_prompts(self, limit: int = 500) -> list[str]:
+        """The user's messages across all chats, newest chat first and latest message first, without repeats
+        (prompt recall, tui/history.py)."""
+        rows = self.conn.execute(
+            "SELECT m.content FROM messages m JOIN chats c ON c.id = m.chat_id WHERE m.role = 'user' "
+            "ORDER BY c.updated DESC, m.idx DESC, m.seq DESC LIMIT ?", (limit * 2,)).fetchall()
+        return list(dict.fromkeys(content for (content,) in rows))[:limit]
+
     def get_state(self, key: str, default: str | None = None) -> str | None:
         row = self.conn.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default

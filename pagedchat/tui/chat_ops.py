@@ -1,0 +1,119 @@
+"""What the palette and keys do to whole chats: open one at a message, delete one for good, export, import.
+
+Each takes the app and goes through its tab registry (`_open_session`, `_remove_tab`, `_save`), so a chat
+reached from here behaves like one opened with ctrl+n.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedchat.tui.records import ChatRecord
+from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
+from pagedchat.tui.screens.modals import PickScreen
+from pagedchat.tui.session import ChatSession
+from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, read_chat_file, render
+
+
+async def open_at(app, chat_id: str, index: int) -> None:
+    """Show a chat (reopening it if closed) with message `index` focused and in view."""
+    session = app.sessions.get(chat_id)
+    if session is None:
+        await app.reopen_chat(chat_id)
+        session = app.sessions.get(chat_id)
+        if session is None:
+            app.notify("That chat is no longer saved.", severity="warning")
+            return
+    else:
+        app._show(session)
+        await app._activated(session)
+    view = app.chat_view(session)
+    if view is None:
+        return
+    await view.populate()
+    message = view.view_at(index)
+    if message is not None:
+        # After the palette has closed and the tab switch has settled, each of which moves focus itself.
+        app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))
+
+
+def confirm_delete(app, chat_id: str | None = None) -> None:
+    """Ask, then delete the chat (the active one by default) from the tabs, the database and the index."""
+    if chat_id is None:
+        if app.active_session is None:
+            return
+        chat_id = app.active_session.id
+    session = app.sessions.get(chat_id)
+    record = session.record if session else app.store.load_chat(chat_id)
+    if record is None:
+        return
+    title = record.title
+
+    async def answered(yes: bool | None) -> None:
+        if yes:
+            await delete_chat(app, chat_id, title)
+
+    app.push_screen(ConfirmScreen(f"Delete “{title}” for good? It cannot be brought back.", "Delete"), answered)
+
+
+async def delete_chat(app, chat_id: str, title: str) -> None:
+    session = app.sessions.get(chat_id)
+    if session is not None:
+        await app._remove_tab(session)
+    app.saver.delete_chat(chat_id)   # a failed write is retried, and nothing unsaved brings the chat back
+    app.saver.flush()
+    app.prompt_history.prompts = app.store.recent_prompts()   # its prompts go too
+    app.notify(f"Deleted “{title}”.", timeout=4)
+
+
+def export_chat(app, session: ChatSession, fmt: ExportFormat) -> Path | None:
+    folder = app.config.data_dir / "exports"
+    path = export_path(folder, session.record, fmt)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(session.record, fmt), encoding="utf-8")
+    except OSError as exc:
+        app.notify(f"Export failed: {exc}", severity="error")
+        return None
+    app.notify(f"Exported to {path}", timeout=8)
+    return path
+
+
+def offer_export(app) -> None:
+    session = app.active_session
+    if session is None:
+        return
+    # PickScreen starts on the last option: Markdown, as ctrl+o always wrote.
+    options = [("JSON: messages and settings, imports back (.json)", ExportFormat.JSON),
+               ("Markdown: to read or share (.md)", ExportFormat.MARKDOWN)]
+    app.push_screen(PickScreen("Export this chat as", options),
+                    lambda fmt: fmt is not None and export_chat(app, session, fmt))
+
+
+async def import_chat(app, path: Path) -> ChatSession | None:
+    try:
+        record = read_chat_file(path)
+    except NotAChatExport as exc:
+        app.notify(f"Not imported: {exc}", severity="error", timeout=10)
+        return None
+    session = ChatSession(record)
+    await app._open_session(session, after=app.active_session)
+    app._save(session, messages=True)
+    app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
+    return session
+
+
+def ask_import(app) -> None:
+    async def chosen(text: str | None) -> None:
+        if text:
+            await import_chat(app, Path(text).expanduser())
+
+    start = f"{app.config.data_dir / 'exports'}/"
+    app.push_screen(AskTextScreen("Import a chat from a JSON file", start,
+                                  "Enter imports it as a new chat · Esc cancels"), chosen)
+
+
+def save_imported(store, record: ChatRecord) -> None:
+    """The CLI's import: a new open chat after the open tabs, shown at the next start."""
+    record.position = len(store.load_chats(open_only=True))
+    store.save_chat(record)

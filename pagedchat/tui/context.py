@@ -1,0 +1,140 @@
+"""How full a chat's context is: the figure on its input's border, the check before sending, and carrying a
+full chat over into a new one.
+
+A chat's size is what its last request held (prompt plus generated tokens): the backend's own count, so it
+needs no re-tokenising. While a reply streams it grows with each update. The app never tokenizes: the check
+before sending asks the backend (Backend.prompt_tokens), and is skipped where the backend cannot count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.content import Content
+
+from pagedchat.errors import PagedChatError
+
+from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.session import ChatSession
+
+WARN_AT = 0.70      # the theme's warning colour from here
+ERROR_AT = 0.90     # and its error colour from here
+CARRY_SHARE = 0.5   # a continued chat starts with at most this share of the context, leaving room to talk
+
+CONTINUE_HINT = "ctrl+p → “Continue in a new chat” carries the system prompt and the last turns over"
+
+
+@dataclass(frozen=True)
+class ContextFill:
+    used: int
+    limit: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.limit if self.limit else 0.0
+
+    def style(self) -> str:
+        if self.fraction >= ERROR_AT:
+            return "$error"
+        if self.fraction >= WARN_AT:
+            return "$warning"
+        return ""   # the border's own subtitle colour (pagedchat.tcss)
+
+    def content(self) -> Content:
+        return Content.styled(f" {self.used:,} / {self.limit:,} ", self.style())
+
+
+# A rough English-text rule, only where the backend cannot count (a remote server): a carried chat then fits
+# the budget approximately, and the server's own refusal still guards the limit.
+CHARS_PER_TOKEN = 4
+
+
+def context_length(app) -> int | None:
+    """The model's context in tokens (the backend refuses prompts that reach it); None from a backend that does
+    not say (a stand-in, a server that does not report it): then no figure is shown and nothing is checked
+    before sending, and the backend's own refusal is what the user sees."""
+    return app.backend.info.context_length if app.backend is not None else None
+
+
+def tokens_in_use(session: ChatSession) -> int:
+    """Tokens the chat holds: the live request's so far, else what its last reply's request held."""
+    if session.busy and session.handle is not None:
+        return session.handle.so_far().prompt_tokens + session.received_tokens
+    for message in reversed(session.record.messages):
+        if message.role == "assistant" and message.stats is not None:
+            return message.stats.prompt_tokens + message.stats.generated_tokens
+    return 0
+
+
+def show_fill(app, session: ChatSession) -> None:
+    """Write the chat's figure on its input's bottom border (nothing until the backend is there)."""
+    view = app.chat_view(session)
+    limit = context_length(app)
+    if view is not None and limit is not None:
+        view.prompt.border_subtitle = ContextFill(tokens_in_use(session), limit).content()
+
+
+def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
+    """A notice when sending `text` would not leave the reply a single token of context, else None."""
+    limit = context_length(app)
+    if limit is None:
+        return None
+    record = session.record
+    messages = record.conversation() + [{"role": "user", "content": text}]
+    try:
+        count = app.backend.prompt_tokens(messages, session.previous(len(record.messages)))
+    except PagedChatError:  # a template problem: the send path reports it with its own words
+        return None
+    if count is None or count < limit:
+        return None
+    return (f"This message would make the chat {count:,} tokens, but the model's context holds {limit:,}; "
+            f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
+
+
+def after_reply(app, session: ChatSession, finish_reason: str | None) -> None:
+    show_fill(app, session)
+    if finish_reason == "context_full":
+        app.notify(f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}.",
+                   severity="warning", timeout=10)
+
+
+def conversation_tokens(backend, conversation: list[dict]) -> int:
+    """The backend's count where it can count, else an estimate from the characters (CHARS_PER_TOKEN)."""
+    count = backend.prompt_tokens(conversation)
+    if count is not None:
+        return count
+    return sum(len(m["content"]) for m in conversation) // CHARS_PER_TOKEN
+
+
+def carried_messages(record: ChatRecord, count_tokens, budget: float) -> list[ChatMessage]:
+    """The longest run of whole last turns (each from a user message on) whose prompt fits `budget`."""
+    starts = [i for i, m in enumerate(record.messages) if m.role == "user"]
+    keep: list[ChatMessage] = []
+    for start in reversed(starts):
+        candidate = record.messages[start:]
+        trial = ChatRecord(system_prompt=record.system_prompt, messages=candidate)
+        if count_tokens(trial.conversation()) > budget:
+            break
+        keep = candidate
+    return [ChatMessage(m.role, m.content, m.stats) for m in keep]
+
+
+async def continue_in_new_chat(app) -> ChatSession | None:
+    """A new tab with the active chat's system prompt, settings and the last turns that fit half the context."""
+    from copy import deepcopy
+
+    session = app.active_session
+    if session is None or app._backend_or_say() is None:
+        return None
+    record = session.record
+    limit = context_length(app)
+    budget = int(limit * CARRY_SHARE) if limit is not None else float("inf")   # unknown: carry every turn
+    messages = carried_messages(record, lambda conv: conversation_tokens(app.backend, conv), budget)
+    new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
+                                 settings=deepcopy(record.settings), messages=messages))
+    await app._open_session(new, after=session)
+    app._save(new, messages=True)
+    dropped = len(record.messages) - len(messages)
+    app.notify(f"Continued in a new chat with the last {len(messages)} messages ({dropped} left behind).",
+               timeout=6)
+    return new

@@ -1,0 +1,60 @@
+"""Two small questions: yes or no before something cannot be undone, and a line of text (a file path)."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, Input, Label
+
+from pagedchat.tui.screens.modals import _Modal
+
+
+class ConfirmScreen(_Modal):
+    """Dismisses with True only when the user confirms (the button, or y); Esc and n say no."""
+
+    BINDINGS = [Binding("y", "confirm", "Yes", id="confirm.yes"), Binding("n", "cancel", "No", id="confirm.no")]
+
+    def __init__(self, question: str, action: str) -> None:
+        super().__init__()
+        self._question = question
+        self._action = action
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self._question, classes="dialog-title -question")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(self._action, variant="error", id="confirm")
+                yield Button("Cancel", id="cancel")
+            yield Label("y confirms · n or Esc cancels", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#cancel", Button).focus()   # Enter on the default does the harmless thing
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#confirm")
+    def _confirm_pressed(self) -> None:
+        self.dismiss(True)
+
+
+class AskTextScreen(_Modal):
+    """One line of text; dismisses with it stripped, or None."""
+
+    def __init__(self, title: str, value: str, hint: str) -> None:
+        super().__init__()
+        self._title = title
+        self._value = value
+        self._hint = hint
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label(self._title, classes="dialog-title")
+            yield Input(self._value, id="text")
+            yield Label(self._hint, classes="dialog-hint")
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
