@@ -22,6 +22,7 @@ from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
 from pagedchat.tui.store import Store
 from pagedchat.backends.local import LocalBackend
+from pagedchat.tui.screens.ask import ConfirmScreen
 from pagedchat.tui.transfer import ExportFormat
 from tui_support import ScriptedEngine, make_config, screen_text, static_text, wait_for
 
@@ -137,6 +138,11 @@ async def check_markup_payload(pilot, payload: str) -> None:
                    "the failure notice")
     await pilot.pause()
     assert f"The reply failed: {payload} failed" in toasts(app)
+
+    await pilot.press("f8")   # the delete confirmation names the chat; n keeps it
+    assert f"Delete “{title}” for good?" in await shows(pilot, ConfirmScreen, "the delete question")
+    await pilot.press("n")
+    await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmScreen), "the question to close")
 
     await pilot.press("ctrl+w")
     await wait_for(pilot, lambda: session.id not in app.sessions, "the chat to close")

@@ -8,6 +8,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Label
 
+from pagedchat.text import plain
 from pagedchat.tui.screens.modals import _Modal
 
 
@@ -23,7 +24,7 @@ class ConfirmScreen(_Modal):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self._question, classes="dialog-title -question")
+            yield Label(plain(self._question), classes="dialog-title -question")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._action, variant="error", id="confirm")
                 yield Button("Cancel", id="cancel")
@@ -51,7 +52,7 @@ class AskTextScreen(_Modal):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
-            yield Label(self._title, classes="dialog-title")
+            yield Label(plain(self._title), classes="dialog-title")
             yield Input(self._value, id="text")
             yield Label(self._hint, classes="dialog-hint")
 
