@@ -18,7 +18,7 @@ from pagedchat.tui.inspector_parts import ChatPages
 from pagedchat.tui.inspector_remote import render_without_map
 from tui_support import StandInBackend, make_config, static_text, wait_for
 
-VLLM = (Path(__file__).parent / "fixtures" / "vllm_metrics.txt").read_text()
+VLLM = (Path(__file__).parents[1] / "fixtures" / "vllm_metrics.txt").read_text()
 
 
 def test_vllm_metrics_are_read():

@@ -2,7 +2,7 @@
 
 Nothing live goes into a snapshot: the chats come from a saved database, and the backend is a stand-in whose
 memory() returns one fixed picture (three chats, one of them a branch sharing three pages with its parent).
-Update with `pytest tests/test_tui_snapshots.py --snapshot-update` after checking the new SVGs by eye.
+Update with `pytest tests/tui/test_tui_snapshots.py --snapshot-update` after checking the new SVGs by eye.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pagedchat import kernels
 from pagedchat.kernels import reference
 from pagedchat.kernels.check import make_batch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu

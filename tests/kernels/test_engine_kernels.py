@@ -24,7 +24,7 @@ print("kernels-ok")
 
 def test_engine_with_interpreted_triton_kernels(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PAGEDCHAT_ATTENTION="triton")
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     script = SCRIPT.format(tests=tests, folder=str(tmp_path / "m"))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert "kernels-ok" in done.stdout, done.stderr[-3000:]
