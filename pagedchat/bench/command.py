@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pagedchat.argtypes import positive_int
+from pagedchat.bench.app_probe import DEFAULT_MAX_TOKENS as DEFAULT_APP_TOKENS
 from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names
 from pagedchat.errors import PagedChatError
+
+DEFAULT_MAX_TOKENS = 128
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chats", type=chat_counts, default=DEFAULT_CHATS, metavar="N,N,...",
                         help=f"concurrent chats to measure, comma-separated (default: "
                              f"{','.join(map(str, DEFAULT_CHATS))})")
-    parser.add_argument("--max-tokens", type=positive_int, default=128, metavar="N",
-                        help="tokens generated per chat; every reply is forced to this length (default: 128)")
+    parser.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
+                        help="tokens generated per chat; every reply is forced to this length (default: 128; "
+                             f"with --app, the reply's budget, default {DEFAULT_APP_TOKENS})")
     parser.add_argument("--system-tokens", type=positive_int, default=300, metavar="N",
                         help="length of the shared system prompt in tokens, chat template included (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="picks the user questions (default: 0)")
@@ -42,10 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
                              "in-process, on the same workload (the HTTP overhead in tokens/s)")
+    parser.add_argument("--app", action="store_true",
+                        help="instead: one long reply in the real app on a pseudo-terminal against the engine "
+                             "alone on the same conversation (does the interface slow the engine?), --repeat "
+                             "rounds alternating")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench as the CLI asked; print the tables (and JSON). Returns the exit status."""
+    if args.app:
+        return run_app(args)
+    args.max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
     if args.serve:
         from pagedchat.serve import bench as serve_bench
 
@@ -82,4 +94,21 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"[dim]figures written to {args.json_path}[/]")
     if args.markdown_path:
         Path(args.markdown_path).write_text(to_markdown(report))
+    return 0
+
+
+def run_app(args: argparse.Namespace) -> int:
+    """`--app`: the reply line's tok/s in the real app against the engine alone, per round and their ratio."""
+    from pagedchat.bench.app_probe import run_app_probe
+
+    # The app and the engine alone get the same settings: the engine's names, the app's flags.
+    options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "device") if getattr(args, name)}
+    try:
+        report = run_app_probe(args.model, args.repeat, args.max_tokens or DEFAULT_APP_TOKENS, options,
+                               progress=lambda line: print(line, flush=True))
+    except PagedChatError as exc:
+        print(f"pagedchat bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"{report.model}: the app's reply line at {report.ratio:.2f}x the engine alone (median of "
+          f"{len(report.rounds)} rounds)")
     return 0
