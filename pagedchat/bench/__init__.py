@@ -16,9 +16,9 @@ questions chosen by --seed, greedy decoding, and every reply forced to --max-tok
 
 Modules: config (what a run is asked), workload, stats, memory (KV and weight accounting), engine_runner
 (pagedchat's side), peers with hf and llamacpp, startup, harness (the rounds), report (the typed result), render
-(tables), command (the CLI).
+(tables), command (the CLI), app_probe (--app: the real app on a pseudo-terminal against its engine).
 """
 
-from pagedchat.bench.command import add_arguments, run
+from pagedchat.bench.command import add_arguments, run, with_defaults
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "with_defaults"]

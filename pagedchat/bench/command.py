@@ -53,11 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rounds alternating")
 
 
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The defaults that depend on the mode: --app measures one long reply, the rest short forced ones."""
+    if args.max_tokens is None:
+        args.max_tokens = DEFAULT_APP_TOKENS if args.app else DEFAULT_MAX_TOKENS
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench as the CLI asked; print the tables (and JSON). Returns the exit status."""
+    args = with_defaults(args)
     if args.app:
         return run_app(args)
-    args.max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
     if args.serve:
         from pagedchat.serve import bench as serve_bench
 
@@ -104,7 +111,7 @@ def run_app(args: argparse.Namespace) -> int:
     # The app and the engine alone get the same settings: the engine's names, the app's flags.
     options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "device") if getattr(args, name)}
     try:
-        report = run_app_probe(args.model, args.repeat, args.max_tokens or DEFAULT_APP_TOKENS, options,
+        report = run_app_probe(args.model, args.repeat, args.max_tokens, options,
                                progress=lambda line: print(line, flush=True))
     except PagedChatError as exc:
         print(f"pagedchat bench: {exc}", file=sys.stderr)
