@@ -16,6 +16,7 @@ import torch
 
 from pagedchat import paths
 from pagedchat.errors import ModelError, first_line
+from pagedchat.model import tokenizer
 from pagedchat.model.gguf import (GGUF_POINTER, GGUFTensor, Progress, convert_gguf_into_place, gguf_fingerprint,
                                   gguf_tensors, gguf_weights, is_complete, open_gguf, report)
 from pagedchat.model.pull import pull_default_model
@@ -120,16 +121,34 @@ def load_weights(folder: str | os.PathLike, dtype: torch.dtype, device) -> dict[
     return weights
 
 
+def load_tokenizer(folder: str | os.PathLike):
+    """The folder's tokenizer: from its record in the cache where one is saved (see tokenizer.py), else
+    transformers' own, recorded for the next start where a record can stand for it. A missing chat template is
+    left for the engine to fall back on."""
+    try:
+        where = tokenizer.record_dir(Path(folder))
+    except OSError:
+        where = None  # an unreadable folder: transformers says what is wrong with it
+    fast = tokenizer.read_record(where) if where else None
+    if fast is not None:
+        return fast
+    hf = _transformers_tokenizer(folder)
+    fast = tokenizer.from_transformers(hf)
+    if fast is None:
+        return hf
+    if where:
+        tokenizer.write_record(where, fast)
+    return fast
+
+
 # tokenizer_config.json classes that are the plain tokenizers-library tokenizer, which AutoTokenizer would
 # resolve to PreTrainedTokenizerFast (TokenizersBackend) after importing its whole model registry.
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(folder: str | os.PathLike):
-    """The folder's transformers tokenizer. A missing chat template is left for the engine to fall back on.
-
-    A plain tokenizer.json (what every converted GGUF has) is loaded as the class AutoTokenizer would pick,
-    without AutoTokenizer's registry lookups, several times faster at start; any other class goes through it."""
+def _transformers_tokenizer(folder: str | os.PathLike):
+    """transformers' tokenizer for the folder. A plain tokenizer.json (what every converted GGUF has) is loaded
+    as the class AutoTokenizer would pick, without AutoTokenizer's registry lookups."""
     try:
         declared = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):

@@ -157,8 +157,8 @@ def test_gguf_tokenizer_and_chat_template_survive(tmp_path):
     src = make_tiny_model(tmp_path / "src")
     out = convert_gguf(write_tiny_gguf(src, tmp_path / "tiny.gguf"), tmp_path / "out")
     want, got = AutoTokenizer.from_pretrained(src), load_tokenizer(out)
-    assert got(SAMPLE).input_ids == want(SAMPLE).input_ids
-    assert got.eos_token == want.eos_token == "<|im_end|>"
+    assert got.encode(SAMPLE) == want.encode(SAMPLE)
+    assert got.decode([got.eos_token_id]) == want.eos_token == "<|im_end|>"
     chat = [{"role": "user", "content": "hi there"}]
     assert got.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         want.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
