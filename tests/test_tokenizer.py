@@ -89,12 +89,13 @@ def _pair(folder):
     return hf, from_transformers(hf)
 
 
-def test_a_later_load_does_not_import_transformers(tiny_folders, cache, monkeypatch):
-    folder = tiny_folders["gguf"]
-    want = load_tokenizer(folder).encode("The quick brown fox <|im_end|>")
+def test_a_converted_gguf_starts_without_transformers(tiny_folders, cache, tmp_path, monkeypatch):
+    """Converting a GGUF records its tokenizer, so even the first load of the finished folder reads the record."""
+    folder = convert_gguf(write_tiny_gguf(tiny_folders["safetensors"], tmp_path / "t.gguf"), tmp_path / "out")
+    want = AutoTokenizer.from_pretrained(folder).encode("The quick brown fox <|im_end|>")
     monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it now raises ImportError
-    again = load_tokenizer(folder)
-    assert isinstance(again, FastTokenizer) and again.encode("The quick brown fox <|im_end|>") == want
+    ours = load_tokenizer(folder)
+    assert isinstance(ours, FastTokenizer) and ours.encode("The quick brown fox <|im_end|>") == want
 
 
 def test_a_damaged_record_is_made_again(tiny_folders, cache):

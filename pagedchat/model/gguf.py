@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pagedchat.errors import ModelError, first_line
-from pagedchat.model import quant
+from pagedchat.model import quant, tokenizer
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -231,7 +231,8 @@ def gguf_tensors(reader, cfg: dict, path: Path) -> dict[str, GGUFTensor]:
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
-    """Tokenizer files via transformers' GGUF tokenizer support, checked to keep the eos token and template."""
+    """Tokenizer files via transformers' GGUF tokenizer support, checked to keep the eos token and template, and
+    recorded for starts without transformers (see tokenizer.py)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -254,6 +255,7 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template:
         raise ModelError(f"{gguf_path.name}: converted tokenizer's eos id {saved.eos_token_id} is not the GGUF's {eos}")
     if chat_template and saved.chat_template != chat_template:
         raise ModelError(f"{gguf_path.name}: the chat template did not survive tokenizer conversion")
+    tokenizer.record(out_dir, saved)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: Progress | None = None,

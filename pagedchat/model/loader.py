@@ -133,12 +133,7 @@ def load_tokenizer(folder: str | os.PathLike):
     if fast is not None:
         return fast
     hf = _transformers_tokenizer(folder)
-    fast = tokenizer.from_transformers(hf)
-    if fast is None:
-        return hf
-    if where:
-        tokenizer.write_record(where, fast)
-    return fast
+    return (tokenizer.record(Path(folder), hf) if where else tokenizer.from_transformers(hf)) or hf
 
 
 # tokenizer_config.json classes that are the plain tokenizers-library tokenizer, which AutoTokenizer would

@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 FORMAT = "1"
 BACKEND_FILE = "tokenizer.json"
 META_FILE = "pagedchat.json"
-# Files of a model folder that never shape its tokenizer, left out of the record's key (they can be GBs).
+# Files of a model folder that never shape its tokenizer, left out of the record's key: weights (they can be GBs)
+# and pagedchat's own markers (so a record made while a GGUF is converted serves the finished folder).
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+_OWN_FILES = ("gguf.json",)  # gguf.GGUF_POINTER (gguf.py imports this module)
 # transformers' methods that encode and decode; a tokenizer class overriding any of them is not reproduced here.
 _CODEC_METHODS = ("encode", "decode", "_decode", "_encode_plus", "apply_chat_template", "tokenize")
 # Names transformers copies a message's reasoning under, so templates reading either name see it.
@@ -179,7 +181,8 @@ def record_key(folder: Path) -> str:
     """What names a folder's record: its tokenizer-shaping files' contents and the versions that read them."""
     h = hashlib.sha256(json.dumps([FORMAT, metadata.version("transformers"), tokenizers.__version__]).encode())
     folder = Path(folder)
-    files = [p for p in folder.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)]
+    files = [p for p in folder.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
+             and not p.name.startswith(".") and p.name not in _OWN_FILES]
     files += list((folder / "additional_chat_templates").glob("*"))
     for path in sorted(files):
         h.update(str(path.relative_to(folder)).encode() + b"\0")
@@ -241,6 +244,14 @@ def _same(fast: FastTokenizer, hf) -> bool:
                 _outcome(lambda: hf.apply_chat_template(chat, **kwargs)):
             return False
     return True
+
+
+def record(folder: Path, hf) -> FastTokenizer | None:
+    """Make and save the folder's record from transformers' tokenizer hf; None where a record cannot stand for it."""
+    fast = from_transformers(hf)
+    if fast is not None:
+        write_record(record_dir(folder), fast)
+    return fast
 
 
 def write_record(where: Path, fast: FastTokenizer) -> None:
