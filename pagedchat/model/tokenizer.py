@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 FORMAT = "1"
 BACKEND_FILE = "tokenizer.json"
 META_FILE = "pagedchat.json"
-# Files of a model folder that never shape its tokenizer, left out of the record's key: weights (they can be GBs)
-# and pagedchat's own markers (so a record made while a GGUF is converted serves the finished folder).
-_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+# The kinds of file a tokenizer is read from (configs, vocabularies, templates, sentencepiece and tiktoken models),
+# whose contents key a folder's record; weights (GBs) are never read for it. pagedchat's own pointer is left
+# out too, so a record made while a GGUF is converted serves the finished folder.
+_TOKENIZER_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".vocab")
 _OWN_FILES = ("gguf.json",)  # gguf.GGUF_POINTER (gguf.py imports this module)
 # transformers' methods that encode and decode; a tokenizer class overriding any of them is not reproduced here.
 _CODEC_METHODS = ("encode", "decode", "_decode", "_encode_plus", "apply_chat_template", "tokenize")
@@ -181,8 +182,8 @@ def record_key(folder: Path) -> str:
     """What names a folder's record: its tokenizer-shaping files' contents and the versions that read them."""
     h = hashlib.sha256(json.dumps([FORMAT, metadata.version("transformers"), tokenizers.__version__]).encode())
     folder = Path(folder)
-    files = [p for p in folder.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
-             and not p.name.startswith(".") and p.name not in _OWN_FILES]
+    files = [p for p in folder.iterdir() if p.is_file() and p.name.endswith(_TOKENIZER_SUFFIXES)
+             and p.name not in _OWN_FILES]
     files += list((folder / "additional_chat_templates").glob("*"))
     for path in sorted(files):
         h.update(str(path.relative_to(folder)).encode() + b"\0")
@@ -208,15 +209,18 @@ def read_record(where: Path) -> FastTokenizer | None:
 
 def from_transformers(hf) -> FastTokenizer | None:
     """A FastTokenizer standing for transformers' tokenizer hf, or None where it cannot (see the module doc)."""
-    from transformers import TokenizersBackend
+    try:
+        from transformers import TokenizersBackend as Fast
+    except ImportError:  # transformers 4: the same role under its older name
+        from transformers import PreTrainedTokenizerFast as Fast
 
-    if not isinstance(hf, TokenizersBackend) or type(hf.backend_tokenizer.model).__name__ != "BPE":
+    if not isinstance(hf, Fast) or type(hf.backend_tokenizer.model).__name__ != "BPE":
         return None
-    if any(getattr(type(hf), name) is not getattr(TokenizersBackend, name) for name in _CODEC_METHODS):
+    if any(getattr(type(hf), name) is not getattr(Fast, name) for name in _CODEC_METHODS):
         return None
     template = hf.chat_template if isinstance(hf.chat_template, str) else None
     meta = TokenizerMeta(template, dict(hf.special_tokens_map), hf.bos_token_id, hf.eos_token_id, hf.pad_token_id,
-                         bool(hf.split_special_tokens))
+                         bool(getattr(hf, "split_special_tokens", False)))
     fast = FastTokenizer(tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str()), meta)
     return fast if _same(fast, hf) else None
 

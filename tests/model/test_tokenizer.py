@@ -110,6 +110,9 @@ def test_a_damaged_record_is_made_again(tiny_folders, cache):
 def test_a_changed_template_gets_a_record_of_its_own(tmp_path, cache):
     folder = make_tiny_model(tmp_path / "m")
     before = record_dir(folder)
+    (folder / "tf_model.h5").write_bytes(b"weights are never read for the key")
+    (folder / "gguf.json").write_text('{"file": "moved.gguf"}')  # pagedchat's pointer, rewritten when moved
+    assert record_dir(folder) == before
     load_tokenizer(folder)
     (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                                                 "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
