@@ -73,7 +73,8 @@ class FastTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
-        # Records are made only for BPE backends, whose decode transformers never cleans up (whatever the flag).
+        # A record is saved only where transformers' decode cleans up no spaces (the probes check it): BPE in
+        # transformers 5, whatever the flag.
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = False,
@@ -168,7 +169,8 @@ def render_chat_template(source: str, messages: list[dict], special_tokens: dict
 # What a record is checked on before it is saved: texts with special tokens, spacing and non-ASCII, and chats
 # with and without a system prompt, a generation prompt, and a final message to continue.
 _PROBE_TEXTS = ["", "Hello world", "  two  spaces\tand a tab\n\nnew lines ", "naïve café — 日本語 🙂",
-                "<|im_start|>user\nhi<|im_end|>", "</s><s>[INST] x [/INST]<|endoftext|>", "def f(x):\n    return x"]
+                "<|im_start|>user\nhi<|im_end|>", "</s><s>[INST] x [/INST]<|endoftext|>", "def f(x):\n    return x",
+                "Yes . No , so ! Why ? I do n't , it 's"]  # what a decode that cleans up spaces would change
 _PROBE_CHATS = [
     ([{"role": "user", "content": "What is 2+2?"}], True, False),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>&</b>\n"},

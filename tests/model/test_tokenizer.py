@@ -4,6 +4,7 @@ own tokenizer, read at later starts without importing transformers."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 
 import pytest
@@ -140,3 +141,16 @@ def test_the_default_models_record_matches_transformers(default_model, cache):
     ours = load_tokenizer(default_model)
     assert_same_as_transformers(ours, hf)
     assert_same_as_transformers(load_tokenizer(default_model), hf)
+
+
+def test_a_decode_that_cleans_up_spaces_stays_transformers(tmp_path, cache):
+    """transformers cleans up spaces before punctuation where a tokenizer asks it to (forced for BPE in 5.x);
+    the record's decode does not, so such a tokenizer keeps transformers' own."""
+    folder = make_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(clean_up_tokenization_spaces=True,
+                  clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    assert not isinstance(tok, FastTokenizer) and tok.decode(tok.encode("Yes . No , so !")) == "Yes. No, so!"
+    assert not record_dir(folder).exists()
