@@ -41,9 +41,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 from pagedchat.engine.params import SamplingSettings, sampling_problem
 from pagedchat.errors import PagedChatError
+from pagedchat.paths import config_dir, data_dir
 
-CONFIG_DIR_ENV = "PAGEDCHAT_CONFIG_DIR"
-DATA_DIR_ENV = "PAGEDCHAT_DATA_DIR"
 API_KEY_ENV = "PAGEDCHAT_API_KEY"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
 DEFAULT_THEME = "pagedchat-dark"
@@ -51,26 +50,6 @@ DEFAULT_THEME = "pagedchat-dark"
 
 class ConfigError(PagedChatError):
     """config.toml cannot be read or holds a value of the wrong kind."""
-
-
-def config_dir() -> Path:
-    """Where config.toml and user themes live; PAGEDCHAT_CONFIG_DIR overrides the platform default."""
-    override = os.environ.get(CONFIG_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return platformdirs.user_config_path("pagedchat")
-
-
-def data_dir() -> Path:
-    """Where saved chats and exports live; PAGEDCHAT_DATA_DIR overrides the platform default."""
-    override = os.environ.get(DATA_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return platformdirs.user_data_path("pagedchat")
 
 
 # The sampling settings a new chat starts with; each chat then keeps its own, of the same type.

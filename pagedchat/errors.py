@@ -15,3 +15,9 @@ class PullError(PagedChatError):
 
 class RequestError(PagedChatError, ValueError):
     """A request can never run: too long for the context or for the KV cache."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (its type name where it has none), for a one-line error."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -37,7 +37,7 @@ def tiny_llama_ref(tiny_llama):
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The real SmolLM2 folder; CI pulls it before the tests (see .ci/run)."""
-    from pagedchat.model.loader import is_complete
+    from pagedchat.model.gguf import is_complete
     from pagedchat.model.pull import default_model_dir
 
     folder = default_model_dir()

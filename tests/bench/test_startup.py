@@ -1,14 +1,12 @@
-"""What start-up skips, checked to change nothing: the KV pool's zero pages, the plain tokenizer's fast load."""
+"""What start-up skips, checked to change nothing: the KV pool's zero pages (the tokenizer record: test_tokenizer.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from transformers import AutoTokenizer
 
 from pagedchat.engine.model_runner import zeros
-from pagedchat.model.loader import load_tokenizer
 
 
 def test_lazy_zeros_are_zeros_of_the_shape_and_dtype():
@@ -19,18 +17,6 @@ def test_lazy_zeros_are_zeros_of_the_shape_and_dtype():
         t[1, 0, 2] = 1.5  # writable, and a write lands where it would in any tensor
         assert t.sum().item() == 1.5 * 16 * 2 * 8
     assert zeros((2, 0, 16), torch.bfloat16, torch.device("cpu")).shape == (2, 0, 16)  # no CPU tier
-
-
-def test_plain_tokenizer_loads_as_autotokenizer_would(tiny_llama):
-    """A plain tokenizer.json is loaded without AutoTokenizer's registry: the same class, ids and template."""
-    ours, auto = load_tokenizer(tiny_llama), AutoTokenizer.from_pretrained(tiny_llama)
-    assert type(ours) is type(auto)
-    text = "The quick brown fox <|im_end|> says hello\n"
-    assert ours(text).input_ids == auto(text).input_ids
-    chat = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
-    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == \
-        (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
 
 
 def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama, tmp_path, monkeypatch):

