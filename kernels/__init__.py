@@ -1,7 +1,7 @@
 """Paged KV-cache kernels (ships as `pagedchat.kernels`; never import it as top-level `kernels`).
 
-`reference` holds the plain torch spec of every op and runs anywhere. `write_kv`, `paged_attention`
-and `copy_pages` are the Triton versions with the same signatures; call them only when
+`reference` holds the plain torch spec of every op and runs anywhere. `write_kv` and `paged_attention`
+are the Triton versions with the same signatures; call them only when
 `triton_available()`. Triton is imported on first use, so this package imports fine without it
 (macOS), and so that TRITON_INTERPRET=1 set by a test before the first call still takes effect:
 triton reads it when a kernel is decorated, i.e. when our kernel modules are first imported.
@@ -16,7 +16,7 @@ import torch
 
 from pagedchat.kernels import reference
 
-__all__ = ["copy_pages", "paged_attention", "reference", "triton_available", "write_kv"]
+__all__ = ["paged_attention", "reference", "triton_available", "write_kv"]
 
 
 def _interpret_env() -> bool:
@@ -31,33 +31,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or _interpret_env()
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    from pagedchat.kernels import cache_ops
-
-    cache_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_context_len: int,
-) -> torch.Tensor:
-    # The Triton module is not called `paged_attention`: importing it would rebind this
-    # package attribute from this function to the submodule.
-    from pagedchat.kernels import triton_attention
-
-    return triton_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                            query_start_loc, scale, max_query_len, max_context_len)
+# The Triton ops, each found in its module when first asked for (module __getattr__, PEP 562), so that
+# importing this package imports no Triton. The modules are not named after their ops: importing a submodule
+# `paged_attention` would rebind this package's attribute from the op to the module.
+_TRITON_OPS = {"write_kv": "cache_ops", "paged_attention": "triton_attention"}
 
 
-def copy_pages(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    from pagedchat.kernels import cache_ops
-
-    cache_ops.copy_pages(caches, src, dst)
+def __getattr__(name: str):
+    module = _TRITON_OPS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

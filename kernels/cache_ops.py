@@ -1,7 +1,8 @@
-"""Triton KV-cache data movement: scatter new tokens into their slots, copy pages for copy-on-write.
+"""Triton KV-cache data movement: scatter new tokens into their slots. (Page copies, for copy-on-write and
+swapping, are one torch indexing op over every layer at once in the model runner.)
 
-Both move bits, never values: tensors are reinterpreted as same-width integers, which keeps the
-kernels dtype-agnostic (and lets bf16 run under the interpreter, which has no real bf16).
+The kernel moves bits, never values: tensors are reinterpreted as same-width integers, which keeps it
+dtype-agnostic (and lets bf16 run under the interpreter, which has no real bf16).
 """
 
 from __future__ import annotations
@@ -62,30 +63,3 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         BLOCK_SIZE=k_cache.shape[1],
     )
 
-
-@triton.jit
-def _copy_pages_kernel(cache_ptr, src_ptr, dst_ptr, page_numel, stride_page, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < page_numel
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    x = tl.load(cache_ptr + src * stride_page + offs, mask=mask)
-    tl.store(cache_ptr + dst * stride_page + offs, x, mask=mask)
-
-
-def copy_pages(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """See reference.copy_pages. dst pages must be distinct and disjoint from src (fresh CoW pages):
-    pairs are copied in parallel, so a chain like 1->2, 2->3 is undefined."""
-    n = src.numel()
-    if n == 0:
-        return
-    assert dst.numel() == n and src.is_contiguous() and dst.is_contiguous()
-    block = 1024
-    for cache in caches:
-        assert cache.device == src.device == dst.device
-        assert cache[0].is_contiguous(), "each page must be contiguous"
-        bits = _as_bits(cache)
-        page_numel = bits[0].numel()
-        _copy_pages_kernel[(n, triton.cdiv(page_numel, block))](
-            bits, src, dst, page_numel, bits.stride(0), BLOCK=block)

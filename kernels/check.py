@@ -155,11 +155,6 @@ def check_correctness(device: str, models: dict, dtypes, mixed, prefill) -> bool
                 same = _same_bits(got, want)
                 report(f"{tag} write_kv (bit-exact)", 0.0 if same else float("nan"), same)
 
-                src, dst = torch.tensor([0, 1], device=device), torch.tensor([2, 3], device=device)
-                kernels.copy_pages(got, src, dst)
-                reference.copy_pages(want, src, dst)
-                same = _same_bits(got, want)
-                report(f"{tag} copy_pages (bit-exact)", 0.0 if same else float("nan"), same)
     return ok
 
 

@@ -72,8 +72,3 @@ def paged_attention(
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
-
-def copy_pages(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy page src[i] to page dst[i] in every cache tensor (copy-on-write of shared pages)."""
-    for cache in caches:
-        cache[dst.long()] = cache[src.long()]  # advanced indexing reads a copy first

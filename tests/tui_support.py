@@ -159,12 +159,14 @@ class ScriptedEngine:
         self._cancelled.add(request_id)
 
     def memory(self):
+        from pagedchat.engine.block_manager import MemoryCounters, PageState
         from pagedchat.engine.memory import MemorySnapshot
 
-        return MemorySnapshot(total_blocks=4, free_blocks=4, cached_blocks=0, block_size=self.block_size,
-                              page_bytes=1024, sequences={}, ref_counts={}, page_states=["free"] * 4,
+        return MemorySnapshot(num_pages=4, free_pages=4, cached_pages=0, block_size=self.block_size,
+                              page_bytes=1024, ref_counts={}, page_states=[PageState.FREE] * 4,
                               shared_pages={}, seqs={}, cpu_total=0, cpu_cached=0, cpu_swapped=0,
-                              counters={}, hit_rate=0.0, recent_hit_rate=0.0, live_tokens=0, contiguous_bytes=0)
+                              counters=MemoryCounters(), hit_rate=0.0, recent_hit_rate=0.0, live_tokens=0,
+                              contiguous_bytes=0)
 
     def shutdown(self) -> None:
         self._cancelled.update(f"scripted-{i}" for i in range(1, self._count + 1))

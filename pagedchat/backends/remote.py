@@ -68,8 +68,7 @@ def _rekey(snap: MemorySnapshot, names: dict[str, str]) -> MemorySnapshot:
     if not names:
         return snap
     n = lambda rid: names.get(rid, rid)  # noqa: E731
-    return replace(snap, sequences={n(r): pages for r, pages in snap.sequences.items()},
-                   seqs={n(r): replace(s, request_id=n(r)) for r, s in snap.seqs.items()},
+    return replace(snap, seqs={n(r): replace(s, request_id=n(r)) for r, s in snap.seqs.items()},
                    shared_pages={p: [n(r) for r in ids] for p, ids in snap.shared_pages.items()})
 
 
@@ -331,9 +330,9 @@ class RemoteBackend:
             view = await self._read_memory(self._memory_url)
             if isinstance(view, MemorySnapshot):
                 for reply in self.by_server.values():
-                    pages = view.sequences.get(reply.request_id)
-                    if pages:
-                        reply.pages = tuple(pages)
+                    seq = view.seqs.get(reply.request_id)
+                    if seq is not None and seq.pages:
+                        reply.pages = tuple(seq.pages)
             self._view = view
         finally:
             self._refreshed = time.monotonic()
@@ -371,7 +370,7 @@ class RemoteBackend:
     def _describe(self, context: int | None) -> BackendInfo:
         view = self._view
         block = getattr(view, "block_size", None)
-        pages = view.total_blocks if isinstance(view, MemorySnapshot) else getattr(view, "num_pages", None)
+        pages = view.num_pages if isinstance(view, MemorySnapshot) else getattr(view, "num_pages", None)
         page_bytes = view.page_bytes if isinstance(view, MemorySnapshot) else None
         return BackendInfo(model=self.model, where=f"via {self.base}", context_length=context, block_size=block,
                            num_pages=pages, page_bytes=page_bytes)

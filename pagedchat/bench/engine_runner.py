@@ -57,7 +57,7 @@ def run_engine_level(engine, prompts: list[list[int]], max_tokens: int, progress
         progress.advance(len(delta.token_ids))
         if engine.steps != peak["step"] and not delta.finished:
             peak["step"] = engine.steps
-            used = engine.blocks.num_pages - engine.blocks.num_available()
+            used = engine.block_manager.num_pages - engine.block_manager.num_available()
             # A snapshot of a large pool costs milliseconds of engine time: take one when the page count
             # grows, and in the last steps before replies end, where the most tokens fill the most pages.
             ending = len(arrivals[index[delta.request_id]]) >= max_tokens - 1

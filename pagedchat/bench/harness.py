@@ -81,11 +81,11 @@ def _check_fits(engine, work: Workload, cfg: BenchConfig, cost: TokenCost, top: 
         raise BenchError(f"a chat would reach {longest} tokens but the model's context holds "
                          f"{cost.max_context}: lower --system-tokens or --max-tokens")
     need = pages_needed(work.prompts, cfg.max_tokens, cfg.system_tokens, engine.block_size)
-    if need > engine.blocks.num_pages:
+    if need > engine.block_manager.num_pages:
         from pagedchat.bench.render import size
 
         raise BenchError(
-            f"the KV budget holds {engine.blocks.num_pages} pages of {engine.block_size} tokens "
+            f"the KV budget holds {engine.block_manager.num_pages} pages of {engine.block_size} tokens "
             f"({size(engine.cache_plan.gpu_bytes)}) but {top} chats of up to {longest} tokens need "
             f"{need} pages even with the system prompt shared: use --kv-cache-memory "
             f"{math.ceil(need * engine.cache_plan.page_bytes / 2**20)}MiB or more, or fewer --chats / --max-tokens")

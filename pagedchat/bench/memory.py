@@ -32,12 +32,12 @@ def token_cost(engine) -> TokenCost:
     cfg = engine.config
     kv = engine.runner.kv_cache
     elem = kv.element_size()
-    slots = engine.blocks.num_pages * engine.block_size
+    slots = engine.block_manager.num_pages * engine.block_size
     return TokenCost(
         num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         dtype=str(kv.dtype).removeprefix("torch."), dtype_bytes=elem,
         bytes_per_token_model=cfg.kv_bytes_per_token(elem), bytes_per_token_pool=kv.numel() * elem / slots,
-        pool_bytes=kv.numel() * elem, num_pages=engine.blocks.num_pages, block_size=engine.block_size,
+        pool_bytes=kv.numel() * elem, num_pages=engine.block_manager.num_pages, block_size=engine.block_size,
         page_bytes=engine.cache_plan.page_bytes, token_slots=slots, max_context=cfg.max_position_embeddings)
 
 
@@ -114,7 +114,7 @@ def peak_accounting(snap, max_context: int) -> PeakAccounting:
             fill[page] = max(fill.get(page, 0), min(bs, max(0, held - j * bs)))
     tokens = sum(s.tokens for s in seqs)
     unique_tokens = sum(fill.values())
-    used = snap.used_blocks
+    used = snap.used_pages
     unshared = sum(-(-s.tokens // bs) for s in seqs)
     n = len(seqs)
     return PeakAccounting(

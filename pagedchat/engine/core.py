@@ -45,9 +45,9 @@ Output = tuple[Sequence, StreamDelta]
 
 
 class EngineCore:
-    def __init__(self, blocks: BlockManager, scheduler: Scheduler, detokenizer: Detokenizer,
+    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, detokenizer: Detokenizer,
                  eos_token_ids: frozenset[int], max_context: int, fault_hook: FaultHook | None = None):
-        self.blocks = blocks
+        self.block_manager = block_manager
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
@@ -74,11 +74,11 @@ class EngineCore:
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
         longest = min(len(ids) + params.max_tokens, self.max_context)
-        need = self.blocks.pages_for(longest)
-        if need > self.blocks.num_pages:
+        need = self.block_manager.pages_for(longest)
+        if need > self.block_manager.num_pages:
             raise RequestError(
                 f"this request can grow to {longest} tokens ({need} pages) but the KV cache holds "
-                f"{self.blocks.num_pages} pages of {self.blocks.block_size}: lower max_tokens or raise "
+                f"{self.block_manager.num_pages} pages of {self.block_manager.block_size}: lower max_tokens or raise "
                 "kv_cache_memory")
 
     def add(self, seq: Sequence) -> None:
@@ -101,7 +101,7 @@ class EngineCore:
                 return self._finish(child, "error", str(exc))
         if parent is not None and parent.status is SeqStatus.RUNNING and \
                 len(self.scheduler.running) < self.scheduler.max_seqs:
-            self.blocks.fork(parent, child)
+            self.block_manager.fork(parent, child)
             child.prefix_counted = True
             child.cached_tokens = parent.num_computed
             self.scheduler.add_running(child)
@@ -149,7 +149,7 @@ class EngineCore:
         if plan.scheduled:
             self.steps += 1
         self.fault(Phase.BOOKKEEPING)  # the whole batch's
-        self.blocks.end_step()
+        self.block_manager.end_step()
         self._outputs = []
         return out
 
@@ -187,7 +187,7 @@ class EngineCore:
         its bookkeeping had already produced), then make the pool agree with the survivors."""
         error = f"{self.phase.value} failed: {type(exc).__name__}: {exc}"
         out, self._outputs = self._outputs, []
-        bad_gpu, bad_cpu = self.blocks.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
+        bad_gpu, bad_cpu = self.block_manager.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
         queued = {id(s) for s in self.scheduler.all_seqs()}
         concerned = [item.seq for item in self.scheduler.plan.scheduled]
         concerned += [s for s in self.scheduler.all_seqs()
@@ -197,8 +197,8 @@ class EngineCore:
             if seq.status is not SeqStatus.FINISHED:
                 out.append(self.fail(seq, error))
         survivors = self.scheduler.all_seqs()
-        self.blocks.reconcile([s.block_table for s in survivors], [s.cpu_table for s in survivors])
-        self.blocks.check_invariants([s.block_table for s in survivors], [s.cpu_table for s in survivors])
+        self.block_manager.reconcile([s.block_table for s in survivors], [s.cpu_table for s in survivors])
+        self.block_manager.check_invariants([s.block_table for s in survivors], [s.cpu_table for s in survivors])
         return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,

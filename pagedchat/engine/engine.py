@@ -98,9 +98,9 @@ class Engine:
         # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
         # daemon, and a live loop would make close() wait there.
         weakref.finalize(self, self._compute.close, 0).atexit = False
-        self.blocks = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
-        self.scheduler = Scheduler(self.blocks, max_tokens_per_step, max_seqs)
-        self.core = EngineCore(self.blocks, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
+        self.block_manager = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
+        self.scheduler = Scheduler(self.block_manager, max_tokens_per_step, max_seqs)
+        self.core = EngineCore(self.block_manager, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler()
         self.failure: str | None = None          # why the engine stopped, if it could not go on
@@ -189,7 +189,7 @@ class Engine:
     def memory(self) -> MemorySnapshot:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
-            return snapshot(self.blocks, self.scheduler, self.config.max_position_embeddings,
+            return snapshot(self.block_manager, self.scheduler, self.config.max_position_embeddings,
                             self.cache_plan.page_bytes, self.weight_bytes, self.model.weight_precision)
 
     def has_work(self) -> bool:

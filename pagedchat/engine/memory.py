@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.block_manager import BlockManager, MemoryCounters, PageState
 from pagedchat.engine.scheduler import Scheduler
 
 
@@ -21,20 +21,19 @@ class SequenceMemory:
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    total_blocks: int
-    free_blocks: int          # pages a new request can take: empty ones plus cached ones (reclaimable)
-    cached_blocks: int        # of free_blocks, those still holding reusable content
-    block_size: int
+    num_pages: int
+    free_pages: int           # pages a new request can take: empty ones plus cached ones (reclaimable)
+    cached_pages: int         # of free_pages, those still holding reusable content
+    block_size: int           # tokens per page
     page_bytes: int
-    sequences: dict[str, list[int]]       # request id -> physical pages in logical order
     ref_counts: dict[int, int]            # page -> reference count, pages in use only
-    page_states: list[str]                # per page: free, used or cached
+    page_states: list[PageState]          # per page
     shared_pages: dict[int, list[str]]    # pages mapped by two or more sequences -> their request ids
-    seqs: dict[str, SequenceMemory]
+    seqs: dict[str, SequenceMemory]       # request id -> its tokens and pages
     cpu_total: int
     cpu_cached: int           # cached pages offloaded to the CPU tier
     cpu_swapped: int          # pages of swapped-out sequences
-    counters: dict[str, int]
+    counters: MemoryCounters  # a copy, taken with the snapshot
     hit_rate: float           # prefix cache, all admissions so far
     recent_hit_rate: float    # prefix cache, the last 64 admissions
     live_tokens: int          # tokens held by live sequences
@@ -43,21 +42,27 @@ class MemorySnapshot:
     weight_precision: str = ""  # how they run, e.g. "Q4_1 as int4 + Q8_0 as 2×int4" ("": unknown)
 
     def to_json(self) -> dict:
-        """Plain JSON types (the page-keyed maps get string keys), as `pagedchat serve` sends it at /v1/memory."""
-        return asdict(self)
+        """Plain JSON types (page states as their names; the page-keyed maps get string keys), as `pagedchat
+        serve` sends it at /v1/memory."""
+        data = asdict(self)
+        data["page_states"] = [state.value for state in self.page_states]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "MemorySnapshot":
-        """The inverse of to_json, for a snapshot read back over HTTP."""
-        fields = dict(data)
+        """The inverse of to_json, for a snapshot read back over HTTP (also from a server that still sends the
+        older names)."""
+        fields = {_OLD_NAMES.get(k, k): v for k, v in data.items() if k != "sequences"}
         fields["ref_counts"] = {int(p): r for p, r in data["ref_counts"].items()}
         fields["shared_pages"] = {int(p): ids for p, ids in data["shared_pages"].items()}
         fields["seqs"] = {rid: SequenceMemory(**s) for rid, s in data["seqs"].items()}
+        fields["page_states"] = [PageState(state) for state in data["page_states"]]
+        fields["counters"] = MemoryCounters(**data["counters"])
         return cls(**fields)
 
     @property
-    def used_blocks(self) -> int:
-        return self.total_blocks - self.free_blocks
+    def used_pages(self) -> int:
+        return self.num_pages - self.free_pages
 
     @property
     def cpu_used(self) -> int:
@@ -70,42 +75,46 @@ class MemorySnapshot:
 
     @property
     def paged_bytes(self) -> int:
-        return self.used_blocks * self.page_bytes
+        return self.used_pages * self.page_bytes
+
+
+# /v1/memory's field names from servers older than the page/block naming; their "sequences" duplicated
+# the pages in seqs and is dropped.
+_OLD_NAMES = {"total_blocks": "num_pages", "free_blocks": "free_pages", "cached_blocks": "cached_pages"}
 
 
 def _rate(queried: int, hit: int) -> float:
     return hit / queried if queried else 0.0
 
 
-def snapshot(blocks: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int,
+def snapshot(block_manager: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int,
              weight_bytes: int = 0, weight_precision: str = "") -> MemorySnapshot:
     seqs = scheduler.all_seqs()
     owners: dict[int, list[str]] = {}
     for seq in seqs:
         for page in seq.block_table:
             owners.setdefault(page, []).append(seq.request_id)
-    recent = list(blocks.recent_lookups)
-    counters = asdict(blocks.counters)
+    recent = list(block_manager.recent_lookups)
+    counters = replace(block_manager.counters)
     return MemorySnapshot(
-        total_blocks=blocks.num_pages,
-        free_blocks=blocks.num_available(),
-        cached_blocks=len(blocks.evictable),
-        block_size=blocks.block_size,
+        num_pages=block_manager.num_pages,
+        free_pages=block_manager.num_available(),
+        cached_pages=len(block_manager.evictable),
+        block_size=block_manager.block_size,
         page_bytes=page_bytes,
-        sequences={s.request_id: list(s.block_table) for s in seqs},
-        ref_counts=blocks.ref_counts(),
-        page_states=[state.value for state in blocks.page_states()],
+        ref_counts=block_manager.ref_counts(),
+        page_states=list(block_manager.page_states()),
         shared_pages={p: ids for p, ids in owners.items() if len(ids) > 1},
         seqs={s.request_id: SequenceMemory(s.request_id, s.status.value, len(s.token_ids), s.num_computed,
                                            list(s.block_table), len(s.cpu_table), s.cached_tokens) for s in seqs},
-        cpu_total=blocks.cpu.num_pages,
-        cpu_cached=blocks.cpu.num_cached(),
-        cpu_swapped=blocks.cpu.num_held(),
+        cpu_total=block_manager.cpu.num_pages,
+        cpu_cached=block_manager.cpu.num_cached(),
+        cpu_swapped=block_manager.cpu.num_held(),
         counters=counters,
-        hit_rate=_rate(counters["prefix_queries"], counters["prefix_hits"]),
+        hit_rate=_rate(counters.prefix_queries, counters.prefix_hits),
         recent_hit_rate=_rate(sum(q for q, _ in recent), sum(h for _, h in recent)),
         live_tokens=sum(len(s.token_ids) for s in seqs),
-        contiguous_bytes=len(seqs) * max_context * page_bytes // blocks.block_size,
+        contiguous_bytes=len(seqs) * max_context * page_bytes // block_manager.block_size,
         weight_bytes=weight_bytes,
         weight_precision=weight_precision,
     )

@@ -34,8 +34,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_tokens_per_step: int = 512, max_seqs: int = 64):
-        self.blocks = blocks
+    def __init__(self, block_manager: BlockManager, max_tokens_per_step: int = 512, max_seqs: int = 64):
+        self.block_manager = block_manager
         self.max_tokens_per_step = max(max_tokens_per_step, max_seqs)
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
@@ -59,7 +59,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.free_seq(seq)
+        self.block_manager.free_seq(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
@@ -88,16 +88,16 @@ class Scheduler:
         budget = self.max_tokens_per_step - plan.num_tokens
         budget = self._resume_swapped(plan, budget)
         self._admit_waiting(plan, budget)
-        plan.ops = self.blocks.take_ops()
+        plan.ops = self.block_manager.take_ops()
         return plan
 
     def _schedule(self, plan: StepPlan, seq: Sequence, n: int) -> None:
-        self.blocks.register_full_pages(seq, seq.num_computed + n)
+        self.block_manager.register_full_pages(seq, seq.num_computed + n)
         plan.scheduled.append(ScheduledSeq(seq, n, seq.num_computed + n == len(seq.token_ids)))
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Pages for seq's next n tokens, preempting newer sequences as needed. False if seq itself went."""
-        while not self.blocks.prepare_write(seq, n):
+        while not self.block_manager.prepare_write(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -106,12 +106,12 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.blocks.swap_out(seq):
+        if self.block_manager.swap_out(seq):
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
         else:
-            self.blocks.free_seq(seq)
-            self.blocks.counters.recomputes += 1
+            self.block_manager.free_seq(seq)
+            self.block_manager.counters.recomputes += 1
             seq.num_computed = 0
             seq.page_hashes = []
             seq.status = SeqStatus.WAITING
@@ -121,7 +121,7 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_seqs and budget > 0:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed, budget)
-            if not self.blocks.swap_in(seq, n):
+            if not self.block_manager.swap_in(seq, n):
                 break
             self.swapped.popleft()
             self._insert_running(seq)
@@ -134,7 +134,7 @@ class Scheduler:
             return  # swapped sequences come back first, so a stream of new requests cannot starve them
         while self.waiting and len(self.running) < self.max_seqs and budget > 0:
             seq = self.waiting[0]
-            n = self.blocks.admit(seq, budget)
+            n = self.block_manager.admit(seq, budget)
             if n == 0:
                 break
             self.waiting.popleft()

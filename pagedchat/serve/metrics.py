@@ -51,21 +51,21 @@ class _EngineCollector:
         yield self._gauge("num_requests_waiting", "Requests waiting to be admitted.", states.count("waiting"))
         yield self._gauge("num_requests_swapped", "Requests swapped out to the CPU tier.", states.count("swapped"))
         yield self._gauge("kv_cache_usage_perc", "KV-cache usage; 1 means every page is in use.",
-                          snap.used_blocks / snap.total_blocks if snap.total_blocks else 0.0)
-        yield self._gauge("kv_cache_pages", "Pages in the KV-cache pool.", snap.total_blocks)
-        yield self._gauge("kv_cache_free_pages", "Pages a new request can take (empty or cached).", snap.free_blocks)
+                          snap.used_pages / snap.num_pages if snap.num_pages else 0.0)
+        yield self._gauge("kv_cache_pages", "Pages in the KV-cache pool.", snap.num_pages)
+        yield self._gauge("kv_cache_free_pages", "Pages a new request can take (empty or cached).", snap.free_pages)
         yield self._gauge("kv_cache_cached_pages", "Free pages still holding reusable prefix content.",
-                          snap.cached_blocks)
+                          snap.cached_pages)
         yield self._gauge("cpu_cache_usage_perc", "CPU-tier usage; 1 means every CPU page is in use.",
                           snap.cpu_used / snap.cpu_total if snap.cpu_total else 0.0)
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration.",
                                  labels=LABELS + ["block_size", "num_gpu_blocks", "num_cpu_blocks", "page_bytes"])
-        info.add_metric([self.model_name, str(snap.block_size), str(snap.total_blocks), str(snap.cpu_total),
+        info.add_metric([self.model_name, str(snap.block_size), str(snap.num_pages), str(snap.cpu_total),
                          str(snap.page_bytes)], 1)
         yield info
         for name, (doc, parts) in _COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
-            family.add_metric([self.model_name], sum(snap.counters[p] for p in parts))
+            family.add_metric([self.model_name], sum(getattr(snap.counters, p) for p in parts))
             yield family
 
 

@@ -29,10 +29,10 @@ def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[in
     """Page -> chat for live pages, and for cached pages idle chats remember."""
     by_request = {c.request_id: c for c in chats if c.request_id}
     live: dict[int, ChatPages] = {}
-    for rid, pages in snap.sequences.items():
+    for rid, seq in snap.seqs.items():
         chat = by_request.get(rid)
         if chat is not None:
-            for p in pages:
+            for p in seq.pages:
                 live.setdefault(p, chat)
     idle: dict[int, ChatPages] = {}
     for chat in chats:
@@ -43,8 +43,8 @@ def _owners(snap, chats: list[ChatPages]) -> tuple[dict[int, ChatPages], dict[in
 
 
 def render_summary(snap, width: int = 80) -> Content:
-    used = snap.used_blocks
-    pct = used / snap.total_blocks if snap.total_blocks else 0.0
+    used = snap.used_pages
+    pct = used / snap.num_pages if snap.num_pages else 0.0
     bar_w = max(8, min(24, width - 10))
     filled = round(pct * bar_w)
     bar = Content.assemble(Content.styled("█" * filled, "$accent"),
@@ -52,15 +52,15 @@ def render_summary(snap, width: int = 80) -> Content:
                            f" {pct:4.0%} used")
     lines = [
         _heading("KV cache"),
-        _kv("free pages", Content.styled(f"{snap.free_blocks} / {snap.total_blocks}", "bold"),
-            f"{snap.cached_blocks} cached", width),
+        _kv("free pages", Content.styled(f"{snap.free_pages} / {snap.num_pages}", "bold"),
+            f"{snap.cached_pages} cached", width),
         bar,
         _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
         _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
     ]
     if snap.weight_bytes:  # weights and pages share one memory: what the model takes is what the pool cannot
         lines.append(_kv("weights", fmt_bytes(snap.weight_bytes),
-                         f"pool {fmt_bytes(snap.total_blocks * snap.page_bytes)}", width))
+                         f"pool {fmt_bytes(snap.num_pages * snap.page_bytes)}", width))
         if snap.weight_precision:
             lines.append(_kv("", visible_controls(snap.weight_precision), "", width))
     if snap.cpu_total:
@@ -184,11 +184,11 @@ def render_sharing(snap, width: int = 80) -> Content:
         lines.append(_kv("contiguous", "—", "no live requests", width))
     lines += [
         _kv("prefix hits", f"{snap.hit_rate:.0%}",
-            f"recent {snap.recent_hit_rate:.0%} · {c.get('prefix_hits', 0)}/{c.get('prefix_queries', 0)}", width),
-        _kv("swaps", f"out {c.get('swap_outs', 0)} · in {c.get('swap_ins', 0)}",
-            f"recompute {c.get('recomputes', 0)}", width),
-        _kv("evictions", str(c.get("evictions", 0)),
-            f"offload {c.get('offloads', 0)} · CoW {c.get('cow_copies', 0)}", width),
+            f"recent {snap.recent_hit_rate:.0%} · {c.prefix_hits}/{c.prefix_queries}", width),
+        _kv("swaps", f"out {c.swap_outs} · in {c.swap_ins}",
+            f"recompute {c.recomputes}", width),
+        _kv("evictions", str(c.evictions),
+            f"offload {c.offloads} · CoW {c.cow_copies}", width),
     ]
     return Content("\n").join(lines)
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from textual.content import Content
 
+from pagedchat.engine.block_manager import PageState
 from pagedchat.text import visible_controls
 
-FREE, USED, CACHED = "free", "used", "cached"
+FREE, USED, CACHED = PageState.FREE, PageState.USED, PageState.CACHED
 GLYPH_USED, GLYPH_SHARED, GLYPH_CACHED, GLYPH_FREE = "█", "◆", "░", "·"
 MUTED = "$foreground-muted"
 

@@ -144,7 +144,7 @@ async def test_app_over_the_server(server, tmp_path):
         snap = inspector.last_snapshot
         summary = static_text(app, "#insp-summary")
         free, total = map(int, re.search(r"free pages\s+(\d+) / (\d+)", summary).groups())
-        assert total == snap.total_blocks == app.backend.info.num_pages and free < total
+        assert total == snap.num_pages == app.backend.info.num_pages and free < total
         assert re.search(r"running\s+\d+ tok\s+\d+ pg", static_text(app, "#insp-chats"))
         table = static_text(app, "#insp-table")
         assert f"{second.pages[0]:>5}" in table  # the chat in view: its block table, with the server's pages

@@ -65,7 +65,7 @@ def test_batched_equals_alone(tiny_llama):
     together = engine.generate(prompts, params)
     alone = [engine.generate([p], params)[0] for p in prompts]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
-    assert engine.memory().free_blocks == engine.memory().total_blocks
+    assert engine.memory().free_pages == engine.memory().num_pages
 
 
 def test_pages_follow_tokens_and_all_return(tiny_llama):
@@ -83,7 +83,7 @@ def test_pages_follow_tokens_and_all_return(tiny_llama):
         if steps == 10:
             engine.cancel(doomed.request_id)
     snap = engine.memory()
-    assert snap.free_blocks == snap.total_blocks and not snap.sequences and not snap.ref_counts
+    assert snap.free_pages == snap.num_pages and not snap.seqs and not snap.ref_counts
     assert doomed.result(timeout=0).finish_reason == "cancelled"
     assert all(len(h.result(timeout=0).token_ids) == 40 for h in handles)
 
@@ -93,9 +93,9 @@ def test_memory_snapshot_lists_live_pages(tiny_llama):
     handle = engine.submit(prompt_of(engine.tokenizer, 40), SamplingParams(max_tokens=5))
     engine.step()
     snap = engine.memory()
-    pages = snap.sequences[handle.request_id]
+    pages = snap.seqs[handle.request_id].pages
     assert len(pages) == 3 and all(snap.ref_counts[p] == 1 for p in pages)
-    assert snap.free_blocks == snap.total_blocks - 3 and snap.block_size == 16
+    assert snap.free_pages == snap.num_pages - 3 and snap.block_size == 16
 
 
 def test_memory_snapshot_survives_json(tiny_llama):

@@ -51,7 +51,7 @@ def drain(engine: Engine) -> None:
 
 def all_pages_free(engine: Engine) -> bool:
     snap = engine.memory()
-    return snap.free_blocks == snap.total_blocks and not snap.ref_counts
+    return snap.free_pages == snap.num_pages and not snap.ref_counts
 
 
 @pytest.mark.parametrize("phase", BATCH)

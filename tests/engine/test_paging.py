@@ -8,6 +8,7 @@ one token of the default tiny model's K/V takes 768 bytes, so one page of 16 tok
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -89,16 +90,16 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
     b = eng.submit(pb, params)
     step(eng)
     snap = eng.memory()
-    pages_a, pages_b = snap.sequences[a.request_id], snap.sequences[b.request_id]
+    pages_a, pages_b = snap.seqs[a.request_id].pages, snap.seqs[b.request_id].pages
     assert pages_b[:3] == pages_a[:3] and len(pages_b) == 4 and pages_b[3] not in pages_a
     assert [snap.ref_counts[p] for p in pages_a[:3]] == [2, 2, 2]
     assert snap.shared_pages == {p: [a.request_id, b.request_id] for p in pages_a[:3]}
     assert b.cached_tokens == 48 and b.prefilled_tokens == 5
-    assert snap.used_blocks == 5
+    assert snap.used_pages == 5
     drain(eng)
     check_same(tiny_llama_ref, pa, a.result().token_ids, 8)
     check_same(tiny_llama_ref, pb, b.result().token_ids, 8)
-    assert eng.memory().free_blocks == eng.memory().total_blocks
+    assert eng.memory().free_pages == eng.memory().num_pages
 
 
 # ---- fork ----------------------------------------------------------------------------------------------------
@@ -114,18 +115,18 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
     child = eng.fork(parent.request_id, SamplingParams(max_tokens=20, ignore_eos=True))
     step(eng)
     snap = eng.memory()
-    pp, cp = snap.sequences[parent.request_id], snap.sequences[child.request_id]
-    assert eng.blocks.counters.cow_copies == 1, "one write into the shared partial page, one copy"
+    pp, cp = snap.seqs[parent.request_id].pages, snap.seqs[child.request_id].pages
+    assert eng.block_manager.counters.cow_copies == 1, "one write into the shared partial page, one copy"
     assert pp[:3] == cp[:3] == before[:3] and all(snap.ref_counts[p] == 2 for p in pp[:3])
     assert pp[3] != cp[3] and before[3] in (pp[3], cp[3]), "the partial page was copied for one writer"
     assert snap.ref_counts[pp[3]] == snap.ref_counts[cp[3]] == 1
     # the child's prompt is the parent's 51 tokens: 50 computed and shared, the last one its own to compute
     assert snap.seqs[child.request_id].cached_tokens == 50 and child.prefilled_tokens == 1
-    drain(eng, check=lambda: eng.blocks.check_invariants(live_tables(eng)))
+    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
     assert child.prompt_token_ids == history
     check_same(tiny_llama_ref, prompt, parent.result().token_ids, 30)
     check_same(tiny_llama_ref, history, child.result().token_ids, 20)
-    assert eng.memory().free_blocks == eng.memory().total_blocks
+    assert eng.memory().free_pages == eng.memory().num_pages
     # a finished request forks from the prefix cache
     again = eng.fork(child.request_id, SamplingParams(max_tokens=5, ignore_eos=True))
     drain(eng)
@@ -143,8 +144,8 @@ def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
     eng = manual(tiny_llama, kv_cache_memory=8 * PAGE, swap_space=swap_pages * PAGE)
     prompts = [ids_of(eng.tokenizer, n, salt=i) for i, n in enumerate((20, 9, 25, 14))]
     handles = eng.submit_many(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-    drain(eng, check=lambda: eng.blocks.check_invariants(live_tables(eng)))
-    c = eng.blocks.counters
+    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
+    c = eng.block_manager.counters
     if swap_pages == 0:
         assert c.recomputes > 0 and c.swap_outs == 0
     elif swap_pages == 32:
@@ -154,7 +155,7 @@ def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
     for prompt, handle in zip(prompts, handles):
         check_same(tiny_llama_ref, prompt, handle.result().token_ids, 40)
     snap = eng.memory()
-    assert snap.free_blocks == snap.total_blocks and snap.cpu_swapped == 0
+    assert snap.free_pages == snap.num_pages and snap.cpu_swapped == 0
 
 
 # ---- multi-turn ----------------------------------------------------------------------------------------------
@@ -221,11 +222,11 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     a = eng.submit(pa, SamplingParams(max_tokens=20, ignore_eos=True))
     drain(eng)
     history = pa + a.result().token_ids  # 80 tokens, 79 computed: 4 full pages cached
-    assert eng.memory().cached_blocks == 4
+    assert eng.memory().cached_pages == 4
     pb = ids_of(eng.tokenizer, 170, 2)
     b = eng.submit(pb, SamplingParams(max_tokens=20, ignore_eos=True))
     drain(eng)
-    c = eng.blocks.counters
+    c = eng.block_manager.counters
     assert c.evictions >= 4 and c.offloads >= 4
     snap = eng.memory()
     assert snap.cpu_cached >= 4 and snap.cpu_total == swap_pages
@@ -238,7 +239,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     done = a2.result()
     assert done.cached_tokens == 64 and done.prefilled_tokens == len(prompt2) - 64
     assert len(copied) == 4, "A's four pages came back from the CPU tier"
-    assert eng.blocks.counters.cpu_hits == 4
+    assert eng.block_manager.counters.cpu_hits == 4
     check_same(tiny_llama_ref, prompt2, done.token_ids, 10)
     check_same(tiny_llama_ref, pb, b.result().token_ids, 20)
 
@@ -261,13 +262,13 @@ def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, shared_
     def track():
         nonlocal peak
         snap = eng.memory()
-        peak = max(peak, snap.used_blocks)
-        eng.blocks.check_invariants(live_tables(eng))
+        peak = max(peak, snap.used_pages)
+        eng.block_manager.check_invariants(live_tables(eng))
 
     drain(eng, check=track)
-    own = sum(eng.blocks.pages_for(len(p) + max_tokens - 1) - 300 // 16 for p in prompts)
+    own = sum(eng.block_manager.pages_for(len(p) + max_tokens - 1) - 300 // 16 for p in prompts)
     assert peak <= 300 // 16 + own, (peak, own)
-    unshared = sum(eng.blocks.pages_for(len(p) + max_tokens - 1) for p in prompts)
+    unshared = sum(eng.block_manager.pages_for(len(p) + max_tokens - 1) for p in prompts)
     assert peak < unshared / 3, "the system prompt is held once, not once per chat"
     results = [h.result() for h in handles]
     assert sum(r.cached_tokens for r in results) >= 7 * (shared // 16) * 16
@@ -353,7 +354,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
         wanted[handle.request_id] = max_tokens
 
     def check():
-        eng.blocks.check_invariants(live_tables(eng))
+        eng.block_manager.check_invariants(live_tables(eng))
 
     def pick(i):
         return handles[i % len(handles)] if handles else None
@@ -365,7 +366,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             try:
                 submit(lambda params: eng.submit(bases[base][:length], params), max_tokens)
             except RequestError:  # more than the 5 pages: refused up front, and the engine goes on
-                assert eng.blocks.pages_for(length + max_tokens) > 5
+                assert eng.block_manager.pages_for(length + max_tokens) > 5
         elif kind == "step":
             for _ in range(op[1]):
                 step(eng)
@@ -401,9 +402,9 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
     else:
         drain(eng, check=check)
         snap = eng.memory()
-        assert snap.free_blocks == snap.total_blocks and not snap.ref_counts and snap.cpu_swapped == 0
+        assert snap.free_pages == snap.num_pages and not snap.ref_counts and snap.cpu_swapped == 0
     snap = eng.memory()
-    for name, count in snap.counters.items():  # what the examples exercised (--hypothesis-show-statistics)
+    for name, count in asdict(snap.counters).items():  # what the examples exercised (--hypothesis-show-statistics)
         if count and name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
             event(name)
     for handle in handles:

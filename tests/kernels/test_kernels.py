@@ -83,15 +83,13 @@ def test_reference_matches_dense_causal_sdpa(block_size, heads, kv_heads):
         torch.testing.assert_close(out[start:start + qlen], dense[ctx - qlen:], atol=1e-5, rtol=1e-5)
 
 
-def test_reference_write_kv_and_copy_pages():
+def test_reference_write_kv():
     k_cache = torch.zeros(4, 16, 2, 8)
     v_cache = torch.zeros(4, 16, 2, 8)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     reference.write_kv(k_cache, v_cache, k, v, torch.tensor([17, -1, 63]))
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[3, 15], v[2])
     assert k_cache.count_nonzero() == k[0].count_nonzero() + k[2].count_nonzero()
-    reference.copy_pages([k_cache, v_cache], torch.tensor([1, 3]), torch.tensor([0, 2]))
-    assert torch.equal(k_cache[0], k_cache[1]) and torch.equal(v_cache[2], v_cache[3])
 
 
 # ---------------------------------------------------------------------------- attention kernels
@@ -186,22 +184,6 @@ def test_write_kv(tk, block_size, kv_heads, head_dim, dtype):
     tk.ops.write_kv(*got, k, v, slots)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_copy_pages(tk, dtype, index_dtype):
-    gen = torch.Generator().manual_seed(2)
-    # Two layers' K and V; page numel 16*3*64 = 3072 spans several 1024-element chunks.
-    want = [torch.randn(8, 16, 3, 64, generator=gen).to(dtype).to(DEVICE) for _ in range(4)]
-    got = [c.clone() for c in want]
-    src = torch.tensor([5, 0, 5], dtype=index_dtype, device=DEVICE)
-    dst = torch.tensor([1, 7, 2], dtype=index_dtype, device=DEVICE)
-    reference.copy_pages(want, src, dst)
-    tk.ops.copy_pages(got, src, dst)
-    for g, w in zip(got, want):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-    tk.ops.copy_pages(got, src[:0], dst[:0])  # nothing to copy is fine
 
 
 # ---------------------------------------------------------------------------- packaging and device

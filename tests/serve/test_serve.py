@@ -215,14 +215,14 @@ def test_a_disconnect_cancels_the_request_and_frees_its_pages(server):
         for _ in range(3):
             next(lines)
         live = server.memory()["snapshot"]
-        assert first["id"] in live["sequences"], "the engine's request id is the response id"
-        assert len(live["sequences"][first["id"]]) >= 1
+        assert first["id"] in live["seqs"], "the engine's request id is the response id"
+        assert len(live["seqs"][first["id"]]["pages"]) >= 1
     gone_at = time.monotonic() + 5
-    while first["id"] in server.memory()["snapshot"]["sequences"]:
+    while first["id"] in server.memory()["snapshot"]["seqs"]:
         assert time.monotonic() < gone_at, "the disconnected request still holds pages"
         time.sleep(0.05)
     after = server.memory()["snapshot"]
-    assert after["free_blocks"] == before["free_blocks"] == after["total_blocks"]
+    assert after["free_pages"] == before["free_pages"] == after["num_pages"]
     families = {f.name: f for f in text_string_to_metric_families(server.http.get("/metrics").text)}
     reasons = {s.labels["finished_reason"] for s in families["pagedchat:request_success"].samples
                if s.name.endswith("_total")}
@@ -293,11 +293,11 @@ def test_metrics_parse_with_prometheus_client(server):
                  "pagedchat:swap_outs", "pagedchat:kv_cache_pages", "pagedchat:kv_cache_free_pages"):
         assert name in families, name
     snap = server.memory()["snapshot"]
-    assert value["pagedchat:kv_cache_pages"] == snap["total_blocks"]
+    assert value["pagedchat:kv_cache_pages"] == snap["num_pages"]
     assert value["pagedchat:generation_tokens"] >= 3 and value["pagedchat:prompt_tokens"] > 0
     assert value["pagedchat:prefix_cache_hits"] <= value["pagedchat:prefix_cache_queries"]
     info = families["pagedchat:cache_config_info"].samples[0].labels
-    assert int(info["block_size"]) == 16 and int(info["num_gpu_blocks"]) == snap["total_blocks"]
+    assert int(info["block_size"]) == 16 and int(info["num_gpu_blocks"]) == snap["num_pages"]
 
 
 def test_the_api_key_guards_v1_but_not_health(server):

@@ -16,6 +16,7 @@ import textual.app
 import textual.pilot
 from textual._wait import wait_for_idle
 
+from pagedchat.engine.block_manager import PageState
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat_ops import export_chat
@@ -177,22 +178,22 @@ async def test_inspector_numbers_match_the_engine(config):
         pages = session.pages
         await wait_for(pilot, lambda: inspector.last_snapshot == snap
                        and f"{len(pages)} pages" in static_text(app, "#insp-table"), "the inspector to catch up")
-        assert _inspector_numbers(app) == (snap.free_blocks, snap.total_blocks, snap.cached_blocks)
+        assert _inspector_numbers(app) == (snap.free_pages, snap.num_pages, snap.cached_pages)
         # The weights beside the pool they share the memory with.
         assert snap.weight_bytes == app.backend.engine.model.weight_bytes() > 0
         assert re.search(rf"weights\s+{re.escape(fmt_bytes(snap.weight_bytes))}\s+pool "
-                         rf"{re.escape(fmt_bytes(snap.total_blocks * snap.page_bytes))}",
+                         rf"{re.escape(fmt_bytes(snap.num_pages * snap.page_bytes))}",
                          static_text(app, "#insp-summary"))
         # The chat's full pages are now cached (free to reuse, drawn in the chat's colour in the map); a
         # partly filled last page holds nothing reusable and goes back to the free pool.
         full = session.page_tokens // snap.block_size
-        assert len(pages) >= full > 0 and all(snap.page_states[p] == "cached" for p in pages[:full])
+        assert len(pages) >= full > 0 and all(snap.page_states[p] is PageState.CACHED for p in pages[:full])
         table = static_text(app, "#insp-table")
-        assert table.count("░ cached") == sum(snap.page_states[p] == "cached" for p in pages)
+        assert table.count("░ cached") == sum(snap.page_states[p] is PageState.CACHED for p in pages)
         chats = static_text(app, "#insp-chats")
         assert re.search(rf"idle\s+{session.page_tokens} tok\s+{len(pages)} pg", chats), chats
         map_text = static_text(app, "#insp-map")
-        assert map_text.count("░") >= snap.cached_blocks
+        assert map_text.count("░") >= snap.cached_pages
         assert "prefix hits" in static_text(app, "#insp-sharing")
         await pilot.press("f2")
         assert not inspector.display

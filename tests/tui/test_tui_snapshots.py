@@ -11,6 +11,7 @@ import pytest
 from textual.widgets import TextArea
 
 from pagedchat.backends.base import BackendInfo
+from pagedchat.engine.block_manager import MemoryCounters, PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
@@ -21,21 +22,21 @@ PAGE_BYTES = 16 * 2 * 30 * 3 * 64 * 2   # SmolLM2-135M in bf16: 16 tokens x K,V 
 
 
 def fixed_memory() -> MemorySnapshot:
-    states = ["free"] * 96
+    states = [PageState.FREE] * 96
     for p in range(0, 5):
-        states[p] = "cached"        # the idle chat's finished exchange
+        states[p] = PageState.CACHED      # the idle chat's finished exchange
     for p in range(20, 24):
-        states[p] = "cached"        # older prefixes, owner unknown
+        states[p] = PageState.CACHED      # older prefixes, owner unknown
     for p in range(8, 14):
-        states[p] = "used"
+        states[p] = PageState.USED
     running = SequenceMemory("req-7", "running", 75, 74, [8, 9, 10, 11, 12], 0, 0)
     branch = SequenceMemory("req-8", "running", 60, 59, [8, 9, 10, 13], 0, 48)
     refs = {8: 2, 9: 2, 10: 2, 11: 1, 12: 1, 13: 1}
-    counters = dict(prefix_queries=6, prefix_hits=4, evictions=2, offloads=3, cpu_hits=1, swap_outs=1,
-                    swap_ins=1, recomputes=0, cow_copies=1)
+    counters = MemoryCounters(prefix_queries=6, prefix_hits=4, evictions=2, offloads=3, cpu_hits=1, swap_outs=1,
+                              swap_ins=1, recomputes=0, cow_copies=1)
     return MemorySnapshot(
-        total_blocks=96, free_blocks=96 - 6, cached_blocks=9, block_size=16, page_bytes=PAGE_BYTES,
-        sequences={"req-7": running.pages, "req-8": branch.pages}, ref_counts=refs, page_states=states,
+        num_pages=96, free_pages=96 - 6, cached_pages=9, block_size=16, page_bytes=PAGE_BYTES,
+        ref_counts=refs, page_states=states,
         shared_pages={p: ["req-7", "req-8"] for p in (8, 9, 10)}, seqs={"req-7": running, "req-8": branch},
         cpu_total=24, cpu_cached=3, cpu_swapped=0, counters=counters, hit_rate=4 / 6, recent_hit_rate=0.75,
         live_tokens=135, contiguous_bytes=2 * 2048 * PAGE_BYTES // 16)
