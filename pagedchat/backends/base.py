@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 from pagedchat.backends.metrics import ServerMetrics
 
 if TYPE_CHECKING:  # both import torch, which the app loads off its UI thread, with the backend
-    from pagedchat.engine.memory import MemorySnapshot
+    from pagedchat.engine.memory import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
 
 
@@ -38,6 +38,7 @@ class Outcome:
     finish_reason: str | None = None   # stop, length, cancelled, error
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prefilled_tokens: int = 0          # prompt tokens it computed (past prompt - cached after a recompute)
     generated_tokens: int = 0
     time_to_first_token: float | None = None
     tokens_per_s: float | None = None
@@ -113,6 +114,29 @@ class Backend(Protocol):
         """The latest memory picture; never waits on the network (the UI thread calls it on a timer)."""
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class TokenBackend(Backend, Protocol):
+    """A backend whose tokenizer and engine run in this process (LocalBackend). `pagedchat serve` and the bench
+    need this much more: they pass prompts as token ids (an HTTP client may send ids; the bench times the same
+    ids on every runner), start several requests in one step, and read the pool at every update."""
+
+    def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
+                   continue_final: bool = False) -> list[int]:
+        """A text's ids or token ids, checked against the context and the vocabulary; or chat messages' through
+        the model's template, reusing previous's ids (continue_final: the last, assistant, message is continued
+        rather than answered). Raises PagedChatError when the prompt cannot be built."""
+
+    def submit_ids(self, prompts: list[list[int]], params: "SamplingParams", *,
+                   request_ids: list[str] | None = None, on_update: OnUpdate | None = None) -> list[ReplyHandle]:
+        """One reply per prompt, all admitted in the same step. Raises PagedChatError (and starts none) when
+        one of them can never run."""
+
+    def usage(self) -> "PoolUsage":
+        """Steps run and pages in use: cheap enough to read in every on_update."""
+
+    def memory(self) -> "MemorySnapshot": ...
 
 
 def has_page_map(view: MemoryView) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Update
 from pagedchat.engine.chat import chat_prompt_ids
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.memory import MemorySnapshot, PoolUsage
 from pagedchat.engine.sequence import Completion, StreamDelta
 from pagedchat.errors import PagedChatError
 
@@ -15,6 +15,7 @@ from pagedchat.errors import PagedChatError
 def outcome_of(c: Completion) -> Outcome:
     return Outcome(request_id=c.request_id, text=c.text, finish_reason=c.finish_reason,
                    prompt_tokens=len(c.prompt_token_ids), cached_tokens=c.cached_tokens,
+                   prefilled_tokens=c.prefilled_tokens,
                    generated_tokens=len(c.token_ids), time_to_first_token=c.time_to_first_token,
                    tokens_per_s=c.decode_tokens_per_s, error=c.error, pages=tuple(c.pages),
                    token_ids=tuple(c.prompt_token_ids) + tuple(c.token_ids))
@@ -64,7 +65,8 @@ class LocalReply:
 
 
 class LocalBackend:
-    """pagedchat's own Engine, in this process."""
+    """pagedchat's own Engine, in this process: the app's Backend, and the TokenBackend that `pagedchat serve`
+    and the bench drive."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -77,20 +79,45 @@ class LocalBackend:
                                 context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
                                 num_pages=plan.num_pages, page_bytes=plan.page_bytes)
 
-    def _prompt_ids(self, messages: list[dict], previous: Outcome | None) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
+                   continue_final: bool = False) -> list[int]:
+        if not prompt or not isinstance(prompt[0], dict):
+            return self.engine.encode_prompt(prompt)
+        # Chat ids are not checked here: the app compares their count with the context itself, and submit checks.
         try:
-            return chat_prompt_ids(self.engine.tokenizer, messages, list(previous.token_ids) if previous else None)
+            return chat_prompt_ids(self.engine.tokenizer, prompt, list(previous.token_ids) if previous else None,
+                                   continue_final)
         except Exception as exc:  # a template problem (no chat template, a role it refuses)
             raise PagedChatError(f"Cannot build the prompt: {exc}") from exc
 
     def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int:
-        return len(self._prompt_ids(messages, previous))
+        return len(self.prompt_ids(messages, previous))
 
     def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
                on_update: OnUpdate | None = None) -> LocalReply:
-        ids = self._prompt_ids(messages, previous)
+        ids = self.prompt_ids(messages, previous)
         reply = LocalReply(self, on_update)
         return reply.bind(self.engine.submit(ids, params, on_update=reply.on_delta))
+
+    def submit_ids(self, prompts: list[list[int]], params, *, request_ids: list[str] | None = None,
+                   on_update: OnUpdate | None = None) -> list[LocalReply]:
+        # The engine takes one callback for the batch: route each delta to its reply by request id, once all
+        # are known (a delta can come before submit_many returns).
+        by_id: dict[str, LocalReply] = {}
+        routed = threading.Event()
+
+        def route(delta: StreamDelta) -> None:
+            routed.wait()
+            by_id[delta.request_id].on_delta(delta)
+
+        handles = self.engine.submit_many(prompts, params, request_ids=request_ids, on_update=route)
+        for handle in handles:
+            by_id[handle.request_id] = LocalReply(self, on_update).bind(handle)
+        routed.set()
+        return [by_id[h.request_id] for h in handles]
+
+    def usage(self) -> PoolUsage:
+        return self.engine.usage()
 
     def fork(self, parent: LocalReply, params, *, on_update: OnUpdate | None = None) -> LocalReply:
         reply = LocalReply(self, on_update, parent_prompt_len=len(parent.handle.prompt_token_ids))

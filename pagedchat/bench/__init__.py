@@ -1,7 +1,7 @@
 """`pagedchat bench`: what the paged KV cache buys, measured on this machine.
 
 One run answers, side by side:
-  1. what one token of context costs (from the model's shape, and read back from the allocated pool);
+  1. what one token of context costs (from the model's shape, and from the pool's pages as the engine declares them);
   2. how many chats fit in the KV budget when paged, against reserving the model's full context per chat, the
      slots each scheme wastes on the real run, and the weights' bytes beside the pool's: how many more KV tokens
      the same memory holds with these weights than with bf16 ones;

@@ -1,5 +1,5 @@
-"""pagedchat's side of the bench: the workload on an Engine, with the peak page snapshot and a cold against a
-warm first token."""
+"""pagedchat's side of the bench: the workload on the engine through its backend face (token ids in, updates
+out), with the peak page snapshot and a cold against a warm first token."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pagedchat.backends.base import TokenBackend
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.memory import PeakAccounting, Sharing, peak_accounting
 from pagedchat.bench.stats import RunStats, median, timing_stats
@@ -22,17 +23,20 @@ def engine_kwargs(cfg: BenchConfig, max_chats: int) -> dict:
 
 
 def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]):
+    """The engine measured: the harness reads the model it runs (its config, tokenizer, weights) from it, and
+    drives it through the backend face (LocalBackend), as `pagedchat serve` does."""
     from pagedchat.engine.engine import Engine
 
     describe("loading the engine")
     return Engine(cfg.model, **engine_kwargs(cfg, max_chats))
 
 
-def warm_up(engine, work: Workload) -> None:
+def warm_up(backend: TokenBackend, work: Workload) -> None:
     """One short request on a prompt that shares no page with the workload: first-call costs off the clock."""
     from pagedchat.engine.sampling import SamplingParams
 
-    engine.generate([work.cold_prefix(0)], SamplingParams(max_tokens=2, ignore_eos=True))
+    [reply] = backend.submit_ids([work.cold_prefix(0)], SamplingParams(max_tokens=2, ignore_eos=True))
+    reply.result()
 
 
 @dataclass(frozen=True)
@@ -42,42 +46,58 @@ class EngineRun:
     sharing: Sharing
 
 
-def run_engine_level(engine, prompts: list[list[int]], max_tokens: int, progress, tag: str) -> EngineRun:
+class _Peak:
+    """The memory snapshot at the fullest step. A snapshot of a large pool costs milliseconds of engine time:
+    take one when the page count grows, and in the last steps before replies end, where the most tokens fill
+    the most pages; at most one a step."""
+
+    def __init__(self, backend: TokenBackend):
+        self.backend = backend
+        self.step = -1
+        self.used = -1
+        self.snap = None
+
+    def watch(self, ending: bool) -> None:  # on the engine thread, between steps
+        usage = self.backend.usage()
+        if usage.steps == self.step:
+            return
+        self.step = usage.steps
+        if usage.pages_used > self.used or (usage.pages_used == self.used and ending):
+            self.used = usage.pages_used
+            self.snap = self.backend.memory()
+
+
+def run_engine_level(backend: TokenBackend, prompts: list[list[int]], max_tokens: int, progress,
+                     tag: str) -> EngineRun:
     """All prompts submitted at once; per-token arrival times, and pages at the peak."""
     from pagedchat.engine.sampling import SamplingParams
 
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
     arrivals: list[list[float]] = [[] for _ in prompts]
-    peak = {"step": -1, "used": -1, "snap": None}
+    peak = _Peak(backend)
 
-    def on_update(delta) -> None:  # on the engine thread, between steps
+    def on_update(update) -> None:  # on the engine thread, between steps
         now = time.perf_counter()
-        arrivals[index[delta.request_id]].extend([now] * len(delta.token_ids))
-        progress.advance(len(delta.token_ids))
-        if engine.steps != peak["step"] and not delta.finished:
-            peak["step"] = engine.steps
-            used = engine.block_manager.num_pages - engine.block_manager.num_available()
-            # A snapshot of a large pool costs milliseconds of engine time: take one when the page count
-            # grows, and in the last steps before replies end, where the most tokens fill the most pages.
-            ending = len(arrivals[index[delta.request_id]]) >= max_tokens - 1
-            if used > peak["used"] or (used == peak["used"] and ending):
-                peak["used"] = used
-                peak["snap"] = engine.memory()
+        got = arrivals[index[update.request_id]]
+        got.extend([now] * update.tokens)
+        progress.advance(update.tokens)
+        if not update.finished:
+            peak.watch(ending=len(got) >= max_tokens - 1)
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    handles = engine.submit_many(prompts, params, on_update=on_update, request_ids=ids)
-    completions = [h.result() for h in handles]
-    bad = [c for c in completions if c.finish_reason != "length"]
+    replies = backend.submit_ids(prompts, params, on_update=on_update, request_ids=ids)
+    outcomes = [r.result() for r in replies]
+    bad = [o for o in outcomes if o.finish_reason != "length"]
     if bad:
         raise BenchError(f"request {bad[0].request_id} ended with {bad[0].finish_reason!r}"
                          f"{': ' + bad[0].error if bad[0].error else ''}")
-    acct = peak_accounting(peak["snap"], engine.config.max_position_embeddings)
+    acct = peak_accounting(peak.snap, backend.info.context_length)
     sharing = Sharing(pages_with=acct.pages_with_sharing, pages_without=acct.pages_without_sharing,
                       pages_saved=acct.pages_saved, prompt_tokens=sum(len(p) for p in prompts),
-                      prefill_tokens_computed=sum(c.prefilled_tokens for c in completions),
-                      prefill_tokens_saved=sum(c.cached_tokens for c in completions))
+                      prefill_tokens_computed=sum(o.prefilled_tokens for o in outcomes),
+                      prefill_tokens_saved=sum(o.cached_tokens for o in outcomes))
     return EngineRun(timing_stats(start, arrivals), acct, sharing)
 
 
@@ -103,7 +123,7 @@ def cold_prompts(work: Workload) -> list[tuple[list[int], list[int]]]:
             for k in range(WARM_REPEATS)]
 
 
-def ttft_cold_warm(engine, work: Workload, progress) -> ColdWarm:
+def ttft_cold_warm(backend: TokenBackend, work: Workload, progress) -> ColdWarm:
     from pagedchat.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -112,9 +132,9 @@ def ttft_cold_warm(engine, work: Workload, progress) -> ColdWarm:
         for kind, prefix in (("cold", cold_prefix), ("warm", work.system_ids)):
             t0 = time.perf_counter()
             got = []
-            handle = engine.submit(prefix + question, params, request_id=f"ttft-{kind}-{k}",
-                                   on_update=lambda d: got.append(time.perf_counter()) if d.token_ids else None)
-            c = handle.result()
+            [reply] = backend.submit_ids([prefix + question], params, request_ids=[f"ttft-{kind}-{k}"],
+                                         on_update=lambda u: got.append(time.perf_counter()) if u.tokens else None)
+            c = reply.result()
             (cold if kind == "cold" else warm).append(got[0] - t0)
             if kind == "warm":
                 cached.append(c.cached_tokens)

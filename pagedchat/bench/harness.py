@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
+from pagedchat.backends.local import LocalBackend
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
                                            run_engine_level, ttft_cold_warm, warm_up)
@@ -39,9 +40,9 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
     peers: list[Peer] = []
     try:
         work = build_workload(engine.tokenizer, cfg.system_tokens, top, cfg.seed)
-        cost = token_cost(engine)
+        cost = token_cost(engine.config, engine.dtype, LocalBackend(engine).info)
         longest = max(len(p) for p in work.prompts) + cfg.max_tokens
-        _check_fits(engine, work, cfg, cost, top, longest)
+        _check_fits(work, cfg, cost, top, longest)
         weights = _weights(engine, cost)
         for name in cfg.against:
             progress.describe(f"loading {name}")
@@ -76,26 +77,26 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
             peer.close()
 
 
-def _check_fits(engine, work: Workload, cfg: BenchConfig, cost: TokenCost, top: int, longest: int) -> None:
+def _check_fits(work: Workload, cfg: BenchConfig, cost: TokenCost, top: int, longest: int) -> None:
     if longest > cost.max_context:
         raise BenchError(f"a chat would reach {longest} tokens but the model's context holds "
                          f"{cost.max_context}: lower --system-tokens or --max-tokens")
-    need = pages_needed(work.prompts, cfg.max_tokens, cfg.system_tokens, engine.block_size)
-    if need > engine.block_manager.num_pages:
+    need = pages_needed(work.prompts, cfg.max_tokens, cfg.system_tokens, cost.block_size)
+    if need > cost.num_pages:
         from pagedchat.bench.render import size
 
         raise BenchError(
-            f"the KV budget holds {engine.block_manager.num_pages} pages of {engine.block_size} tokens "
-            f"({size(engine.cache_plan.gpu_bytes)}) but {top} chats of up to {longest} tokens need "
+            f"the KV budget holds {cost.num_pages} pages of {cost.block_size} tokens "
+            f"({size(cost.pool_bytes)}) but {top} chats of up to {longest} tokens need "
             f"{need} pages even with the system prompt shared: use --kv-cache-memory "
-            f"{math.ceil(need * engine.cache_plan.page_bytes / 2**20)}MiB or more, or fewer --chats / --max-tokens")
+            f"{math.ceil(need * cost.page_bytes / 2**20)}MiB or more, or fewer --chats / --max-tokens")
 
 
 def _weights(engine, cost: TokenCost):
     """The loaded weights beside the pool, from the model's own numbers."""
     import torch
 
-    resident = engine.model.weight_bytes()
+    resident = engine.weight_bytes
     gpu_free = None
     if engine.device.type == "cuda":  # free before this engine loaded: what plan_cache started from
         gpu_free = torch.cuda.mem_get_info(engine.device)[0] + resident + cost.pool_bytes
@@ -115,13 +116,14 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
         of = f" · round {r + 1} of {cfg.repeat}" if cfg.repeat > 1 else ""
         if engine is None:  # a fresh engine per round: each starts with a cold prefix cache
             engine = new_engine(cfg, top, progress.describe)
-        warm_up(engine, work)
+        backend = LocalBackend(engine)
+        warm_up(backend, work)
         progress.describe(f"{PAGEDCHAT} · {label}{of}")
-        run: EngineRun = run_engine_level(engine, prompts, cfg.max_tokens, progress, f"c{n}r{r}")
+        run: EngineRun = run_engine_level(backend, prompts, cfg.max_tokens, progress, f"c{n}r{r}")
         first = first or run
         if n == top and r == 0:  # the system prompt is cached now
             progress.describe("cold vs warm first token")
-            cold_warm = ttft_cold_warm(engine, work, progress)
+            cold_warm = ttft_cold_warm(backend, work, progress)
         # Its compute thread ends with it, so each peer runs with no other OpenMP team alive.
         engine.shutdown()
         engine = None

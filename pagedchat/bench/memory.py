@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedchat.backends.base import BackendInfo
 from pagedchat.engine.sizing import DEFAULT_GPU_SHARE
 
 BF16_BYTES = 2
@@ -27,18 +28,20 @@ class TokenCost:
     max_context: int
 
 
-def token_cost(engine) -> TokenCost:
-    """KV bytes per token: from the model's shape, and read back from the pool the engine allocated."""
-    cfg = engine.config
-    kv = engine.runner.kv_cache
-    elem = kv.element_size()
-    slots = engine.block_manager.num_pages * engine.block_size
+def token_cost(config, dtype, info: BackendInfo) -> TokenCost:
+    """KV bytes per token: from the model's shape in this dtype, and from the pool as the backend declares it
+    (its pages' bytes over their tokens)."""
+    import torch
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    slots = info.num_pages * info.block_size
+    pool_bytes = info.num_pages * info.page_bytes
     return TokenCost(
-        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        dtype=str(kv.dtype).removeprefix("torch."), dtype_bytes=elem,
-        bytes_per_token_model=cfg.kv_bytes_per_token(elem), bytes_per_token_pool=kv.numel() * elem / slots,
-        pool_bytes=kv.numel() * elem, num_pages=engine.block_manager.num_pages, block_size=engine.block_size,
-        page_bytes=engine.cache_plan.page_bytes, token_slots=slots, max_context=cfg.max_position_embeddings)
+        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        dtype=str(dtype).removeprefix("torch."), dtype_bytes=elem,
+        bytes_per_token_model=config.kv_bytes_per_token(elem), bytes_per_token_pool=pool_bytes / slots,
+        pool_bytes=pool_bytes, num_pages=info.num_pages, block_size=info.block_size, page_bytes=info.page_bytes,
+        token_slots=slots, max_context=config.max_position_embeddings)
 
 
 @dataclass(frozen=True)

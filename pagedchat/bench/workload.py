@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagedchat.bench.config import BenchError
+from pagedchat.engine.chat import render_chat
 
 SYSTEM_POLICY = """\
 You are Harbor, the support assistant of Northwind Outfitters, an online shop for outdoor clothing and camping \
@@ -103,7 +104,7 @@ def _template_parts(tokenizer) -> tuple[list[int], list[int], list[int]]:
     if getattr(tokenizer, "chat_template", None):
         try:
             messages = [{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = render_chat(tokenizer, messages)
         except Exception:
             text = ""
         if text.count(_SYS) == 1 and text.count(_USR) == 1 and text.index(_SYS) < text.index(_USR):

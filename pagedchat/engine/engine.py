@@ -24,7 +24,8 @@ from pagedchat.engine.compute_thread import ComputeThread
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.handle import RequestHandle
-from pagedchat.engine.memory import MemorySnapshot, snapshot
+from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sampling import Sampler
@@ -123,13 +124,17 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, checked against the context and the vocabulary; chat messages go through the
+        model's chat template (engine/chat.py, the one path every prompt is built on)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif prompt and all(isinstance(m, dict) for m in prompt):
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            try:
+                ids = chat_prompt_ids(self.tokenizer, list(prompt))
+            except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
+                raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
         else:
             ids = [int(t) for t in prompt]
         self._validate(ids)
@@ -191,6 +196,12 @@ class Engine:
         with self._lock:
             return snapshot(self.block_manager, self.scheduler, self.config.max_position_embeddings,
                             self.cache_plan.page_bytes, self.weight_bytes, self.model.weight_precision)
+
+    def usage(self) -> PoolUsage:
+        """Steps run and pages in use: cheap, for a caller that watches every update (the bench's peak)."""
+        with self._lock:
+            bm = self.block_manager
+            return PoolUsage(self.core.steps, bm.num_pages - bm.num_available())
 
     def has_work(self) -> bool:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""

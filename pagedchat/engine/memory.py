@@ -9,6 +9,14 @@ from pagedchat.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
+class PoolUsage:
+    """Two counts, cheap enough to read at every update (a MemorySnapshot of a large pool is not)."""
+
+    steps: int        # engine steps that ran a forward pass so far
+    pages_used: int   # pages mapped by live sequences or pinned for a copy
+
+
+@dataclass(frozen=True)
 class SequenceMemory:
     request_id: str
     status: str               # waiting, running, swapped

@@ -1,8 +1,10 @@
 """The Starlette app: OpenAI's chat and completion endpoints, models, health, metrics and the page map.
 
-Threads: the event loop only parses, formats and forwards. The engine runs every torch call on its own compute
-thread; its on_update callbacks hand each step's delta to the loop with call_soon_threadsafe. Tokenizing a
-prompt (possibly long, and a chat template render) runs on a worker thread, one at a time.
+The server drives the engine through the backend face (a TokenBackend: LocalBackend over the Engine), never
+the Engine itself. Threads: the event loop only parses, formats and forwards. The engine runs every torch call
+on its own compute thread; its on_update callbacks hand each step's update to the loop with
+call_soon_threadsafe. Tokenizing a prompt (possibly long, and a chat template render) runs on a worker thread,
+one at a time.
 """
 
 from __future__ import annotations
@@ -23,15 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedchat.engine.engine import Engine
+from pagedchat.backends.base import Outcome, TokenBackend
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sequence import Completion
-from pagedchat.errors import RequestError
+from pagedchat.errors import PagedChatError
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from pagedchat.serve.responses import SSE_DONE, Kind, Reply, sse
-from pagedchat.serve.stream import EngineStream, until_disconnect
+from pagedchat.serve.stream import ReplyStream, until_disconnect
 
 log = logging.getLogger("pagedchat.serve")
 
@@ -39,7 +40,7 @@ log = logging.getLogger("pagedchat.serve")
 class EventStream(StreamingResponse):
     """An SSE response that cancels its engine request however it ends: done, client gone, or server stopping."""
 
-    def __init__(self, content, stream: EngineStream):
+    def __init__(self, content, stream: ReplyStream):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.stream = stream
 
@@ -69,24 +70,24 @@ class BearerAuth:
 
 
 class Server:
-    """The state behind the routes: the engine once loaded, the exchange memory, the metrics."""
+    """The state behind the routes: the backend once loaded, the exchange memory, the metrics."""
 
-    def __init__(self, load_engine: Callable[[], Engine], model_name: str,
+    def __init__(self, load_backend: Callable[[], TokenBackend], model_name: str,
                  on_load_failure: Callable[[BaseException], None] | None = None):
-        self.load_engine = load_engine
+        self.load_backend = load_backend
         self.model_name = model_name
         self.on_load_failure = on_load_failure
-        self.engine: Engine | None = None
+        self.backend: TokenBackend | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
         self.exchanges = ExchangeMemory()
-        self.metrics = ServeMetrics(model_name, lambda: self.engine.memory() if self.engine else None)
+        self.metrics = ServeMetrics(model_name, lambda: self.backend.memory() if self.backend else None)
         self._tokenizing: anyio.CapacityLimiter | None = None
 
     # ---- life cycle: listen first, load the model on a thread, so /health can say "loading" ---------------
     def _load(self) -> None:
         try:
-            self.engine = self.load_engine()
+            self.backend = self.load_backend()
             log.info("model %s ready", self.model_name)
         except BaseException as exc:  # reported, and the CLI exits with it
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -98,15 +99,15 @@ class Server:
     async def lifespan(self, app):
         threading.Thread(target=self._load, name="pagedchat-load", daemon=True).start()
         yield
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.backend is not None:
+            self.backend.shutdown()
 
-    def _ready_engine(self) -> Engine:
-        if self.engine is None:
+    def _ready_backend(self) -> TokenBackend:
+        if self.backend is None:
             raise ApiError(503, f"the model failed to load: {self.load_error}" if self.load_error
                            else "the model is still loading; retry when GET /health answers 200",
                            kind="service_unavailable")
-        return self.engine
+        return self.backend
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -121,38 +122,42 @@ class Server:
 
     # ---- the OpenAI endpoints ------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        engine = self._ready_engine()
+        backend = self._ready_backend()
         req = parse(ChatRequest, await request.body())
         self._check_model(req.model)
-        ids, rendered = await self._off_loop(build_chat_prompt, engine.tokenizer, req.template_messages(),
-                                             self.exchanges, req.continue_final_message)
+        messages, continued = req.template_messages(), req.continue_final_message
+        try:
+            ids = await self._off_loop(build_chat_prompt, backend, messages, self.exchanges, continued)
+        except PagedChatError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
 
-        def remember(done: Completion) -> None:
-            self.exchanges.remember(rendered, done.text, ids + done.token_ids)
+        def remember(done: Outcome) -> None:
+            self.exchanges.remember(messages, continued, done.text, done.token_ids)
 
         reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name)
-        return await self._respond(request, engine, reply, ids, req, "messages", remember)
+        return await self._respond(request, backend, reply, ids, req, "messages", remember)
 
     async def completions(self, request: Request) -> Response:
-        engine = self._ready_engine()
+        backend = self._ready_backend()
         req = parse(CompletionRequest, await request.body())
         self._check_model(req.model)
         try:
-            ids = await self._off_loop(engine.encode_prompt, req.prompt_input())
-        except RequestError as exc:
+            ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
+        except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
         reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name)
-        return await self._respond(request, engine, reply, ids, req, "prompt", lambda done: None)
+        return await self._respond(request, backend, reply, ids, req, "prompt", lambda done: None)
 
-    def _params(self, engine: Engine, ids: list[int], req, prompt_field: str) -> SamplingParams:
+    def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str) -> SamplingParams:
         """The request's sampling; max_tokens defaults to all that the context and the cache leave."""
-        context = engine.config.max_position_embeddings
+        info = backend.info
+        context = info.context_length
         if len(ids) >= context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {context}",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
-            cache_tokens = engine.cache_plan.num_pages * engine.block_size
+            cache_tokens = info.num_pages * info.block_size
             # Where the context is the limit, the engine stops there and says so (context_full); where the
             # cache is the smaller one, the reply may take all of it.
             max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
@@ -163,24 +168,24 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def _respond(self, request: Request, engine: Engine, reply: Reply, ids: list[int], req, prompt_field,
-                       on_done: Callable[[Completion], None]) -> Response:
-        params = self._params(engine, ids, req, prompt_field)
+    async def _respond(self, request: Request, backend: TokenBackend, reply: Reply, ids: list[int], req,
+                       prompt_field, on_done: Callable[[Outcome], None]) -> Response:
+        params = self._params(backend, ids, req, prompt_field)
         started = time.perf_counter()
 
-        def finished(done: Completion) -> None:
+        def finished(done: Outcome) -> None:
             self.metrics.observe(done, len(ids), time.perf_counter() - started)
             if done.finish_reason != "error":
                 on_done(done)
 
         try:
-            stream = EngineStream(engine, ids, params, reply.id, finished)
-        except RequestError as exc:  # e.g. max_tokens more than the cache can ever hold
+            stream = ReplyStream(backend, ids, params, reply.id, finished)
+        except PagedChatError as exc:  # e.g. max_tokens more than the cache can ever hold
             raise ApiError(400, str(exc), param="max_tokens") from None
         if req.stream:
             return EventStream(self._events(reply, stream, len(ids), req.include_usage), stream)
         try:
-            done = await until_disconnect(request, stream.completion())
+            done = await until_disconnect(request, stream.outcome())
         finally:
             stream.close()
         if done is None:  # the client went away; its request is cancelled and its pages freed
@@ -189,39 +194,39 @@ class Server:
             raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
         return JSONResponse(reply.whole(len(ids), done))
 
-    async def _events(self, reply: Reply, stream: EngineStream, prompt_tokens: int, include_usage: bool):
+    async def _events(self, reply: Reply, stream: ReplyStream, prompt_tokens: int, include_usage: bool):
         if reply.kind is Kind.CHAT:
             yield reply.chunk("", role=True, with_usage=include_usage)
-        async for delta in stream.deltas():
-            if not delta.finished:
-                if delta.text:
-                    yield reply.chunk(delta.text, with_usage=include_usage)
+        async for update in stream.updates():
+            if not update.finished:
+                if update.text:
+                    yield reply.chunk(update.text, with_usage=include_usage)
                 continue
-            done = delta.completion
+            done = update.outcome
             if done.finish_reason == "error":
                 yield sse(ApiError(500, f"generation failed: {done.error}", kind="server_error").body())
                 break
-            yield reply.chunk(delta.text or None, finish_reason=done.finish_reason, with_usage=include_usage)
+            yield reply.chunk(update.text or None, finish_reason=done.finish_reason, with_usage=include_usage)
             if include_usage:
                 yield reply.usage_chunk(prompt_tokens, done)
         yield SSE_DONE
 
     # ---- the rest ------------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        engine = self._ready_engine()
+        info = self._ready_backend().info
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedchat",
-                "root": str(engine.model_path), "max_model_len": engine.config.max_position_embeddings}
+                "root": info.model, "max_model_len": info.context_length}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        if self.engine is not None:
+        if self.backend is not None:
             return JSONResponse({"status": "ok"})
         status = "failed" if self.load_error else "loading"
         return JSONResponse({"status": status, "error": self.load_error}, status_code=503)
 
     async def memory(self, request: Request) -> Response:
-        engine = self._ready_engine()
-        snap = await anyio.to_thread.run_sync(engine.memory)
+        backend = self._ready_backend()
+        snap = await anyio.to_thread.run_sync(backend.memory)
         return JSONResponse({"model": self.model_name, "snapshot": snap.to_json()})
 
     async def prometheus(self, request: Request) -> Response:
@@ -247,9 +252,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=500)
 
 
-def create_app(load_engine: Callable[[], Engine], model_name: str, *, api_key: str | None = None,
+def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api_key: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
-    server = Server(load_engine, model_name, on_load_failure)
+    server = Server(load_backend, model_name, on_load_failure)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),

@@ -1,5 +1,6 @@
 """`pagedchat bench --serve`: what HTTP costs. The bench's workload runs twice on one engine: submitted straight
-into it, and through `pagedchat serve` (in this process, on 127.0.0.1) by 8 streaming HTTP clients.
+into it (token ids through the backend face, as the server itself submits them), and through `pagedchat serve`
+(in this process, on 127.0.0.1) by 8 streaming HTTP clients.
 
 Both runners see the same warm engine and prefix cache, rounds alternate (other work on a shared machine drifts),
 and the medians are compared. The clients run in this process too, so their SSE parsing competes with the
@@ -21,7 +22,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from pagedchat.engine.engine import Engine
+from pagedchat.backends.base import TokenBackend
 from pagedchat.engine.params import SamplingParams
 from pagedchat.serve.app import create_app
 
@@ -60,10 +61,10 @@ class ServeBenchReport:
                 "http_tokens_per_s": self.median("http"), "overhead": self.overhead}
 
 
-def run_engine_round(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Round:
+def run_engine_round(backend: TokenBackend, prompts: list[list[int]], params: SamplingParams) -> Round:
     start = time.perf_counter()
-    handles = engine.submit_many(prompts, params)
-    tokens = sum(len(h.result().token_ids) for h in handles)
+    replies = backend.submit_ids(prompts, params)
+    tokens = sum(r.result().generated_tokens for r in replies)
     return Round("engine", tokens, time.perf_counter() - start)
 
 
@@ -89,14 +90,14 @@ async def _http_round(url: str, prompts: list[list[int]], max_tokens: int) -> Ro
 
 
 class InProcessServer:
-    """`pagedchat serve`'s app over an existing engine, on a thread of its own, on a free loopback port."""
+    """`pagedchat serve`'s app over an existing backend, on a thread of its own, on a free loopback port."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, backend: TokenBackend):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        app = create_app(lambda: engine, MODEL_NAME)
+        app = create_app(lambda: backend, MODEL_NAME)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="pagedchat-serve-bench", daemon=True)
 
@@ -121,15 +122,15 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_serve_bench(engine: Engine, prompts: list[list[int]], max_tokens: int, repeat: int, system_tokens: int,
-                    progress=_progress) -> ServeBenchReport:
+def run_serve_bench(backend: TokenBackend, prompts: list[list[int]], max_tokens: int, repeat: int,
+                    system_tokens: int, progress=_progress) -> ServeBenchReport:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     rounds: list[Round] = []
-    with InProcessServer(engine) as server:
-        run_engine_round(engine, prompts, params)   # warm: first-call costs and the prefix cache, off the clock
+    with InProcessServer(backend) as server:
+        run_engine_round(backend, prompts, params)   # warm: first-call costs and the prefix cache, off the clock
         for i in range(repeat):
             for runner in ("engine", "http"):
-                r = (run_engine_round(engine, prompts, params) if runner == "engine"
+                r = (run_engine_round(backend, prompts, params) if runner == "engine"
                      else asyncio.run(_http_round(server.url, prompts, max_tokens)))
                 progress(f"round {i + 1}/{repeat} {runner:6s} {r.tokens} tokens in {r.seconds:.2f}s = "
                          f"{r.tokens_per_s:.1f} tok/s")
@@ -139,12 +140,15 @@ def run_serve_bench(engine: Engine, prompts: list[list[int]], max_tokens: int, r
 
 def run(args) -> int:
     """The `pagedchat bench --serve` entry point."""
+    from pagedchat.backends.local import LocalBackend
     from pagedchat.bench.workload import build_workload
+    from pagedchat.engine.engine import Engine
 
     engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                     device=getattr(args, "device", None))
+    # The workload is cut from the model's own tokenizer, as `pagedchat bench` cuts it (bench/workload.py).
     prompts = build_workload(engine.tokenizer, args.system_tokens, CLIENTS, args.seed).prompts
-    report = run_serve_bench(engine, prompts, args.max_tokens, args.repeat, args.system_tokens)
+    report = run_serve_bench(LocalBackend(engine), prompts, args.max_tokens, args.repeat, args.system_tokens)
     print(f"{CLIENTS} streaming clients, {args.max_tokens} tokens each, {args.system_tokens}-token shared system "
           f"prompt, median of {args.repeat} round(s):")
     print(f"  engine in-process  {report.median('engine'):7.1f} tok/s")

@@ -1,6 +1,6 @@
 """GET /metrics: Prometheus text under vLLM's metric names, with a `pagedchat:` prefix where vLLM has `vllm:`.
 
-The engine's state (pages, requests, prefix cache, preemptions, swaps) is read from engine.memory() when
+The engine's state (pages, requests, prefix cache, preemptions, swaps) is read from backend.memory() when
 Prometheus scrapes, by a custom collector, so nothing is copied on the engine's hot path. What only the server
 sees (tokens served, finished requests, latencies) is counted as each request ends.
 """
@@ -12,8 +12,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedchat.backends.base import Outcome
 from pagedchat.engine.memory import MemorySnapshot
-from pagedchat.engine.sequence import Completion
 
 PREFIX = "pagedchat:"
 LABELS = ["model_name"]
@@ -87,13 +87,13 @@ class ServeMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from request to its last token.",
                              LABELS, buckets=_LATENCY_BUCKETS, registry=reg)
 
-    def observe(self, completion: Completion, prompt_tokens: int, seconds: float) -> None:
+    def observe(self, outcome: Outcome, prompt_tokens: int, seconds: float) -> None:
         labels = [self.model_name]
         self.prompt_tokens.labels(*labels).inc(prompt_tokens)
-        self.generation_tokens.labels(*labels).inc(len(completion.token_ids))
-        self.request_success.labels(*labels, completion.finish_reason or "unknown").inc()
-        if completion.time_to_first_token is not None:
-            self.ttft.labels(*labels).observe(completion.time_to_first_token)
+        self.generation_tokens.labels(*labels).inc(outcome.generated_tokens)
+        self.request_success.labels(*labels, outcome.finish_reason or "unknown").inc()
+        if outcome.time_to_first_token is not None:
+            self.ttft.labels(*labels).observe(outcome.time_to_first_token)
         self.e2e.labels(*labels).observe(seconds)
 
     def render(self) -> bytes:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
-from pagedchat.engine.sequence import Completion
+from pagedchat.backends.base import Outcome
 
 # The engine's finish reasons as OpenAI's, plus vLLM's extra `stop_reason` where OpenAI's word loses the
 # distinction: an OpenAI client sees "length" at the context limit, and a client that knows vLLM sees why.
@@ -24,11 +24,11 @@ def finish_fields(reason: str) -> dict:
     return {"finish_reason": finish, "stop_reason": stop_reason}
 
 
-def usage(prompt_tokens: int, completion: Completion) -> dict:
-    generated = len(completion.token_ids)
+def usage(prompt_tokens: int, outcome: Outcome) -> dict:
+    generated = outcome.generated_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
             "total_tokens": prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
 
 
 class Kind(Enum):
@@ -71,9 +71,9 @@ class Reply:
             delta["content"] = text
         return {"index": 0, "delta": delta, "logprobs": None, **finish}
 
-    def whole(self, prompt_tokens: int, completion: Completion) -> dict:
-        choice = self._choice(completion.text, whole=True, finish=finish_fields(completion.finish_reason))
-        return self._envelope(self.kind.whole, [choice], usage=usage(prompt_tokens, completion))
+    def whole(self, prompt_tokens: int, outcome: Outcome) -> dict:
+        choice = self._choice(outcome.text, whole=True, finish=finish_fields(outcome.finish_reason))
+        return self._envelope(self.kind.whole, [choice], usage=usage(prompt_tokens, outcome))
 
     def chunk(self, text: str | None, *, finish_reason: str | None = None, role: bool = False,
               with_usage: bool = False) -> str:
@@ -82,8 +82,8 @@ class Reply:
         body = self._envelope(self.kind.chunk, [self._choice(text, whole=False, finish=finish, role=role)], **extra)
         return sse(body)
 
-    def usage_chunk(self, prompt_tokens: int, completion: Completion) -> str:
-        return sse(self._envelope(self.kind.chunk, [], usage=usage(prompt_tokens, completion)))
+    def usage_chunk(self, prompt_tokens: int, outcome: Outcome) -> str:
+        return sse(self._envelope(self.kind.chunk, [], usage=usage(prompt_tokens, outcome)))
 
 
 def sse(body: dict) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pagedchat.engine.engine import Engine
+from pagedchat.backends.base import TokenBackend
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.app import create_app
 
@@ -38,9 +38,12 @@ class ServeOptions:
 
         return MODEL_NAME
 
-    def load_engine(self) -> Engine:
-        return Engine(self.model, kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
-                      device=self.device, dtype=self.dtype, threads=self.threads)
+    def load_backend(self) -> TokenBackend:
+        from pagedchat.backends.local import LocalBackend
+        from pagedchat.engine.engine import Engine  # torch loads here, on the loading thread
+
+        return LocalBackend(Engine(self.model, kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
+                                   device=self.device, dtype=self.dtype, threads=self.threads))
 
 
 def serve(options: ServeOptions) -> int:
@@ -53,7 +56,7 @@ def serve(options: ServeOptions) -> int:
         failure.append(exc)
         server.should_exit = True
 
-    app = create_app(options.load_engine, options.model_name, api_key=api_key, on_load_failure=on_load_failure)
+    app = create_app(options.load_backend, options.model_name, api_key=api_key, on_load_failure=on_load_failure)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
                             timeout_graceful_shutdown=GRACEFUL_SECONDS, lifespan="on")
     server = uvicorn.Server(config)

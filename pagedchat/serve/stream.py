@@ -1,4 +1,4 @@
-"""One engine request seen from the event loop: its deltas as an async stream, and cancel-on-disconnect."""
+"""One reply seen from the event loop: its updates as an async stream, and cancel-on-disconnect."""
 
 from __future__ import annotations
 
@@ -8,52 +8,51 @@ from typing import Awaitable, Callable, TypeVar
 import anyio
 from starlette.requests import Request
 
-from pagedchat.engine.engine import Engine
+from pagedchat.backends.base import Outcome, TokenBackend, Update
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sequence import Completion, StreamDelta
 
 T = TypeVar("T")
 
 
-class EngineStream:
-    """Submits ids to the engine; the engine thread's on_update puts each delta on this loop's queue.
+class ReplyStream:
+    """Submits ids to the backend; its thread's on_update puts each Update on this loop's queue.
 
-    on_finish runs on the loop with the request's Completion however it ended, read to the end or not (a
-    client that disconnects still counts in the metrics, as cancelled)."""
+    on_finish runs on the loop with the reply's Outcome however it ended, read to the end or not (a client
+    that disconnects still counts in the metrics, as cancelled)."""
 
-    def __init__(self, engine: Engine, ids: list[int], params: SamplingParams, request_id: str,
-                 on_finish: Callable[[Completion], None]):
+    def __init__(self, backend: TokenBackend, ids: list[int], params: SamplingParams, request_id: str,
+                 on_finish: Callable[[Outcome], None]):
         loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._finished = False
 
-        def arrive(delta: StreamDelta) -> None:  # on the loop
-            self._queue.put_nowait(delta)
-            if delta.finished:
-                on_finish(delta.completion)
+        def arrive(update: Update) -> None:  # on the loop
+            self._queue.put_nowait(update)
+            if update.finished:
+                on_finish(update.outcome)
 
-        def on_update(delta: StreamDelta) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(arrive, delta)
+        def on_update(update: Update) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(arrive, update)
 
-        self.handle = engine.submit(ids, params, on_update=on_update, request_id=request_id)
+        [self.reply] = backend.submit_ids([ids], params, request_ids=[request_id], on_update=on_update)
 
-    async def deltas(self):
+    async def updates(self):
         while not self._finished:
-            delta = await self._queue.get()
-            self._finished = delta.finished
-            yield delta
+            update = await self._queue.get()
+            self._finished = update.finished
+            yield update
 
-    async def completion(self) -> Completion:
-        async for delta in self.deltas():
-            if delta.finished:
-                return delta.completion
-        raise RuntimeError("the stream ended without a completion")
+    async def outcome(self) -> Outcome:
+        async for update in self.updates():
+            if update.finished:
+                return update.outcome
+        raise RuntimeError("the stream ended without an outcome")
 
     def close(self) -> None:
-        """Cancel the request unless it finished: the engine frees its pages at its next step."""
+        """Cancel the reply unless it finished: the engine frees its pages at its next step."""
         if not self._finished:
             self._finished = True
-            self.handle.cancel()
+            self.reply.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

@@ -1,0 +1,87 @@
+"""The local engine through the backend face that `pagedchat serve` and the bench drive (TokenBackend), and the
+memory snapshot as /v1/memory sends it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedchat import Engine, SamplingParams
+from pagedchat.backends.base import Backend, Outcome, TokenBackend
+from pagedchat.backends.local import LocalBackend
+from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.errors import PagedChatError
+
+
+@pytest.fixture
+def backend(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False)  # stepped by hand
+    yield LocalBackend(engine)
+    engine.shutdown()
+
+
+def drain(backend: LocalBackend) -> None:
+    while backend.engine.has_work():
+        backend.engine.step()
+
+
+def test_it_is_both_faces(backend):
+    assert isinstance(backend, Backend) and isinstance(backend, TokenBackend)
+    info = backend.info
+    assert info.num_pages == backend.memory().num_pages and info.block_size == 16 and info.page_bytes > 0
+
+
+def test_prompts_submitted_together_are_admitted_in_one_step(backend):
+    prompts = [backend.prompt_ids(f"question number {i} about pages") for i in range(3)]
+    seen = []
+    replies = backend.submit_ids(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                                 request_ids=["a", "b", "c"], on_update=seen.append)
+    assert [r.request_id for r in replies] == ["a", "b", "c"]
+    backend.engine.step()
+    assert {u.request_id for u in seen} == {"a", "b", "c"}, "each prompt's first token came from the first step"
+    usage = backend.usage()
+    assert usage.steps == 1 and usage.pages_used == backend.memory().used_pages > 0
+    drain(backend)
+    outcomes = [r.result(timeout=0) for r in replies]
+    assert [o.generated_tokens for o in outcomes] == [4, 4, 4]
+    assert all(o.prompt_tokens == len(p) and o.prefilled_tokens == len(p) for o, p in zip(outcomes, prompts))
+    assert sum(u.tokens for u in seen) == 12 and backend.usage().pages_used == 0
+
+
+def test_a_batch_with_one_request_that_cannot_run_starts_none(backend):
+    ok = backend.prompt_ids("fine")
+    with pytest.raises(PagedChatError, match="outside the vocabulary"):
+        backend.prompt_ids([1, 2, 10**6])
+    with pytest.raises(PagedChatError, match="the prompt has 600 tokens but the model's context holds 512"):
+        backend.submit_ids([ok, [5] * 600], SamplingParams(max_tokens=4))
+    assert not backend.engine.has_work()
+
+
+def test_chat_prompts_reuse_the_previous_turns_ids(backend):
+    """The reply "Hello" as the model might have generated it, in tokens that re-tokenizing does not give back:
+    the next turn's prompt keeps those exact ids (and so hits the prefix cache)."""
+    tok = backend.engine.tokenizer
+    first = [{"role": "user", "content": "Hi there"}]
+    generated = tok.encode("Hell", add_special_tokens=False) + tok.encode("o", add_special_tokens=False)
+    assert generated != tok.encode("Hello", add_special_tokens=False)
+    done = Outcome("r", "Hello", token_ids=tuple(backend.prompt_ids(first) + generated))
+    turn = first + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "And then?"}]
+    ids = backend.prompt_ids(turn, done)
+    assert ids[:len(done.token_ids)] == list(done.token_ids)
+    assert ids != backend.prompt_ids(turn), "without the previous turn its text is tokenized afresh"
+    continued = backend.prompt_ids(first + [{"role": "assistant", "content": "Once"}], continue_final=True)
+    assert backend.engine.tokenizer.decode(continued).endswith("Once")
+
+
+def test_the_snapshot_survives_json_and_older_servers_names(backend):
+    [reply] = backend.submit_ids([backend.prompt_ids("a prompt long enough to take a page or two")],
+                                 SamplingParams(max_tokens=20, ignore_eos=True))
+    backend.engine.step()
+    snap = backend.memory()
+    data = snap.to_json()
+    assert MemorySnapshot.from_json(data) == snap
+    old = {("total_blocks" if k == "num_pages" else "free_blocks" if k == "free_pages" else
+            "cached_blocks" if k == "cached_pages" else k): v for k, v in data.items()}
+    old["sequences"] = {rid: s["pages"] for rid, s in data["seqs"].items()}
+    assert MemorySnapshot.from_json(old) == snap
+    reply.cancel()
+    drain(backend)
