@@ -16,11 +16,11 @@ import torch
 
 from pagedchat.kernels import reference
 
-__all__ = ["paged_attention", "reference", "triton_available", "write_kv"]
+__all__ = ["interpret_env", "paged_attention", "reference", "triton_available", "write_kv"]
 
 
-def _interpret_env() -> bool:
-    # Parsed as triton parses it.
+def interpret_env() -> bool:
+    """TRITON_INTERPRET is set: Triton runs its kernels on the CPU. Parsed as triton parses it."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
@@ -28,7 +28,7 @@ def triton_available() -> bool:
     """Triton is installed and has something to run on: a CUDA device, or the CPU interpreter."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or _interpret_env()
+    return torch.cuda.is_available() or interpret_env()
 
 
 # The Triton ops, each found in its module when first asked for (module __getattr__, PEP 562), so that

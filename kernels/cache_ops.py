@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedchat.kernels import _interpret_env
+from pagedchat.kernels import interpret_env
 
 # triton reads TRITON_INTERPRET when @triton.jit runs, i.e. now: record what these kernels became.
-INTERPRETED = _interpret_env()
+INTERPRETED = interpret_env()
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

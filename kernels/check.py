@@ -217,12 +217,12 @@ def benchmark() -> None:
 
 
 def main() -> int:
-    from pagedchat.kernels import _interpret_env, triton_available
+    from pagedchat.kernels import interpret_env, triton_available
 
     if not triton_available():
         print("no CUDA device (and TRITON_INTERPRET is not 1): skipping the Triton kernel checks")
         return 0
-    if torch.cuda.is_available() and not _interpret_env():
+    if torch.cuda.is_available() and not interpret_env():
         print(f"checking Triton kernels on {torch.cuda.get_device_name()}")
         ok = check_correctness("cuda", MODELS, (torch.float16, torch.bfloat16), MIXED, PREFILL)
         if ok:

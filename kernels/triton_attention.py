@@ -16,14 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedchat.kernels import _interpret_env
+from pagedchat.kernels import interpret_env
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPU
 PREFILL_ROWS = 64  # rows (tokens x heads) per program for prefill tiles
 MAX_SPLITS = 128  # bounds the reduce kernel's [splits, head_dim] tile
 # triton reads TRITON_INTERPRET when @triton.jit runs, i.e. now: record what these kernels became.
-INTERPRETED = _interpret_env()
+INTERPRETED = interpret_env()
 
 
 @triton.jit

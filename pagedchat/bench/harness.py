@@ -64,7 +64,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
             out_levels.append(level)
             cold_warm = cold_warm or cw
         cold = _cold_first_tokens(work, cold_warm, peers, progress)
-        startup = _startup(cfg, top, peers, progress) if cfg.startup else ()
+        startup = startup_times(cfg, top, peers, progress) if cfg.startup else ()
         machine = Machine(device=device, torch=torch.__version__, torch_threads=torch.get_num_threads(),
                           cpu=_cpu_name(), cpus=os.cpu_count(), load_average_at_start=machine_start,
                           load_average_at_end=_load_average())
@@ -161,7 +161,7 @@ def _cold_first_tokens(work: Workload, cold_warm, peers: list[Peer], progress) -
     return tuple(out)
 
 
-def _startup(cfg: BenchConfig, top: int, peers: list[Peer], progress) -> tuple[Timed, ...]:
+def startup_times(cfg: BenchConfig, top: int, peers: list[Peer], progress) -> tuple[Timed, ...]:
     """Start to model ready in fresh processes, with the model cached; --repeat rounds, runners alternating."""
     probes = [(PAGEDCHAT, lambda: time_to_ready(["-c", ENGINE_READY, cfg.model or "",
                                                    json.dumps(engine_kwargs(cfg, top))]))]

@@ -2,10 +2,10 @@
 
 Why one thread: torch's CPU ops run on OpenMP (libgomp), which gives each thread that calls into it a team of
 worker threads of its own. Two live teams oversubscribe a small machine's cores, and libgomp then stops letting
-idle workers spin, so every parallel op pays a sleep/wake-up. Here, on 2 cores, stepping on a thread other
-than the one that had loaded the weights cost 1.5x per decode step (39 -> 59 ms); loading and stepping on one
-thread costs nothing extra (`docs/bench.md`, "One compute thread"). Callers' threads then stay free of torch
-work, so an app's or a benchmark's own thread holds no team.
+idle workers spin, so every parallel op pays a sleep/wake-up: stepping on a thread other than the one that
+loaded the weights slows every decode step, and loading and stepping on one thread costs nothing extra (the
+figures: `docs/bench.md`, "One compute thread"). Callers' threads then stay free of torch work, so an app's or
+a benchmark's own thread holds no team.
 """
 
 from __future__ import annotations

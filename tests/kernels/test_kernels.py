@@ -51,7 +51,7 @@ def tk():
     names = ("pagedchat.kernels.triton_attention", "pagedchat.kernels.cache_ops")
     with pytest.MonkeyPatch.context() as mp:
         if not CUDA:
-            early = "triton.language" in sys.modules and not kernels._interpret_env()
+            early = "triton.language" in sys.modules and not kernels.interpret_env()
             mp.setenv("TRITON_INTERPRET", "1")
             if early and type(sys.modules["triton.language"].zeros).__name__ != "InterpretedFunction":
                 pytest.fail("triton was imported before TRITON_INTERPRET=1 was set, so its library "
