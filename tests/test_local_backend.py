@@ -85,3 +85,14 @@ def test_the_snapshot_survives_json_and_older_servers_names(backend):
     assert MemorySnapshot.from_json(old) == snap
     reply.cancel()
     drain(backend)
+
+
+def test_the_test_stand_ins_implement_the_face():
+    """The app's tests run on stand-ins; they are held to the same declared face as the real backends."""
+    from pagedchat.backends.base import BackendInfo, MemoryUnavailable
+    from tui_support import ScriptedEngine, StandInBackend
+
+    stand_in = StandInBackend(lambda: MemoryUnavailable("none"), BackendInfo(model="m", where="here"))
+    assert isinstance(stand_in, Backend) and not isinstance(stand_in, TokenBackend)
+    scripted = LocalBackend(ScriptedEngine(["ok"]))
+    assert isinstance(scripted, Backend) and scripted.info.num_pages == 4

@@ -80,10 +80,6 @@ class CachePlan:
     page_bytes: int
     reason: str  # how the default was chosen; empty when the user gave a size
 
-    @property
-    def gpu_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
-
 
 def _available_host_memory() -> int:
     try:
