@@ -14,7 +14,8 @@ def test_http_and_engine_rounds_generate_the_same_tokens(tmp_path):
     engine = Engine(make_tiny_model(tmp_path / "tiny"), kv_cache_memory="4MiB", dtype="float32")
     prompts = build_workload(engine.tokenizer, 40, CLIENTS, seed=0).prompts
     lines = []
-    report = run_serve_bench(LocalBackend(engine), prompts, max_tokens=5, repeat=2, system_tokens=40, progress=lines.append)
+    report = run_serve_bench(LocalBackend(engine), prompts, max_tokens=5, repeat=2, system_tokens=40,
+                             progress=lines.append)
     assert [r.runner for r in report.rounds] == ["engine", "http"] * 2
     assert {r.tokens for r in report.rounds} == {CLIENTS * 5}
     assert len(lines) == 4
