@@ -10,18 +10,13 @@ triton reads it when a kernel is decorated, i.e. when our kernel modules are fir
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from pagedchat.kernels import reference
+from pagedchat.kernels.env import interpret_env
 
 __all__ = ["interpret_env", "paged_attention", "reference", "triton_available", "write_kv"]
-
-
-def interpret_env() -> bool:
-    """TRITON_INTERPRET is set: Triton runs its kernels on the CPU. Parsed as triton parses it."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
 def triton_available() -> bool:

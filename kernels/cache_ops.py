@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedchat.kernels import interpret_env
+from pagedchat.kernels.env import interpret_env
 
 # triton reads TRITON_INTERPRET when @triton.jit runs, i.e. now: record what these kernels became.
 INTERPRETED = interpret_env()

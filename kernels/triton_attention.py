@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedchat.kernels import interpret_env
+from pagedchat.kernels.env import interpret_env
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPU

@@ -15,7 +15,8 @@ from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts
                                            run_engine_level, ttft_cold_warm, warm_up)
 from pagedchat.bench.memory import (TokenCost, capacity, pages_needed, parameter_count, token_cost,
                                     weight_capacity)
-from pagedchat.bench.peers import LOADERS, Peer, Runner
+from pagedchat.bench.loaders import LOADERS
+from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.progress import NoProgress
 from pagedchat.bench.report import (PAGEDCHAT, Level, Machine, ModelInfo, PeerFigures, Report, RoundResult, Timed,
                                     WorkloadInfo)

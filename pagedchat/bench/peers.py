@@ -1,5 +1,5 @@
 """What a peer looks like to the bench: named runners over the same prompts, an optional cold first token, and a
-close. `--against NAME` finds its loader in LOADERS (tests put stand-ins there)."""
+close. The peers themselves (hf, llamacpp) build these; `--against NAME` finds its loader in loaders.LOADERS."""
 
 from __future__ import annotations
 
@@ -31,17 +31,3 @@ class Peer:
     # fresh process -> seconds from its start to the model ready to decode
     startup: Callable[[], float] | None = None
 
-
-def load_transformers(cfg, engine, work) -> Peer:
-    from pagedchat.bench import hf
-
-    return hf.peer(engine, work)
-
-
-def load_llamacpp(cfg, engine, work) -> Peer:
-    from pagedchat.bench import llamacpp
-
-    return llamacpp.peer(cfg, engine, work)
-
-
-LOADERS: dict[str, Callable[..., Peer]] = {"transformers": load_transformers, "llama.cpp": load_llamacpp}

@@ -252,7 +252,7 @@ class Engine:
             taken = next((rid for i, rid in enumerate(ids) if rid in self._handles or rid in ids[:i]), None)
             if taken is not None:
                 raise RequestError(f"request id {taken!r} is already in use")
-            handles = [RequestHandle(s.request_id, list(s.token_ids), self, on_update, s) for s in seqs]
+            handles = [RequestHandle(s.request_id, list(s.token_ids), self.cancel, on_update, s) for s in seqs]
             self._handles.update((h.request_id, h) for h in handles)
         return handles
 

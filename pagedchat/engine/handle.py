@@ -7,12 +7,9 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
-
-if TYPE_CHECKING:
-    from pagedchat.engine.engine import Engine
 
 log = logging.getLogger("pagedchat.engine")
 
@@ -24,7 +21,7 @@ class RequestHandle:
 
     request_id: str
     prompt_token_ids: list[int]
-    _engine: Engine
+    _cancel: Callable[[str], None]  # the engine's cancel: a handle knows no more of its engine
     on_update: Callable[[StreamDelta], None] | None = None
     _seq: Sequence | None = None  # the engine's record of the request, read for the live figures
     _deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -38,7 +35,7 @@ class RequestHandle:
     decode_tokens_per_s: float | None = None
 
     def cancel(self) -> None:
-        self._engine.cancel(self.request_id)
+        self._cancel(self.request_id)
 
     @property
     def done(self) -> bool:

@@ -15,7 +15,8 @@ from pagedchat.bench import config as bench_config
 from pagedchat.bench import llamacpp
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.memory import parameter_count
-from pagedchat.bench.peers import LOADERS, Peer, Runner
+from pagedchat.bench.loaders import LOADERS
+from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.render import header_lines, render, to_markdown
 from pagedchat.bench.harness import run_bench
 from pagedchat.bench.stats import percentile, timing_stats
