@@ -15,8 +15,9 @@ The workload is fixed: a realistic system prompt cut or padded to exactly --syst
 questions chosen by --seed, greedy decoding, and every reply forced to --max-tokens tokens.
 
 Modules: config (what a run is asked), workload, stats, memory (KV and weight accounting), engine_runner
-(pagedchat's side), peers with hf and llamacpp, startup, harness (the rounds), report (the typed result), render
-(tables), command (the CLI), app_probe (--app: the real app on a pseudo-terminal against its engine).
+(pagedchat's side, through the backend face), peers with hf and llamacpp (found through loaders), startup,
+harness (the rounds), report (the typed result), render (tables), command (the CLI), app_probe (--app: the real
+app on a pseudo-terminal against its engine).
 """
 
 from pagedchat.bench.command import add_arguments, run, with_defaults
