@@ -1,7 +1,7 @@
 """What the palette and keys do to whole chats: open one at a message, delete one for good, export, import.
 
-Each takes the app and goes through its tab registry (`_open_session`, `_remove_tab`, `_save`), so a chat
-reached from here behaves like one opened with ctrl+n.
+Each takes the app and goes through its tabs (`app.chats`, tabs.py), so a chat reached from here behaves like
+one opened with ctrl+n.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ async def open_at(app, chat_id: str, index: int) -> None:
             app.notify("That chat is no longer saved.", severity="warning")
             return
     else:
-        app._show(session)
-        await app._activated(session)
+        app.chats.show(session)
+        await app.chats.activated(session)
     view = app.chat_view(session)
     if view is None:
         return
@@ -59,7 +59,7 @@ def confirm_delete(app, chat_id: str | None = None) -> None:
 async def delete_chat(app, chat_id: str, title: str) -> None:
     session = app.sessions.get(chat_id)
     if session is not None:
-        await app._remove_tab(session)
+        await app.chats.remove(session)
     app.saver.delete_chat(chat_id)   # a failed write is retried, and nothing unsaved brings the chat back
     app.saver.flush()
     app.prompt_history.prompts = app.store.recent_prompts()   # its prompts go too
@@ -97,8 +97,7 @@ async def import_chat(app, path: Path) -> ChatSession | None:
         app.notify(f"Not imported: {exc}", severity="error", timeout=10)
         return None
     session = ChatSession(record)
-    await app._open_session(session, after=app.active_session)
-    app._save(session, messages=True)
+    (await app.chats.open(session, after=app.active_session)).save(messages=True)
     app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
     return session
 
