@@ -93,13 +93,14 @@ class MessageView(Vertical, can_focus=True):
         Binding("b", "act('branch')", "Branch here", id="message.branch"),
         Binding("e", "act('edit')", "Edit & resend", id="message.edit"),
         Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
-        Binding("up", "step(-1)", "Previous", show=False),
-        Binding("down", "step(1)", "Next", show=False),
-        Binding("escape", "back", "Back to input", show=False),
+        Binding("up", "act('previous')", "Previous", show=False),
+        Binding("down", "act('next')", "Next", show=False),
+        Binding("escape", "act('back')", "Back to input", show=False),
     ]
 
     class Action(Message):
-        """The user asked for `action` on message `index` of its chat."""
+        """The user asked for `action` on message `index` of its chat. Moving to the previous or next message,
+        or back to the input, is the chat's to do (chat_view.py): it knows its messages."""
 
         def __init__(self, view: MessageView, action: str) -> None:
             super().__init__()
@@ -184,23 +185,3 @@ class MessageView(Vertical, can_focus=True):
 
     def action_act(self, action: str) -> None:
         self.post_message(self.Action(self, action))
-
-    # Moving between messages and back to the input is the chat's (chat_view.py): it knows its messages.
-    class Step(Message):
-        def __init__(self, view: MessageView, delta: int) -> None:
-            super().__init__()
-            self.view = view
-            self.delta = delta
-
-    class Back(Message):
-        """Esc: stop the reply if one is running (as anywhere in the tab), else go back to the input."""
-
-        def __init__(self, view: MessageView) -> None:
-            super().__init__()
-            self.view = view
-
-    def action_step(self, delta: int) -> None:
-        self.post_message(self.Step(self, delta))
-
-    def action_back(self) -> None:
-        self.post_message(self.Back(self))

@@ -26,7 +26,8 @@ from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.records import ChatMessage, title_from
 from pagedchat.tui.reply import Ending
 from pagedchat.tui.saver import Saver
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
+from pagedchat.tui.screens.ask import RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.session import ChatSession, branch_record, inherited_pages
 
 SAVE_EVERY_S = 0.5     # a streaming reply is saved this often, so a crash loses under a second of it
@@ -137,16 +138,19 @@ class ChatView(Vertical):
         focused = self.app.focused
         return focused if isinstance(focused, MessageView) and focused in self.views else None
 
-    @on(MessageView.Step)
-    def _step(self, event: MessageView.Step) -> None:
-        self.focus_message(event.view.index + event.delta)
-
-    @on(MessageView.Back)
-    def _back(self) -> None:
-        if self.session.busy:
-            self.stop()
-        else:
-            self.prompt.focus()
+    @on(MessageView.Action)
+    def _move(self, event: MessageView.Action) -> None:
+        """Up and down between messages; Esc stops the reply if one runs (as anywhere in the tab), else goes
+        back to the input. Other actions go on to the app, which calls act()."""
+        if event.action in ("previous", "next"):
+            event.stop()
+            self.focus_message(event.view.index + (1 if event.action == "next" else -1))
+        elif event.action == "back":
+            event.stop()
+            if self.session.busy:
+                self.stop()
+            else:
+                self.prompt.focus()
 
     def action_stop(self) -> None:
         if self.session.busy:

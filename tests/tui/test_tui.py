@@ -20,7 +20,8 @@ from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.chat import PromptInput
 from pagedchat.tui.inspector import InspectorView, fmt_bytes
 from pagedchat.tui.records import ChatSettings
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
+from pagedchat.tui.screens.ask import RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model

@@ -15,10 +15,10 @@ from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.records import title_from
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
 from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.screens.ask import ConfirmScreen
+from pagedchat.tui.screens.ask import ConfirmScreen, RenameScreen
 from pagedchat.tui.transfer import ExportFormat
 from tui_support import ScriptedEngine, make_config, quick_pilot, screen_text, static_text, wait_for  # noqa: F401
 

@@ -21,9 +21,10 @@ from textual.widgets import Button, Footer, Input, Label, TextArea
 from pagedchat.backends.base import Backend, Outcome, ReplyHandle
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady
 from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat_view import BUSY_NOTICE
 from pagedchat.tui.inspector import ChatPages, InspectorView
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
-from pagedchat.tui.screens.modals import _Modal
+from pagedchat.tui.screens.modals import Dialog
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.themes import chat_colour
 
@@ -51,7 +52,7 @@ def default_variants(record: ChatRecord) -> tuple[Variant, Variant]:
             Variant(record.system_prompt, replace(deepcopy(record.settings), temperature=other)))
 
 
-class CompareSetupScreen(_Modal):
+class CompareSetupScreen(Dialog):
     """The two variants: temperature, max tokens and system prompt for each. Dismisses with (Variant, Variant)."""
 
     BINDINGS = [Binding("ctrl+s", "run", "Compare", id="compare.run")]
@@ -280,7 +281,7 @@ def start_compare(app) -> None:
         app.notify("Nothing to compare yet: send a message first.", severity="warning")
         return
     if session.busy:
-        app.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
+        app.notify(BUSY_NOTICE, severity="warning")
         return
 
     async def keep(kept: ChatSession | None) -> None:
