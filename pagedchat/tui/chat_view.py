@@ -413,8 +413,8 @@ class ChatView(Vertical):
             return
         messages = deepcopy(session.record.messages[:index]) + [ChatMessage("assistant", reply.content)]
         branch = ChatSession(branch_record(session.record, messages), reply=forked, turns=session.turns_before(index))
-        self.services.changed(branch)
         view = await self.services.open_chat(branch, after=session)
+        self.services.changed(branch)   # once it has its tab: the status line counts it
         if (message := view.view_at(index)) is not None:
             message.set_stats("forked: continuing this reply…")
         view.save(messages=True)

@@ -77,7 +77,7 @@ class AppCommands(Provider):
         return entries
 
     async def discover(self) -> Hits:
-        for entry in self.commands():
+        for entry in sorted(self.commands(), key=lambda e: e.title):   # as Textual lists its own commands
             if entry.discover:
                 yield DiscoveryHit(Content(entry.title), entry.run, help=entry.help)
 
