@@ -1,4 +1,5 @@
-"""What the palette and keys do to whole chats: open one at a message, delete one for good, export, import.
+"""What the palette and keys do to whole chats: open one at a message, pick one of its messages, delete one
+for good, export, import.
 
 Each takes the app and goes through its tabs (`app.chats`, tabs.py), so a chat reached from here behaves like
 one opened with ctrl+n.
@@ -6,9 +7,10 @@ one opened with ctrl+n.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from pagedchat.tui.records import ChatRecord
+from pagedchat.tui.records import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
@@ -35,6 +37,20 @@ async def open_at(app, chat_id: str, index: int) -> None:
     if message is not None:
         # After the palette has closed and the tab switch has settled, each of which moves focus itself.
         app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))
+
+
+def pick_message(app, title: str, then: Callable[[int], object], role: str | None = None) -> None:
+    """Ask which message of the active chat (only `role`'s, if given), then call then(index)."""
+    session = app.active_session
+    if session is None or not session.record.messages:
+        app.notify("This chat has no messages yet.", severity="warning")
+        return
+    options = [(f"{i + 1}. {'You' if m.role == 'user' else 'Assistant'}: {title_from(m.content, 50)}", i)
+               for i, m in enumerate(session.record.messages) if role is None or m.role == role]
+    if not options:
+        app.notify("No message to pick.", severity="warning")
+        return
+    app.push_screen(PickScreen(title, options), lambda i: i is not None and then(i))
 
 
 def confirm_delete(app, chat_id: str | None = None) -> None:

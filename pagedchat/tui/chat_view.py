@@ -27,7 +27,7 @@ from pagedchat.tui.records import ChatMessage, title_from
 from pagedchat.tui.reply import Ending
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.screens.ask import RenameScreen
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.session import ChatSession, branch_record, inherited_pages
 
 SAVE_EVERY_S = 0.5     # a streaming reply is saved this often, so a crash loses under a second of it
@@ -140,8 +140,8 @@ class ChatView(Vertical):
 
     @on(MessageView.Action)
     def _move(self, event: MessageView.Action) -> None:
-        """Up and down between messages; Esc stops the reply if one runs (as anywhere in the tab), else goes
-        back to the input. Other actions go on to the app, which calls act()."""
+        # Up and down between messages; Esc stops a running reply (as anywhere in the tab), else goes back to
+        # the input. Other actions go on to the app, which calls act().
         if event.action in ("previous", "next"):
             event.stop()
             self.focus_message(event.view.index + (1 if event.action == "next" else -1))
@@ -219,9 +219,7 @@ class ChatView(Vertical):
             self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
             return False
         # The record changes in one go (no await between the cut and the new messages), then the screen.
-        dropped = session.truncate(keep)
-        if dropped:
-            self.services.saver.removed(record, dropped)
+        self._drop(keep)
         if ask is not None:
             if not record.messages and record.title == "New chat":
                 record.title = title_from(ask)
@@ -270,7 +268,8 @@ class ChatView(Vertical):
         elif not session.pages:
             session.page_tokens = outcome.total_tokens  # a backend that shows no pages: tokens, for estimates
         if not outcome.generated_tokens and not ending.content and outcome.finish_reason in ("cancelled", "error"):
-            await self.cut(ending.index)  # nothing came: drop the empty reply rather than keep a blank one
+            self._drop(ending.index)  # nothing came: drop the empty reply rather than keep a blank one
+            await self.truncate(ending.index)
             saved: tuple[int, ...] = ()
         else:
             await self._show_ending(ending)
@@ -311,13 +310,12 @@ class ChatView(Vertical):
         """The app is going (a signal): save the live reply as it stands, and wait for no more of it."""
         if self.session.busy:
             self.save_reply()
-            self.session.reply.taking = False
+            self.session.reply.stop_taking()
 
-    async def cut(self, count: int) -> None:
-        dropped = self.session.truncate(count)
-        if dropped:
+    def _drop(self, count: int) -> None:
+        """Messages from `count` on leave the record and the disk (the screen follows with truncate())."""
+        if dropped := self.session.truncate(count):
             self.services.saver.removed(self.session.record, dropped)
-        await self.truncate(count)
 
     # ---- per-chat actions ------------------------------------------------------------------------------------
     async def act(self, action: str, index: int) -> None:
@@ -362,18 +360,6 @@ class ChatView(Vertical):
             await self.start_reply(keep=index, ask=text)
 
         self.app.push_screen(EditMessageScreen(messages[index].content), done)
-
-    def pick_message(self, title: str, then: Callable[[int], object], role: str | None = None) -> None:
-        messages = self.session.record.messages
-        if not messages:
-            self.notify("This chat has no messages yet.", severity="warning")
-            return
-        options = [(f"{i + 1}. {'You' if m.role == 'user' else 'Assistant'}: {title_from(m.content, 50)}", i)
-                   for i, m in enumerate(messages) if role is None or m.role == role]
-        if not options:
-            self.notify("No message to pick.", severity="warning")
-            return
-        self.app.push_screen(PickScreen(title, options), lambda i: i is not None and then(i))
 
     async def branch(self, index: int | None = None) -> None:
         """A new tab with the messages up to `index` (the focused or last one); a live reply there is forked."""

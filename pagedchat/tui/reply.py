@@ -83,7 +83,7 @@ class Reply:
                        finish_reason=finish_reason)
 
     def finish(self, outcome: Outcome) -> Ending:
-        self.taking = False
+        self.stop_taking()
         return Ending(self.index, self.prefix + outcome.text, self.stats(outcome.finish_reason, outcome))
 
     def abandon(self, shown: str) -> Ending:
@@ -91,7 +91,7 @@ class Reply:
         update yet keeps the parent's text it started with."""
         stats = self.stats("cancelled")  # before the cancel: the figures as they stand
         self.handle.cancel()
-        self.taking = False
+        self.stop_taking()
         return Ending(self.index, shown if self.inheriting else self.content, stats)
 
     def fork(self, backend, settings: ChatSettings, on_update) -> Reply:
@@ -106,6 +106,10 @@ class Reply:
         """The reply as saved while it is written: its text so far, marked interrupted, which is what it is if
         the app dies before the next save. The final save replaces it under the same id."""
         return ChatMessage(message.role, message.content, self.stats(INTERRUPTED), message.id)
+
+    def stop_taking(self) -> None:
+        """Take no more updates (the app is exiting and does not wait for them)."""
+        self.taking = False
 
     def end(self) -> None:
         self.handle, self.index, self.prefix, self.inheriting = None, None, "", False

@@ -199,6 +199,7 @@ async def test_branch_shares_pages(config):
         await wait_for(pilot, lambda: app.active_session is not parent, "the branch tab")
         branch = app.active_session
         assert branch.record.title == "↳ branch me" and branch.busy
+        assert "2 generating" in static_text(app, "#status")  # the fork counts from its first moment
         seen = set()
 
         def sharing() -> bool:

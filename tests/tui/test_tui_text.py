@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from textual.widgets import OptionList, TextArea
 
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.chat import MessageView
-from pagedchat.tui.chat_ops import export_chat
+from pagedchat.tui.chat_ops import export_chat, pick_message
 from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
@@ -106,7 +104,7 @@ async def check_markup_payload(pilot, payload: str) -> None:
     assert app.screen.query_one("#title").value == title
     await pilot.press("escape")
 
-    app.active_chat.pick_message("Edit which message?", app.active_chat.edit_message, role="user")
+    pick_message(app, "Edit which message?", app.active_chat.edit_message, role="user")
     assert f"1. You: {title_from(payload, 50)}" in await shows(pilot, PickScreen, "the message picker")
     await pilot.press("enter")
     await shows(pilot, EditMessageScreen, "the edit dialog")
@@ -162,7 +160,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
             assert raw_controls(await shows(pilot, screen, key)) == []
             await pilot.press("escape")
 
-        app.active_chat.pick_message("Edit which message?", app.active_chat.edit_message, role="user")
+        pick_message(app, "Edit which message?", app.active_chat.edit_message, role="user")
         assert raw_controls(await shows(pilot, PickScreen, "the message picker")) == []
         await pilot.press("enter")
         edit = await shows(pilot, EditMessageScreen, "the edit dialog")
