@@ -3,13 +3,21 @@ the screen."""
 
 from __future__ import annotations
 
+import html
 import queue
+import re
 import threading
 from types import SimpleNamespace
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
+
+import pytest
+import textual.app
+import textual.pilot
+from textual._wait import wait_for_idle
 
 from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.config import AppConfig, load_config
@@ -17,6 +25,16 @@ from pagedchat.tui.records import ChatSettings
 from pagedchat.errors import PagedChatError
 
 WAIT_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def quick_pilot(monkeypatch):
+    """Pilot waits after each key until the process looks idle, i.e. up to 1 s while the engine thread
+    computes. The app tests wait on explicit conditions instead, so cap that wait: a test module that imports
+    this fixture uses it for every test."""
+    quick = partial(wait_for_idle, max_sleep=0.05)
+    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
+    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
 
 
 def make_config(tmp: Path, model: Path | str | None = None, **overrides) -> AppConfig:
@@ -46,17 +64,29 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
-    said = len(app._notifications)
+    said = len(app.notices)
     await pilot.press("enter")
     # Handled: the input is cleared once the reply has started, or a notice says why it did not.
-    await wait_for(pilot, lambda: not prompt.text or len(app._notifications) > said, "the message to be handled")
+    await wait_for(pilot, lambda: not prompt.text or len(app.notices) > said, "the message to be handled")
     return session
 
 
+SVG_CELL = re.compile(r'<text [^>]*?x="([\d.]+)"[^>]*?-line-(\d+)\)">(.*?)</text>', re.S)
+SVG_CHAR_WIDTH = 12.2   # Textual's screenshot: 0.61 of its 20-pixel font per cell
+
+
 def screen_text(app) -> str:
-    """The screen as plain text, for asserting on what the user sees."""
-    strips = app.screen._compositor.render_strips()
-    return "\n".join("".join(seg.text for seg in strip) for strip in strips)
+    """The screen as plain text, for asserting on what the user sees (read from Textual's own screenshot)."""
+    rows: dict[int, dict[int, str]] = {}
+    for x, line, text in SVG_CELL.findall(app.export_screenshot()):
+        rows.setdefault(int(line), {})[round(float(x) / SVG_CHAR_WIDTH)] = html.unescape(text).replace("\xa0", " ")
+    lines = []
+    for n in sorted(rows):
+        line = ""
+        for column in sorted(rows[n]):
+            line = line.ljust(column) + rows[n][column].rstrip("\n")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def static_text(app, selector: str) -> str:
@@ -72,7 +102,7 @@ class StandInBackend:
     failure = None
 
     def __init__(self, memory: Callable[[], MemoryView], info: BackendInfo) -> None:
-        self._memory = memory
+        self.memory_view = memory
         self.info = info
 
     def submit(self, messages, params, *, previous=None, on_update=None):
@@ -85,7 +115,7 @@ class StandInBackend:
         raise PagedChatError("the stand-in backend writes no replies")
 
     def memory(self) -> MemoryView:
-        return self._memory()
+        return self.memory_view()
 
     def shutdown(self) -> None:
         pass
@@ -115,8 +145,8 @@ class ScriptedEngine:
         self.chunks = chunks
         self.prompts: list[list[int]] = []  # every submitted prompt, in order
         self.failure: str | None = None     # as Engine.failure: a test sets it to stop the engine
-        self._cancelled: set[str] = set()
-        self._count = 0
+        self.cancelled: set[str] = set()
+        self.count = 0
 
     def submit(self, prompt, params=None, *, on_update=None, request_id=None) -> ScriptedHandle:
         if isinstance(prompt, str):
@@ -125,27 +155,27 @@ class ScriptedEngine:
             from pagedchat.engine.chat import chat_prompt_ids
 
             prompt = chat_prompt_ids(self.tokenizer, prompt)
-        self._count += 1
-        handle = ScriptedHandle(request_id or f"scripted-{self._count}", list(prompt), on_update)
+        self.count += 1
+        handle = ScriptedHandle(request_id or f"scripted-{self.count}", list(prompt), on_update)
         self.prompts.append(handle.prompt_token_ids)
         reply = self.replies.pop(0) if self.replies else ""
         text, error = reply if isinstance(reply, tuple) else (reply, None)
-        threading.Thread(target=self._stream, args=(handle, text, error), daemon=True).start()
+        threading.Thread(target=self.stream, args=(handle, text, error), daemon=True).start()
         return handle
 
-    def _stream(self, handle: ScriptedHandle, text: str, error: str | None) -> None:
+    def stream(self, handle: ScriptedHandle, text: str, error: str | None) -> None:
         from pagedchat.engine.sequence import Completion, StreamDelta
 
         step = max(1, -(-len(text) // self.chunks))
         pieces = [text[i:i + step] for i in range(0, len(text), step)]
         sent: list[str] = []
         for i, piece in enumerate(pieces):
-            if handle.request_id in self._cancelled:
+            if handle.request_id in self.cancelled:
                 break
             time.sleep(0.02)
             sent.append(piece)
             handle.deliver(StreamDelta(handle.request_id, [i], piece))
-        reason = "cancelled" if handle.request_id in self._cancelled else "error" if error else "stop"
+        reason = "cancelled" if handle.request_id in self.cancelled else "error" if error else "stop"
         done = Completion(handle.request_id, handle.prompt_token_ids, list(range(len(sent))), "".join(sent), reason,
                           time_to_first_token=0.02, decode_tokens_per_s=50.0, error=error)
         handle.deliver(StreamDelta(handle.request_id, [], "", finished=True, completion=done))
@@ -156,7 +186,7 @@ class ScriptedEngine:
         raise RequestError("the scripted engine does not fork")
 
     def cancel(self, request_id: str) -> None:
-        self._cancelled.add(request_id)
+        self.cancelled.add(request_id)
 
     def memory(self):
         from pagedchat.engine.block_manager import MemoryCounters, PageState
@@ -169,7 +199,7 @@ class ScriptedEngine:
                               contiguous_bytes=0)
 
     def shutdown(self) -> None:
-        self._cancelled.update(f"scripted-{i}" for i in range(1, self._count + 1))
+        self.cancelled.update(f"scripted-{i}" for i in range(1, self.count + 1))
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
-"""The widgets of one chat tab: the scrolling log of messages and the prompt input.
+"""The widgets inside a chat tab: one message, and the prompt input (the tab itself is chat_view.py).
 
-These widgets know nothing about the engine. The app feeds a reply's text in with MessageView.feed() as
+These widgets know nothing about the engine. The chat feeds a reply's text in with MessageView.feed() as
 engine deltas arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
 of the machine the engine runs on, and finish() replaces the streamed document with one full parse. Every piece
 of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
@@ -14,7 +14,7 @@ import time
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Label, Markdown, TextArea
@@ -93,13 +93,14 @@ class MessageView(Vertical, can_focus=True):
         Binding("b", "act('branch')", "Branch here", id="message.branch"),
         Binding("e", "act('edit')", "Edit & resend", id="message.edit"),
         Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
-        Binding("up", "step(-1)", "Previous", show=False),
-        Binding("down", "step(1)", "Next", show=False),
-        Binding("escape", "back", "Back to input", show=False),
+        Binding("up", "act('previous')", "Previous", show=False),
+        Binding("down", "act('next')", "Next", show=False),
+        Binding("escape", "act('back')", "Back to input", show=False),
     ]
 
     class Action(Message):
-        """The user asked for `action` on message `index` of its chat."""
+        """The user asked for `action` on message `index` of its chat. Moving to the previous or next message,
+        or back to the input, is the chat's to do (chat_view.py): it knows its messages."""
 
         def __init__(self, view: MessageView, action: str) -> None:
             super().__init__()
@@ -184,115 +185,3 @@ class MessageView(Vertical, can_focus=True):
 
     def action_act(self, action: str) -> None:
         self.post_message(self.Action(self, action))
-
-    def _chat(self) -> ChatView | None:
-        return next((a for a in self.ancestors if isinstance(a, ChatView)), None)
-
-    def action_step(self, delta: int) -> None:
-        if (chat := self._chat()) is not None:
-            chat.focus_message(self.index + delta)
-
-    def action_back(self) -> None:
-        """Esc: stop the reply if one is running (as anywhere in the tab), else go back to the input."""
-        if (chat := self._chat()) is None:
-            return
-        if chat.check_action("stop", ()):  # replying: Esc stops it, as anywhere in the tab
-            chat.action_stop()
-        else:
-            chat.prompt.focus()
-
-
-class ChatView(Vertical):
-    """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
-
-    BINDINGS = [
-        Binding("escape", "stop", "Stop", id="stop"),
-        Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
-    ]
-
-    class StopRequested(Message):
-        def __init__(self, view: ChatView) -> None:
-            super().__init__()
-            self.view = view
-
-    def __init__(self, chat_id: str, messages: list[ChatMessage], **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.chat_id = chat_id
-        self._initial = messages
-        self.populated = False
-
-    def compose(self) -> ComposeResult:
-        yield VerticalScroll(classes="log")
-        yield PromptInput(classes="prompt")
-
-    def on_mount(self) -> None:
-        self.log_view.anchor()  # stay at the bottom as replies grow, until the user scrolls up
-
-    @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one(".log", VerticalScroll)
-
-    @property
-    def prompt(self) -> PromptInput:
-        return self.query_one(PromptInput)
-
-    @property
-    def views(self) -> list[MessageView]:
-        return list(self.log_view.query_children(MessageView))
-
-    async def populate(self) -> None:
-        if self.populated:
-            return
-        self.populated = True
-        views = [MessageView(m, i) for i, m in enumerate(self._initial)]
-        self._initial = []
-        if views:
-            await self.log_view.mount_all(views)
-        self.log_view.scroll_end(animate=False, immediate=True)
-
-    async def add_message(self, message: ChatMessage, index: int) -> MessageView:
-        await self.populate()
-        view = MessageView(message, index)
-        await self.log_view.mount(view)
-        self.log_view.anchor()  # a new message always brings the view back to the bottom
-        return view
-
-    async def truncate(self, count: int) -> None:
-        """Remove the views of messages from index `count` on."""
-        await self.populate()
-        doomed = [v for v in self.views if v.index >= count]
-        if doomed:
-            await self.log_view.remove_children(doomed)
-
-    def view_at(self, index: int) -> MessageView | None:
-        return next((v for v in self.views if v.index == index), None)
-
-    def focus_message(self, index: int) -> None:
-        views = self.views
-        if not views:
-            return
-        if self.focused_message is None:  # from the input: alt+up goes to the last message
-            views[-1].focus()
-        elif index >= len(views):
-            self.prompt.focus()
-        else:
-            views[max(0, index)].focus()
-
-    def action_focus_message(self, delta: int) -> None:
-        current = self.focused_message
-        self.focus_message(len(self.views) - 1 if current is None else current.index + delta)
-
-    @property
-    def focused_message(self) -> MessageView | None:
-        focused = self.app.focused
-        return focused if isinstance(focused, MessageView) and focused in self.views else None
-
-    def action_stop(self) -> None:
-        self.post_message(self.StopRequested(self))
-
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
-        # Esc shows as "Stop" in the footer only while this chat is replying.
-        if action == "stop":
-            session = getattr(self.app, "sessions", {}).get(self.chat_id)
-            return session is not None and session.busy
-        return True

@@ -1,14 +1,16 @@
-"""What the palette and keys do to whole chats: open one at a message, delete one for good, export, import.
+"""What the palette and keys do to whole chats: open one at a message, pick one of its messages, delete one
+for good, export, import.
 
-Each takes the app and goes through its tab registry (`_open_session`, `_remove_tab`, `_save`), so a chat
-reached from here behaves like one opened with ctrl+n.
+Each takes the app and goes through its tabs (`app.chats`, tabs.py), so a chat reached from here behaves like
+one opened with ctrl+n.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from pagedchat.tui.records import ChatRecord
+from pagedchat.tui.records import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
@@ -25,8 +27,8 @@ async def open_at(app, chat_id: str, index: int) -> None:
             app.notify("That chat is no longer saved.", severity="warning")
             return
     else:
-        app._show(session)
-        await app._activated(session)
+        app.chats.show(session)
+        await app.chats.activated(session)
     view = app.chat_view(session)
     if view is None:
         return
@@ -35,6 +37,20 @@ async def open_at(app, chat_id: str, index: int) -> None:
     if message is not None:
         # After the palette has closed and the tab switch has settled, each of which moves focus itself.
         app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))
+
+
+def pick_message(app, title: str, then: Callable[[int], object], role: str | None = None) -> None:
+    """Ask which message of the active chat (only `role`'s, if given), then call then(index)."""
+    session = app.active_session
+    if session is None or not session.record.messages:
+        app.notify("This chat has no messages yet.", severity="warning")
+        return
+    options = [(f"{i + 1}. {'You' if m.role == 'user' else 'Assistant'}: {title_from(m.content, 50)}", i)
+               for i, m in enumerate(session.record.messages) if role is None or m.role == role]
+    if not options:
+        app.notify("No message to pick.", severity="warning")
+        return
+    app.push_screen(PickScreen(title, options), lambda i: i is not None and then(i))
 
 
 def confirm_delete(app, chat_id: str | None = None) -> None:
@@ -59,7 +75,7 @@ def confirm_delete(app, chat_id: str | None = None) -> None:
 async def delete_chat(app, chat_id: str, title: str) -> None:
     session = app.sessions.get(chat_id)
     if session is not None:
-        await app._remove_tab(session)
+        await app.chats.remove(session)
     app.saver.delete_chat(chat_id)   # a failed write is retried, and nothing unsaved brings the chat back
     app.saver.flush()
     app.prompt_history.prompts = app.store.recent_prompts()   # its prompts go too
@@ -97,8 +113,7 @@ async def import_chat(app, path: Path) -> ChatSession | None:
         app.notify(f"Not imported: {exc}", severity="error", timeout=10)
         return None
     session = ChatSession(record)
-    await app._open_session(session, after=app.active_session)
-    app._save(session, messages=True)
+    (await app.chats.open(session, after=app.active_session)).save(messages=True)
     app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
     return session
 

@@ -1,5 +1,5 @@
-"""Palette entries for finding and keeping chats (a `textual.command.Provider`, as in Posting), and the two
-palettes they open: earlier prompts (fuzzy) and a full-text search over every saved chat."""
+"""The command palette: every pagedchat command in one list (a `textual.command.Provider`, as in Posting),
+and the two palettes it opens: earlier prompts (fuzzy) and a full-text search over every saved chat."""
 
 from __future__ import annotations
 
@@ -10,52 +10,82 @@ from functools import partial
 from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider
 from textual.content import Content
 
+from pagedchat.text import escaped_markup
 from pagedchat.tui import chat_ops, context
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, SearchHit
-from pagedchat.tui.screens.compare import start_compare
 
 
 @dataclass(frozen=True)
 class Entry:
-    title: str
-    help: str
+    title: str                 # plain text, never markup
+    help: str                  # markup: user text in it goes through escaped_markup
     run: Callable
+    discover: bool = True      # listed before anything is typed; else found by searching only
 
 
-class ChatCommands(Provider):
-    """Search chats, prompt history, delete, continue, export/import, compare."""
+class AppCommands(Provider):
+    """Every pagedchat command, for the chats' own screen (not over a dialog): chats and tabs, the reply,
+    finding and keeping chats, the engine. Textual's own (theme, quit, keys, screenshot) come alongside."""
 
-    def entries(self) -> list[Entry]:
+    def commands(self) -> list[Entry]:
         app = self.app
-        return [
+        if self.screen is not app.screen_stack[0]:
+            return []
+        chat = app.action_chat
+        entries = [
+            Entry("New chat", "Open a chat in a new tab (ctrl+n)", app.action_new_chat),
+            Entry("Close chat", "Close this tab; it stays saved and can be reopened (ctrl+w)", app.action_close_chat),
+            Entry("Next chat", "Switch to the next tab (ctrl+pagedown)", app.action_next_chat),
+            Entry("Previous chat", "Switch to the previous tab (ctrl+pageup)", app.action_prev_chat),
+            Entry("Rename chat", "Give this chat a new title (F4)", partial(chat, "rename")),
+            Entry("Chat settings", "System prompt and sampling for this chat (F3)", partial(chat, "settings")),
+            Entry("Memory inspector", "Show or hide the KV-cache page inspector (F2)", app.action_toggle_inspector),
+            Entry("Help", "Keys, the inspector, where files are kept (F1)", app.action_help),
+            Entry("Stop reply", "Stop the reply in this tab (Esc)", partial(chat, "stop")),
+            Entry("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
+                  partial(chat, "regenerate")),
+            Entry("Branch chat at a message…", "Copy the chat up to a message into a new tab",
+                  partial(chat_ops.pick_message, app, "Branch at which message?", partial(chat, "branch"))),
+            Entry("Branch at the last message", "Branch here; a live reply is forked (ctrl+b)", partial(chat, "branch")),
+            Entry("Edit a message and resend…", "Change one of your messages and reply again",
+                  partial(chat_ops.pick_message, app, "Edit which message?", partial(chat, "edit_message"), "user")),
+            Entry("Copy last reply", "To the clipboard (OSC 52)", partial(chat, "copy_last", False)),
+            Entry("Copy a code block from the last reply", "To the clipboard (OSC 52)",
+                  partial(chat, "copy_last", True)),
+            Entry("Export chat…", "Markdown, or JSON that imports back, in "
+                  f"{escaped_markup(str(app.config.data_dir / 'exports'))} (ctrl+o)", app.action_export_chat),
             Entry("Search chats…", "Find a word in every saved chat, open or closed, and jump to it",
                   partial(open_palette, app, ChatSearch, "Search all chats…")),
             Entry("Prompt history…", "Pick one of your earlier prompts (fuzzy search) into the input; ↑ also "
                   "walks them", partial(open_palette, app, PromptHistorySearch, "Search earlier prompts…")),
-            Entry("Delete chat…", "Delete this chat for good, after asking (F8)",
-                  partial(chat_ops.confirm_delete, app)),
+            Entry("Delete chat…", "Delete this chat for good, after asking (F8)", app.action_delete_chat),
             Entry("Continue in a new chat", "The system prompt and the last turns that fit, in a new tab",
                   partial(context.continue_in_new_chat, app)),
             Entry("Import a chat from JSON…", "A JSON export (or OpenAI messages) as a new chat",
                   partial(chat_ops.ask_import, app)),
             Entry("Compare…", "Answer the last prompt twice with different settings, side by side (F5)",
-                  partial(start_compare, app)),
+                  app.action_compare),
         ]
-
-    def closed_entries(self) -> list[Entry]:
-        return [Entry(f"Delete chat: {title}", f"Closed chat, {count} messages: delete it for good",
-                      partial(chat_ops.confirm_delete, self.app, cid))
-                for cid, title, count in self.app.store.closed_chats()]
+        if app.link.failure is not None:
+            entries.append(Entry("Restart engine", f"The engine stopped ({escaped_markup(app.link.failure)}); "
+                                 "load it again", app.link.restart))
+        for cid, title, count in app.store.closed_chats():
+            entries.append(Entry(f"Reopen chat: {title}", f"Closed chat, {count} messages",
+                                 partial(app.reopen_chat, cid), discover=False))
+            entries.append(Entry(f"Delete chat: {title}", f"Closed chat, {count} messages: delete it for good",
+                                 partial(chat_ops.confirm_delete, app, cid), discover=False))
+        return entries
 
     async def discover(self) -> Hits:
-        for entry in self.entries():
-            yield DiscoveryHit(Content(entry.title), entry.run, help=entry.help)
+        for entry in sorted(self.commands(), key=lambda e: e.title):   # as Textual lists its own commands
+            if entry.discover:
+                yield DiscoveryHit(Content(entry.title), entry.run, help=entry.help)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for entry in self.entries() + self.closed_entries():
+        for entry in self.commands():
             if (score := matcher.match(entry.title)) > 0:
-                yield Hit(score, matcher.highlight(entry.title), entry.run, help=entry.help)
+                yield Hit(score, matcher.highlight(escaped_markup(entry.title)), entry.run, help=entry.help)
 
 
 def open_palette(app, provider: type[Provider], placeholder: str) -> None:

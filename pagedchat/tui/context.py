@@ -8,6 +8,7 @@ before sending asks the backend (Backend.prompt_tokens), and is skipped where th
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import dataclass
 
 from textual.content import Content
@@ -49,40 +50,38 @@ class ContextFill:
 CHARS_PER_TOKEN = 4
 
 
-def context_length(app) -> int | None:
-    """The model's context in tokens (the backend refuses prompts that reach it); None from a backend that does
-    not say (a stand-in, a server that does not report it): then no figure is shown and nothing is checked
-    before sending, and the backend's own refusal is what the user sees."""
-    return app.backend.info.context_length if app.backend is not None else None
+def context_length(backend) -> int | None:
+    """The model's context in tokens (the backend refuses prompts that reach it); None without a backend or
+    from one that does not say (a stand-in, a server that does not report it): then no figure is shown and
+    nothing is checked before sending, and the backend's own refusal is what the user sees."""
+    return backend.info.context_length if backend is not None else None
 
 
 def tokens_in_use(session: ChatSession) -> int:
     """Tokens the chat holds: the live request's so far, else what its last reply's request held."""
-    if session.busy and session.handle is not None:
-        return session.handle.so_far().prompt_tokens + session.received_tokens
+    if session.busy:
+        return session.reply.handle.so_far().prompt_tokens + session.reply.tokens
     for message in reversed(session.record.messages):
         if message.role == "assistant" and message.stats is not None:
             return message.stats.prompt_tokens + message.stats.generated_tokens
     return 0
 
 
-def show_fill(app, session: ChatSession) -> None:
-    """Write the chat's figure on its input's bottom border (nothing until the backend is there)."""
-    view = app.chat_view(session)
-    limit = context_length(app)
-    if view is not None and limit is not None:
-        view.prompt.border_subtitle = ContextFill(tokens_in_use(session), limit).content()
+def fill(session: ChatSession, backend) -> Content | None:
+    """The chat's figure for its input's bottom border (None until the backend is there)."""
+    limit = context_length(backend)
+    return ContextFill(tokens_in_use(session), limit).content() if limit is not None else None
 
 
-def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
+def prompt_too_long(backend, session: ChatSession, text: str) -> str | None:
     """A notice when sending `text` would not leave the reply a single token of context, else None."""
-    limit = context_length(app)
+    limit = context_length(backend)
     if limit is None:
         return None
     record = session.record
     messages = record.conversation() + [{"role": "user", "content": text}]
     try:
-        count = app.backend.prompt_tokens(messages, session.previous(len(record.messages)))
+        count = backend.prompt_tokens(messages, session.previous(len(record.messages)))
     except PagedChatError:  # a template problem: the send path reports it with its own words
         return None
     if count is None or count < limit:
@@ -91,11 +90,7 @@ def prompt_too_long(app, session: ChatSession, text: str) -> str | None:
             f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
 
 
-def after_reply(app, session: ChatSession, finish_reason: str | None) -> None:
-    show_fill(app, session)
-    if finish_reason == "context_full":
-        app.notify(f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}.",
-                   severity="warning", timeout=10)
+CONTEXT_FULL = f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}."
 
 
 def conversation_tokens(backend, conversation: list[dict]) -> int:
@@ -121,19 +116,16 @@ def carried_messages(record: ChatRecord, count_tokens, budget: float) -> list[Ch
 
 async def continue_in_new_chat(app) -> ChatSession | None:
     """A new tab with the active chat's system prompt, settings and the last turns that fit half the context."""
-    from copy import deepcopy
-
     session = app.active_session
-    if session is None or app._backend_or_say() is None:
+    if session is None or app.link.ready_or_say() is None:
         return None
     record = session.record
-    limit = context_length(app)
+    limit = context_length(app.backend)
     budget = int(limit * CARRY_SHARE) if limit is not None else float("inf")   # unknown: carry every turn
     messages = carried_messages(record, lambda conv: conversation_tokens(app.backend, conv), budget)
     new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
                                  settings=deepcopy(record.settings), messages=messages))
-    await app._open_session(new, after=session)
-    app._save(new, messages=True)
+    (await app.chats.open(new, after=session)).save(messages=True)
     dropped = len(record.messages) - len(messages)
     app.notify(f"Continued in a new chat with the last {len(messages)} messages ({dropped} left behind).",
                timeout=6)

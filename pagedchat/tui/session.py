@@ -7,28 +7,23 @@ starts from its exact token ids (re-tokenised text may tokenise differently and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from copy import deepcopy
+from dataclasses import dataclass, field
 
 from pagedchat.backends.base import Outcome
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord, ReplyStats
+from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.reply import Reply
 
 
 @dataclass(eq=False)
 class ChatSession:
     record: ChatRecord
     colour: int = 0                            # index into the theme's chat colours
-    request_id: str | None = None              # the live request, if a reply is being generated
-    handle: object | None = None               # its ReplyHandle
-    reply_index: int | None = None             # the message the live request writes into
-    reply_prefix: str = ""                     # text the reply had before this request (a forked branch)
-    inheriting: bool = False                   # a forked branch whose first update (the text it inherits) is due
-    received_text: str = ""                    # text streamed by the live request so far
-    received_tokens: int = 0
+    reply: Reply = field(default_factory=Reply)  # the reply being written, if any
     turns: dict[int, Outcome] = field(default_factory=dict)
     pages: tuple[int, ...] = ()                # the pages its last request held (seen while it ran)
     page_tokens: int = 0
     unseen: bool = False                       # a reply finished while the tab was not in view
-    saved_at: float = 0.0                      # monotonic time the live reply was last saved
 
     @property
     def id(self) -> str:
@@ -36,18 +31,17 @@ class ChatSession:
 
     @property
     def busy(self) -> bool:
-        return self.request_id is not None
+        return self.reply.live
 
-    def live_stats(self, finish_reason: str) -> ReplyStats:
-        """The live reply's stats line as it stands, ended by `finish_reason`."""
-        return replace(ReplyStats.from_outcome(self.handle.so_far()), generated_tokens=self.received_tokens,
-                       finish_reason=finish_reason)
+    @property
+    def received_tokens(self) -> int:
+        """Tokens the live reply has streamed so far."""
+        return self.reply.tokens
 
-    def reply_snapshot(self) -> ChatMessage:
-        """The live reply as saved while it is written: its text so far, marked interrupted, which is what
-        it is if the app dies before the next save. The final save replaces it under the same id."""
-        message = self.record.messages[self.reply_index]
-        return ChatMessage(message.role, message.content, self.live_stats(INTERRUPTED), message.id)
+    @property
+    def handle(self):
+        """The live reply's request handle (ReplyHandle), or None."""
+        return self.reply.handle
 
     def previous(self, upto: int) -> Outcome | None:
         """The latest exchange whose reply comes before message `upto`."""
@@ -63,3 +57,18 @@ class ChatSession:
 
     def turns_before(self, index: int) -> dict[int, Outcome]:
         return {i: turn for i, turn in self.turns.items() if i < index}
+
+
+def branch_record(src: ChatRecord, messages: list[ChatMessage]) -> ChatRecord:
+    """A branch of `src` holding `messages`: its title marked, its system prompt and settings copied."""
+    return ChatRecord(title=f"↳ {src.title}"[:40], system_prompt=src.system_prompt,
+                      settings=deepcopy(src.settings), messages=messages)
+
+
+def inherited_pages(turn: Outcome | None, block_size: int | None) -> tuple[tuple[int, ...], int]:
+    """The pages (and their tokens) a branch starts out owning: the full pages of the exchange it copies,
+    cached ones in the map; none where the backend shows no pages."""
+    if turn is None or not turn.pages or not block_size:
+        return (), 0
+    pages = turn.pages[:turn.total_tokens // block_size]
+    return pages, len(pages) * block_size

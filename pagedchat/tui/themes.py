@@ -166,3 +166,9 @@ def chat_colours(variables: dict[str, str]) -> list[str]:
     names = ["primary", "accent", "secondary", "success", "warning", "error",
              "primary-lighten-2", "accent-lighten-2", "secondary-lighten-2", "success-lighten-2"]
     return explicit + [variables[n] for n in names if n in variables]
+
+
+def chat_colour(variables: dict[str, str], n: int) -> str:
+    """The n-th chat colour, round the theme's list."""
+    colours = chat_colours(variables)
+    return colours[n % len(colours)]

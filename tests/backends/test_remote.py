@@ -178,7 +178,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
             reply = session.record.messages[-1]
             assert reply.role == "assistant" and reply.content and reply.stats.finish_reason == "error"
             assert "went away mid-reply" in reply.stats.error
-            notices = [n.message for n in app._notifications]
+            notices = app.notices
             assert any("went away mid-reply" in n and "text so far is kept" in n for n in notices), notices
             [saved] = Store.open(app.config.data_dir).load_chats()
             assert saved.messages[-1].content == reply.content  # the partial reply is on disk
@@ -186,7 +186,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
 
             # Asked again with the server still down: a clear error, the chat as it was.
             await pilot.press("ctrl+r")  # (refused at once: too quick to see the chat busy)
-            await wait_for(pilot, lambda: any("could not be reached" in n.message for n in app._notifications),
+            await wait_for(pilot, lambda: any("could not be reached" in n for n in app.notices),
                            "the retry to fail", timeout=60)
             await wait_for(pilot, lambda: not session.busy, "the chat idle again")
             assert session.record.messages[-1].role == "user"  # the empty reply is dropped, the question kept
@@ -211,7 +211,7 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(tmp_path):
         prompt.text = "hello"
         await pilot.press("enter")
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
-        assert any("Trying again" in n.message for n in app._notifications)
+        assert any("Trying again" in n for n in app.notices)
         await wait_for(pilot, lambda: app.backend_error, "the retry to fail again")
 
 

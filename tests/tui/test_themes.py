@@ -80,7 +80,7 @@ async def test_a_bad_or_missing_theme_in_config_starts_with_the_default_and_says
     async with app.run_test(notifications=True) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         assert app.theme == "pagedchat-dark" and "bad" not in app.available_themes
-        said = [n.message for n in app._notifications]
+        said = app.notices
         assert any("bad.toml" in n and "text-muted = 'x' is not a colour" in n for n in said), said
         assert any(f"No theme named '{wanted}'; using pagedchat-dark" in n for n in said), said
         await pilot.pause()

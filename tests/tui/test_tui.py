@@ -12,22 +12,21 @@ import sqlite3
 from functools import partial
 
 import pytest
-import textual.app
-import textual.pilot
-from textual._wait import wait_for_idle
 
 from pagedchat.engine.block_manager import PageState
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat_ops import export_chat
+from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.chat import PromptInput
 from pagedchat.tui.inspector import InspectorView, fmt_bytes
 from pagedchat.tui.records import ChatSettings
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, RenameScreen
+from pagedchat.tui.screens.ask import RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import make_config, screen_text, send, static_text, wait_for
+from tui_support import make_config, quick_pilot, screen_text, send, static_text, wait_for  # noqa: F401 (autouse)
 
 SIZE = (100, 32)
 LONG = 400  # tokens: about a second of generation on a CPU core
@@ -38,15 +37,6 @@ VERY_LONG = 1500  # long enough to be sure of seeing two requests overlap; the t
 def tui_model(tmp_path_factory):
     # seed 1 writes visible characters for these prompts (seed 0 mostly writes partial UTF-8 bytes).
     return make_tiny_model(tmp_path_factory.mktemp("tui-model"), seed=1, max_positions=2048)
-
-
-@pytest.fixture(autouse=True)
-def _quick_pilot(monkeypatch):
-    """Pilot waits after each key until the process looks idle, i.e. up to 1 s while the engine thread
-    computes. These tests wait on explicit conditions instead, so cap that wait."""
-    quick = partial(wait_for_idle, max_sleep=0.05)
-    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
-    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
 
 
 @pytest.fixture
@@ -67,7 +57,7 @@ async def replied(pilot, session) -> None:
 
 
 def notes(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return app.notices
 
 
 async def test_send_streams_a_reply_with_stats(config):
@@ -145,7 +135,7 @@ async def test_two_tabs_generate_at_once(config):
         await pilot.press("escape")  # stops the chat in view only
         await wait_for(pilot, lambda: not second.busy, "the second chat to stop")
         assert first.busy
-        first.handle.cancel()  # the first one ends while not in view ...
+        app.chat_view(first).stop()  # the first one ends while not in view ...
         await wait_for(pilot, lambda: not first.busy, "the first chat to end")
         assert first.unseen and "●" in label(first)  # ... and stays marked until looked at
         await pilot.press("ctrl+pageup")
@@ -210,6 +200,7 @@ async def test_branch_shares_pages(config):
         await wait_for(pilot, lambda: app.active_session is not parent, "the branch tab")
         branch = app.active_session
         assert branch.record.title == "↳ branch me" and branch.busy
+        assert "2 generating" in static_text(app, "#status")  # the fork counts from its first moment
         seen = set()
 
         def sharing() -> bool:
@@ -324,12 +315,12 @@ async def test_chats_are_restored_after_restart(config):
         custom = ChatSettings(max_tokens=LONG, temperature=0.0, top_p=0.8, top_k=5, seed=42)
         first.record.settings = custom
         first.record.system_prompt = "Custom system prompt."
-        app._save(first, row=True)
+        app.chat_view(first).save(row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 2, "a second tab")
         second = app.active_session
         second.record.title = "Second"
-        app._save(second, row=True)
+        app.chat_view(second).save(row=True)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(app.sessions) == 3, "a third tab")
         await pilot.press("ctrl+w")  # closed chats are kept, but do not come back as tabs
@@ -357,7 +348,7 @@ async def test_chats_are_restored_after_restart(config):
         assert chat.record.messages[-1].stats.finish_reason == "cancelled"  # saved as stopped at quit
         await wait_for(pilot, lambda: len(app.chat_view(chat).views) == 4, "the messages on screen")
         assert "remember me" in screen_text(app)
-        commands = [c.title for c in app.get_system_commands(app.screen)]
+        commands = [c.title for c in AppCommands(app.screen).commands()]
         assert any(t.startswith("Reopen chat: New chat") for t in commands)
 
 
@@ -407,7 +398,8 @@ async def test_keys_remap_and_every_action_is_in_the_palette(config):
         await pilot.press("f9")
         assert app.query_one(InspectorView).display
         await wait_for(pilot, lambda: any("nonsense" in n for n in notes(app)), "the keymap warning")
-        titles = {c.title for c in app.get_system_commands(app.screen)}
+        titles = {c.title for c in AppCommands(app.screen).commands()}
+        titles |= {c.title for c in app.get_system_commands(app.screen)}   # Textual's own: theme, quit, ...
         for wanted in ("New chat", "Close chat", "Next chat", "Previous chat", "Rename chat", "Chat settings",
                        "Memory inspector", "Help", "Stop reply", "Regenerate last reply", "Branch chat at a message…",
                        "Edit a message and resend…", "Copy last reply", "Export chat…", "Theme", "Quit"):
@@ -455,9 +447,9 @@ async def test_closed_chat_can_be_reopened(config):
         await wait_for(pilot, lambda: app.active_session is first, "the first tab")
         await pilot.press("ctrl+w")
         await wait_for(pilot, lambda: first.id not in app.sessions, "the close")
-        reopen = [c for c in app.get_system_commands(app.screen) if c.title == "Reopen chat: Keep me"]
+        reopen = [c for c in AppCommands(app.screen).commands() if c.title == "Reopen chat: Keep me"]
         assert len(reopen) == 1
-        await reopen[0].callback()
+        await reopen[0].run()
         await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
         assert [s.record.title for s in app.ordered_sessions()][-1] == "Keep me"
 

@@ -11,9 +11,10 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.context import CHARS_PER_TOKEN, ContextFill, carried_messages, conversation_tokens
 from pagedchat.tui.records import ChatMessage, ChatRecord, ReplyStats
-from test_tui import SIZE, _quick_pilot, notes, ready, replied, send  # noqa: F401  (_quick_pilot: autouse)
+from test_tui import SIZE, notes, ready, replied, send
 from tiny_models import make_tiny_model
-from tui_support import ScriptedEngine, StandInBackend, make_config, screen_text, wait_for
+from tui_support import (ScriptedEngine, StandInBackend, make_config, quick_pilot, screen_text,  # noqa: F401
+                         wait_for)
 
 CONTEXT = 256   # the tiny model's context: small, so a chat can fill it
 

@@ -10,6 +10,7 @@ from pagedchat.engine.core import Phase
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.engine import Engine
 from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.records import ChatSettings, ReplyStats
 from pagedchat.tui.screens.modals import ChatSettingsScreen
 from tiny_models import make_tiny_model
@@ -77,10 +78,10 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
         await pilot.press("enter")  # refused while stopped: the text stays in the input
         assert prompt.text == "are you there?" and len(session.record.messages) == 2
 
-        [restart] = [c for c in app.get_system_commands(app.screen) if c.title == "Restart engine"]
-        restart.callback()
+        [restart] = [c for c in AppCommands(app.screen).commands() if c.title == "Restart engine"]
+        restart.run()
         await wait_for(pilot, lambda: app.backend is not None and len(engines) == 2, "the new engine")
-        assert not [c for c in app.get_system_commands(app.screen) if c.title == "Restart engine"]
+        assert not [c for c in AppCommands(app.screen).commands() if c.title == "Restart engine"]
         await pilot.press("enter")
         await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "a new reply")
         assert session.record.messages[-1].stats.finish_reason == "length"

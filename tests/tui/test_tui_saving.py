@@ -9,8 +9,8 @@ from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.screens.modals import EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from test_tui import SIZE, notes, ready, replied, send
-from test_tui import _quick_pilot, config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
-from tui_support import wait_for
+from test_tui import config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
+from tui_support import quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
 
@@ -64,7 +64,7 @@ async def test_a_refused_edit_or_message_changes_nothing(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         session, before = await answered(pilot)
-        app.edit_message(0)
+        app.active_chat.edit_message(0)
         await wait_for(pilot, lambda: isinstance(app.screen, EditMessageScreen) and app.screen.query("#text"),
                        "the edit dialog")
         app.screen.query_one("#text").text = TOO_LONG

@@ -7,10 +7,12 @@ Update with `pytest tests/tui/test_tui_snapshots.py --snapshot-update` after che
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from textual.widgets import TextArea
 
-from pagedchat.backends.base import BackendInfo
+from pagedchat.backends.base import BackendInfo, Outcome
 from pagedchat.engine.block_manager import MemoryCounters, PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
@@ -40,6 +42,19 @@ def fixed_memory() -> MemorySnapshot:
         shared_pages={p: ["req-7", "req-8"] for p in (8, 9, 10)}, seqs={"req-7": running, "req-8": branch},
         cpu_total=24, cpu_cached=3, cpu_swapped=0, counters=counters, hit_rate=4 / 6, recent_hit_rate=0.75,
         live_tokens=135, contiguous_bytes=2 * 2048 * PAGE_BYTES // 16)
+
+
+@dataclass(frozen=True)
+class LiveRequest:
+    """A request the stand-in's memory picture shows running; nothing streams from it."""
+
+    request_id: str
+
+    def cancel(self) -> None:
+        pass
+
+    def so_far(self) -> Outcome:
+        return Outcome(self.request_id)
 
 
 def stand_in(progress) -> StandInBackend:
@@ -107,15 +122,15 @@ def _with_inspector(focus: str):
         app = pilot.app
         # Tie the stand-in's live requests to the saved chats, as sending would.
         for chat_id, rid in (("bbbbbbbbbbbb", "req-7"), ("cccccccccccc", "req-8")):
-            app.sessions[chat_id].request_id = rid
-            app.requests[rid] = chat_id
+            session = app.sessions[chat_id]
+            session.reply.start(LiveRequest(rid), index=len(session.record.messages))
         app.sessions["aaaaaaaaaaaa"].pages = (0, 1, 2, 3, 4, 5)
         app.sessions["aaaaaaaaaaaa"].page_tokens = 103
-        app._show(app.sessions[focus])
+        app.chats.show(app.sessions[focus])
         await pilot.pause()
         await pilot.press("f2")
         await pilot.pause()
-        app._tick(force=True)
+        app.refresh_memory(force=True)
         _steady_cursors(app)
         await pilot.pause()
 

@@ -6,25 +6,19 @@ The engine is the scripted stand-in (tui_support.ScriptedEngine): these tests ne
 from __future__ import annotations
 
 import re
-from functools import partial
 
-import pytest
-import textual.app
-import textual.pilot
-from textual._wait import wait_for_idle
 from textual.widgets import OptionList, TextArea
 
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.chat import MessageView
-from pagedchat.tui.chat_ops import export_chat
+from pagedchat.tui.chat_ops import export_chat, pick_message
 from pagedchat.tui.records import title_from
-from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen, RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
 from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.screens.ask import ConfirmScreen
+from pagedchat.tui.screens.ask import ConfirmScreen, RenameScreen
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, screen_text, static_text, wait_for
+from tui_support import ScriptedEngine, make_config, quick_pilot, screen_text, static_text, wait_for  # noqa: F401
 
 SIZE = (120, 36)
 MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.quit]quit", "unbalanced [b",
@@ -34,14 +28,6 @@ MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.
 ESCAPES = ("title\x1b]2;pwned\x07 clip\x1b]52;c;cHduZWQ=\x07 link\x1b]8;;https://evil.example\x1b\\here"
            "\x1b]8;;\x1b\\ colour\x1b[31mred\x1b[0m c1\x9b2J bell\x07 nul\x00 bs\x08 cr\rX del\x7f end")
 CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-@pytest.fixture(autouse=True)
-def _quick_pilot(monkeypatch):
-    """As in test_tui: the tests wait on explicit conditions, so Pilot need not wait for the process to idle."""
-    quick = partial(wait_for_idle, max_sleep=0.05)
-    monkeypatch.setattr(textual.app, "wait_for_idle", quick)
-    monkeypatch.setattr(textual.pilot, "wait_for_idle", quick)
 
 
 def scripted_app(tmp_path, replies) -> PagedChatApp:
@@ -118,7 +104,7 @@ async def check_markup_payload(pilot, payload: str) -> None:
     assert app.screen.query_one("#title").value == title
     await pilot.press("escape")
 
-    app.pick_message("Edit which message?", app.edit_message, role="user")
+    pick_message(app, "Edit which message?", app.active_chat.edit_message, role="user")
     assert f"1. You: {title_from(payload, 50)}" in await shows(pilot, PickScreen, "the message picker")
     await pilot.press("enter")
     await shows(pilot, EditMessageScreen, "the edit dialog")
@@ -134,7 +120,7 @@ async def check_markup_payload(pilot, payload: str) -> None:
     await pilot.press("escape")
 
     await pilot.press("ctrl+r")   # the scripted engine fails this one: its error shows in a notification
-    await wait_for(pilot, lambda: any(f"{payload} failed" in n.message for n in app._notifications),
+    await wait_for(pilot, lambda: any(f"{payload} failed" in n for n in app.notices),
                    "the failure notice")
     await pilot.pause()
     assert f"The reply failed: {payload} failed" in toasts(app)
@@ -174,7 +160,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
             assert raw_controls(await shows(pilot, screen, key)) == []
             await pilot.press("escape")
 
-        app.pick_message("Edit which message?", app.edit_message, role="user")
+        pick_message(app, "Edit which message?", app.active_chat.edit_message, role="user")
         assert raw_controls(await shows(pilot, PickScreen, "the message picker")) == []
         await pilot.press("enter")
         edit = await shows(pilot, EditMessageScreen, "the edit dialog")
@@ -186,7 +172,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
         assert raw_controls(exported) == [] and "␛]52;c;cHduZWQ=␇" in exported
 
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: any("boom" in n.message for n in app._notifications), "the failure notice")
+        await wait_for(pilot, lambda: any("boom" in n for n in app.notices), "the failure notice")
         await pilot.pause()
         assert raw_controls(screen_text(app)) == []
         assert raw_controls(str(app.chat_view(session).view_at(1).query_one(".stats").content)) == []
@@ -214,7 +200,7 @@ async def test_an_unchanged_dialog_keeps_the_exact_text(tmp_path):
         await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "F3 to close")
         assert session.record.system_prompt == system
 
-        app.edit_message(0)
+        app.active_chat.edit_message(0)
         await shows(pilot, EditMessageScreen, "the edit dialog")
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: not session.busy and session.record.messages[-1].content == "second",

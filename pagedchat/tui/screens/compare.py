@@ -18,14 +18,15 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, TextArea
 
-from pagedchat.backends.base import Outcome, ReplyHandle
+from pagedchat.backends.base import Backend, Outcome, ReplyHandle
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady
 from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat_view import BUSY_NOTICE
 from pagedchat.tui.inspector import ChatPages, InspectorView
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
-from pagedchat.tui.screens.modals import _Modal
+from pagedchat.tui.screens.modals import Dialog
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.themes import chat_colours
+from pagedchat.tui.themes import chat_colour
 
 TICK_S = 0.25
 SIDES = ("A", "B")
@@ -51,7 +52,7 @@ def default_variants(record: ChatRecord) -> tuple[Variant, Variant]:
             Variant(record.system_prompt, replace(deepcopy(record.settings), temperature=other)))
 
 
-class CompareSetupScreen(_Modal):
+class CompareSetupScreen(Dialog):
     """The two variants: temperature, max tokens and system prompt for each. Dismisses with (Variant, Variant)."""
 
     BINDINGS = [Binding("ctrl+s", "run", "Compare", id="compare.run")]
@@ -143,9 +144,10 @@ class CompareScreen(Screen):
         Binding("escape", "back", "Back", id="compare.back"),
     ]
 
-    def __init__(self, parent: ChatSession, variants: tuple[Variant, Variant]) -> None:
+    def __init__(self, parent: ChatSession, variants: tuple[Variant, Variant], backend: Backend) -> None:
         super().__init__()
         self.parent_session = parent
+        self.backend = backend
         record = parent.record
         last_user = max(i for i, m in enumerate(record.messages) if m.role == "user")
         self.history = deepcopy(record.messages[:last_user + 1])
@@ -175,7 +177,7 @@ class CompareScreen(Screen):
         self.set_interval(TICK_S, self._tick)
 
     async def _submit(self, side: Side) -> None:
-        backend = self.app.backend
+        backend = self.backend
         parent = self.parent_session
         conversation = ChatRecord(system_prompt=side.variant.system_prompt, messages=self.history).conversation()
         # The parent's exact ids keep the shared pages shared; they only hold for the same system prompt.
@@ -207,24 +209,23 @@ class CompareScreen(Screen):
         self.refresh_bindings()
 
     def chat_pages(self) -> list[ChatPages]:
-        app = self.app
+        variables = self.app.theme_variables
         parent = self.parent_session
-        colours = chat_colours(app.theme_variables)
-        out = [ChatPages(parent.id, parent.record.title, app._colour_of(parent), None, parent.pages,
+        out = [ChatPages(parent.id, parent.record.title, chat_colour(variables, parent.colour), None, parent.pages,
                          parent.page_tokens)]
         for n, side in enumerate(self.sides):
             pages = side.outcome.pages if side.outcome is not None else ()
             tokens = side.tokens_held()
-            colour = colours[(parent.colour + 1 + n) % len(colours)]
+            colour = chat_colour(variables, parent.colour + 1 + n)
             out.append(ChatPages(f"compare-{side.name}", f"{side.name} · {parent.record.title}", colour,
                                  side.request_id if side.running else None, pages, tokens))
         return out
 
     def _tick(self, force: bool = False) -> None:
-        if not self.inspector.display or self.app.backend is None:
+        if not self.inspector.display:
             return
         pages = self.chat_pages()
-        self.inspector.update_view(self.app.backend.memory(), pages, pages[1], force=force)
+        self.inspector.update_view(self.backend.memory(), pages, pages[1], force=force)
 
     def toggle_inspector(self) -> None:
         self.inspector.display = not self.inspector.display
@@ -273,23 +274,23 @@ class CompareScreen(Screen):
 def start_compare(app) -> None:
     """F5 / palette: ask for the two variants, then show both answers being written."""
     session = app.active_session
-    if session is None or app._backend_or_say() is None:
+    backend = app.link.ready_or_say() if session is not None else None
+    if backend is None:
         return
     if not any(m.role == "user" for m in session.record.messages):
         app.notify("Nothing to compare yet: send a message first.", severity="warning")
         return
     if session.busy:
-        app.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
+        app.notify(BUSY_NOTICE, severity="warning")
         return
 
     async def keep(kept: ChatSession | None) -> None:
         if kept is not None and session.id in app.sessions:
-            await app._open_session(kept, after=session)
-            app._save(kept, messages=True)
+            (await app.chats.open(kept, after=session)).save(messages=True)
             app.notify(f"Kept as “{kept.record.title}”.", timeout=4)
 
     def chosen(variants: tuple[Variant, Variant] | None) -> None:
         if variants is not None:
-            app.push_screen(CompareScreen(session, variants), keep)
+            app.push_screen(CompareScreen(session, variants, backend), keep)
 
     app.push_screen(CompareSetupScreen(default_variants(session.record)), chosen)

@@ -23,7 +23,13 @@ def unless_unchanged(edited: str, original: str) -> str:
     return original if edited == visible_controls(original) else edited
 
 
-class _Modal(ModalScreen):
+class Dialog(ModalScreen):
+    """A modal dialog under a heading (plain text); Esc or a Cancel button dismisses it with None."""
+
+    def __init__(self, heading: str = "") -> None:
+        super().__init__()
+        self.heading = heading
+
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="modal.cancel")]
 
     def action_cancel(self) -> None:
@@ -34,24 +40,7 @@ class _Modal(ModalScreen):
         self.dismiss(None)
 
 
-class RenameScreen(_Modal):
-    def __init__(self, title: str) -> None:
-        super().__init__()
-        self._title = title
-
-    def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
-            yield Label("Rename chat", classes="dialog-title")
-            yield Input(visible_controls(self._title), id="title", select_on_focus=True)
-            yield Label("Enter saves · Esc cancels", classes="dialog-hint")
-
-    @on(Input.Submitted)
-    def save(self, event: Input.Submitted) -> None:
-        title = unless_unchanged(event.value, self._title).strip()
-        self.dismiss(title or None)
-
-
-class EditMessageScreen(_Modal):
+class EditMessageScreen(Dialog):
     """Edit a sent message; saving truncates the chat there and sends the new text."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Resend", id="modal.save")]
@@ -78,21 +67,20 @@ class EditMessageScreen(_Modal):
         self.action_save()
 
 
-class ChatSettingsScreen(_Modal):
+class ChatSettingsScreen(Dialog):
     """A chat's system prompt and sampling settings. Dismisses with (system_prompt, ChatSettings)."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", id="modal.save")]
 
     def __init__(self, title: str, system_prompt: str, settings: ChatSettings) -> None:
-        super().__init__()
-        self._title = title
+        super().__init__(f"Settings — {title}")
         self._system = system_prompt
         self._settings = settings
 
     def compose(self) -> ComposeResult:
         s = self._settings
         with VerticalScroll(classes="dialog -wide"):
-            yield Label(plain(f"Settings — {self._title}"), classes="dialog-title")
+            yield Label(plain(self.heading), classes="dialog-title")
             yield Label("System prompt")
             yield TextArea(visible_controls(self._system), id="system", soft_wrap=True, tab_behavior="focus")
             with Grid(classes="settings-grid"):
@@ -138,19 +126,17 @@ class ChatSettingsScreen(_Modal):
         self.action_save()
 
 
-class PickScreen(_Modal):
+class PickScreen(Dialog):
     """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen)."""
 
-    def __init__(self, title: str, options: list[tuple[str, object]], initial: int = -1) -> None:
-        super().__init__()
-        self._title = title
-        self._initial = initial
+    def __init__(self, title: str, options: list[tuple[str, object]]) -> None:
+        super().__init__(title)
         self._values = [value for _, value in options]
         self._labels = [label for label, _ in options]
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
-            yield Label(plain(self._title), classes="dialog-title")
+            yield Label(plain(self.heading), classes="dialog-title")
             yield OptionList(*[Option(plain(label), id=str(i)) for i, label in enumerate(self._labels)],
                              id="options")
             yield Label("Enter picks · Esc cancels", classes="dialog-hint")
@@ -158,7 +144,7 @@ class PickScreen(_Modal):
     def on_mount(self) -> None:
         options = self.query_one(OptionList)
         if self._labels:
-            options.highlighted = self._initial % len(self._labels)
+            options.highlighted = len(self._labels) - 1   # the last: the newest message, or the usual choice
 
     @on(OptionList.OptionSelected)
     def pick(self, event: OptionList.OptionSelected) -> None:

@@ -1,0 +1,175 @@
+"""The app's one backend: loading it off the UI thread, the status bar that shows how that goes, why there is
+none, an engine that stopped and its restart, and the periodic memory poll.
+
+The backend starts on a daemon thread (bridge.start_loading); its progress, its arrival and its failure come
+back as messages the app hands to `BackendLink`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal
+from textual.content import Content
+from textual.widgets import Label, ProgressBar
+
+from pagedchat.backends.base import Backend, request_pages
+from pagedchat.text import visible_controls
+from pagedchat.tui.bridge import start_loading
+from pagedchat.tui.inspector import InspectorView
+
+BackendFactory = Callable[[Callable[[str, "float | None"], None]], Backend]
+
+
+class StatusBar(Horizontal):
+    """The bottom line: what is loading and how far, then the model, where it runs and how many chats generate."""
+
+    def __init__(self, waiting: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._waiting = waiting
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._waiting, id="status")
+        yield ProgressBar(total=None, show_eta=False, id="load-progress")
+
+    @property
+    def line(self) -> Label:
+        return self.query_one("#status", Label)
+
+    @property
+    def bar(self) -> ProgressBar:
+        return self.query_one("#load-progress", ProgressBar)
+
+    def loading(self, stage: str, fraction: float | None) -> None:
+        if fraction is None:
+            self.bar.update(total=None)
+        else:
+            self.bar.update(total=100, progress=fraction * 100)
+        self.line.update(Content.assemble(("loading ", "$text-muted"), visible_controls(stage)))
+
+    def loading_again(self) -> None:
+        self.bar.display = True
+        self.bar.update(total=None)
+
+    def loaded(self) -> None:
+        self.bar.display = False
+
+    def error(self, text: str) -> None:
+        self.line.update(Content.styled(visible_controls(text), "$error"))
+
+    def running(self, model: str, where: str) -> None:
+        self.line.update(Content.assemble((visible_controls(model), "bold"), (visible_controls(where), "$text-muted")))
+
+
+class BackendLink:
+    """The backend once it is there (`backend`), else why not (`error`); what the app and the chats ask of it."""
+
+    def __init__(self, app: App, factory: BackendFactory) -> None:
+        self.app = app
+        self.factory = factory
+        self.backend: Backend | None = None
+        self.error: str | None = None
+        self._stop_noted = False      # the backend's failure has been shown
+
+    @property
+    def failure(self) -> str | None:
+        return self.backend.failure if self.backend is not None else None
+
+    def _status(self) -> StatusBar | None:
+        """None once the app is closing: a load that ends during shutdown finds no widgets left."""
+        bars = self.app.query(StatusBar)
+        return bars.first() if bars else None
+
+    def start(self) -> None:
+        self.error = None
+        if (status := self._status()) is not None:
+            status.loading_again()
+        start_loading(self.app, self.factory)
+
+    def progress(self, stage: str, fraction: float | None) -> None:
+        if (status := self._status()) is not None:
+            status.loading(stage, fraction)
+
+    def arrived(self, backend: Backend) -> bool:
+        """The backend is ready; False (and it is shut down) if the app is closing."""
+        if (status := self._status()) is None:
+            backend.shutdown()
+            return False
+        self.backend = backend
+        status.loaded()
+        return True
+
+    def failed(self, error: str) -> None:
+        self.error = error.rstrip(".") + "."
+        if (status := self._status()) is None:
+            return
+        status.loaded()
+        status.error(self.error)
+        self.app.query_one(InspectorView).show_message(self.error)
+        self.app.notify(self.error, severity="error", timeout=15)
+
+    def show_status(self, generating: int) -> None:
+        if self.backend is None or (status := self._status()) is None:
+            return
+        if self.backend.failure is not None:
+            status.error(f"engine stopped: {self.backend.failure}")
+            return
+        info = self.backend.info
+        pages = f" · {info.num_pages} pages" if info.num_pages else ""
+        activity = f" · {generating} generating" if generating else ""
+        status.running(info.model, f" {info.where}{pages}{activity}")
+
+    def ready_or_say(self) -> Backend | None:
+        """The backend, or a notice why there is none; one that failed to start is started again."""
+        if self.failure is not None:
+            self.app.notify(f"{self.stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
+            return None
+        if self.backend is None and self.error:
+            self.app.notify(f"{self.error} Trying again; your message is kept in the input.",
+                            severity="error", timeout=8)
+            self.start()
+        elif self.backend is None:
+            self.app.notify("The model is still loading; your message is kept in the input.", severity="warning")
+        return self.backend
+
+    def stopped_text(self) -> str:
+        return f"engine stopped: {self.failure}. Restart it from the command palette (Restart engine)."
+
+    def note_stopped(self, generating: int) -> bool:
+        """Once per failure: say in the status bar and a notice that the engine stopped, and how to restart."""
+        if self.failure is None:
+            return False
+        if not self._stop_noted:
+            self._stop_noted = True
+            self.show_status(generating)
+            self.app.notify(self.stopped_text(), severity="error", timeout=15)
+        return True
+
+    def restart(self) -> None:
+        """Load a fresh engine in place of one that stopped; the chats stay as they are."""
+        old, self.backend, self._stop_noted = self.backend, None, False
+        if old is not None:
+            old.shutdown()
+        if (status := self._status()) is not None:
+            status.line.update("loading the model…")
+        self.start()
+
+    def poll(self, chats, inspector: InspectorView, force: bool = False) -> None:
+        """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
+        busy = [s for s in chats.sessions.values() if s.busy]
+        if self.backend is None or self.note_stopped(len(busy)):
+            return
+        if not busy and not inspector.display:
+            return
+        view = self.backend.memory()
+        for session in busy:
+            held = request_pages(view, session.reply.request_id)
+            if held is not None:
+                session.pages, session.page_tokens = held
+            chats.view(session).show_fill()
+        if inspector.display:
+            pages = chats.chat_pages()
+            active = chats.active
+            focused = next((c for c in pages if active and c.chat_id == active.id), None)
+            inspector.update_view(view, pages, focused, force=force)

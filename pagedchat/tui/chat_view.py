@@ -1,0 +1,438 @@
+"""A chat tab: its log of messages and its input, and everything done to one chat.
+
+The app routes (keys, the palette, backend updates) to the active or the addressed ChatView, which owns the
+rest: sending, its Reply's life on screen and on disk, regenerating, editing, branching and forking, copying,
+renaming and settings. What it needs from the app comes in as ChatServices, never read off the app.
+"""
+
+from __future__ import annotations
+
+import time
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+
+from pagedchat.backends.base import Backend, Outcome, Update
+from pagedchat.tui import context, copying
+from pagedchat.tui.backend_link import BackendLink
+from pagedchat.tui.bridge import DeltaInbox
+from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.history import PromptHistory
+from pagedchat.tui.records import ChatMessage, title_from
+from pagedchat.tui.reply import Ending
+from pagedchat.tui.saver import Saver
+from pagedchat.tui.screens.ask import RenameScreen
+from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
+from pagedchat.tui.session import ChatSession, branch_record, inherited_pages
+
+SAVE_EVERY_S = 0.5     # a streaming reply is saved this often, so a crash loses under a second of it
+BUSY_NOTICE = "This chat is still replying: wait, or press Esc to stop it."
+
+
+@dataclass(frozen=True)
+class ChatServices:
+    """What a chat needs from the app around it."""
+
+    link: BackendLink
+    saver: Saver
+    inbox: DeltaInbox
+    history: PromptHistory
+    open_chat: Callable[..., Awaitable[ChatView]]      # open_chat(session, after=...): a new tab, shown
+    is_open: Callable[[str], bool]                     # the chat (by id) still has its tab
+    active: Callable[[], ChatSession | None]
+    changed: Callable[[ChatSession], None]             # it started or stopped replying
+
+
+class ChatView(Vertical):
+    """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
+    ]
+
+    def __init__(self, session: ChatSession, services: ChatServices, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.session = session
+        self.services = services
+        self._initial = session.record.messages
+        self.populated = False
+
+    @property
+    def chat_id(self) -> str:
+        return self.session.id
+
+    @property
+    def backend(self) -> Backend | None:
+        return self.services.link.backend
+
+    # ---- the log and the input --------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(classes="log")
+        yield PromptInput(classes="prompt")
+
+    def on_mount(self) -> None:
+        self.log_view.anchor()  # stay at the bottom as replies grow, until the user scrolls up
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".log", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    @property
+    def views(self) -> list[MessageView]:
+        return list(self.log_view.query_children(MessageView))
+
+    async def populate(self) -> None:
+        if self.populated:
+            return
+        self.populated = True
+        views = [MessageView(m, i) for i, m in enumerate(self._initial)]
+        self._initial = []
+        if views:
+            await self.log_view.mount_all(views)
+        self.log_view.scroll_end(animate=False, immediate=True)
+
+    async def add_message(self, message: ChatMessage, index: int) -> MessageView:
+        await self.populate()
+        view = MessageView(message, index)
+        await self.log_view.mount(view)
+        self.log_view.anchor()  # a new message always brings the view back to the bottom
+        return view
+
+    async def truncate(self, count: int) -> None:
+        """Remove the views of messages from index `count` on."""
+        await self.populate()
+        doomed = [v for v in self.views if v.index >= count]
+        if doomed:
+            await self.log_view.remove_children(doomed)
+
+    def view_at(self, index: int | None) -> MessageView | None:
+        return next((v for v in self.views if v.index == index), None)
+
+    def focus_message(self, index: int) -> None:
+        views = self.views
+        if not views:
+            return
+        if self.focused_message is None:  # from the input: alt+up goes to the last message
+            views[-1].focus()
+        elif index >= len(views):
+            self.prompt.focus()
+        else:
+            views[max(0, index)].focus()
+
+    def action_focus_message(self, delta: int) -> None:
+        current = self.focused_message
+        self.focus_message(len(self.views) - 1 if current is None else current.index + delta)
+
+    @property
+    def focused_message(self) -> MessageView | None:
+        focused = self.app.focused
+        return focused if isinstance(focused, MessageView) and focused in self.views else None
+
+    @on(MessageView.Action)
+    def _move(self, event: MessageView.Action) -> None:
+        # Up and down between messages; Esc stops a running reply (as anywhere in the tab), else goes back to
+        # the input. Other actions go on to the app, which calls act().
+        if event.action in ("previous", "next"):
+            event.stop()
+            self.focus_message(event.view.index + (1 if event.action == "next" else -1))
+        elif event.action == "back":
+            event.stop()
+            if self.session.busy:
+                self.stop()
+            else:
+                self.prompt.focus()
+
+    def action_stop(self) -> None:
+        if self.session.busy:
+            self.stop()
+        elif self.focused_message is not None:
+            self.prompt.focus()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # Esc shows as "Stop" in the footer only while this chat is replying.
+        return self.session.busy if action == "stop" else True
+
+    def show_fill(self) -> None:
+        """The chat's context figure on its input's bottom border."""
+        if (content := context.fill(self.session, self.backend)) is not None:
+            self.prompt.border_subtitle = content
+
+    # ---- saving -------------------------------------------------------------------------------------------
+    def save(self, *indexes: int, row: bool = False, messages: bool = False) -> None:
+        """Save what changed: messages at `indexes`, the chat's row, or (messages=True) all of it. A live
+        reply is saved as its snapshot, marked interrupted until it finishes."""
+        record, reply = self.session.record, self.session.reply
+        if row or messages:
+            self.services.saver.chat(record, messages=messages)
+        for index in indexes:
+            self.services.saver.message(record, index)
+        if reply.live and reply.index is not None and (messages or reply.index in indexes):
+            self.save_reply()
+        self.services.saver.flush()
+
+    def save_reply(self) -> None:
+        reply = self.session.reply
+        self.services.saver.message(self.session.record, reply.index,
+                                    reply.snapshot(self.session.record.messages[reply.index]))
+        reply.saved_at = time.monotonic()
+
+    # ---- sending and the reply's life -----------------------------------------------------------------------
+    async def send(self, prompt: PromptInput, text: str) -> None:
+        if self.session.busy:
+            self.notify(BUSY_NOTICE, severity="warning")
+            return
+        if (backend := self.services.link.ready_or_say()) is None:
+            return
+        if (notice := context.prompt_too_long(backend, self.session, text)) is not None:
+            self.notify(notice, severity="warning", timeout=10)
+            return
+        if await self.start_reply(ask=text):
+            prompt.clear()  # only now: a refused message stays in the input
+            self.services.history.add(text)
+            self.services.history.forget_walk(prompt)
+
+    async def start_reply(self, keep: int | None = None, ask: str | None = None) -> bool:
+        """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
+        by the user's new message `ask` if given. Messages from `keep` on (a reply being regenerated, a message
+        being edited and what followed it) are removed only once the backend has accepted the request, so a
+        refused one changes nothing. True if the reply started."""
+        backend = self.services.link.ready_or_say()
+        if backend is None:
+            return False
+        session, record = self.session, self.session.record
+        keep = len(record.messages) if keep is None else keep
+        conversation = record.conversation(keep) + ([{"role": "user", "content": ask}] if ask is not None else [])
+        try:
+            handle = backend.submit(conversation, record.settings.params(), previous=session.previous(keep),
+                                    on_update=self.services.inbox.callback(session.id))
+        except Exception as exc:  # settings, or a prompt too long for the context or the cache: keep the chat
+            self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
+            return False
+        # The record changes in one go (no await between the cut and the new messages), then the screen.
+        self._drop(keep)
+        if ask is not None:
+            if not record.messages and record.title == "New chat":
+                record.title = title_from(ask)
+            record.messages.append(ChatMessage("user", ask))
+        record.messages.append(ChatMessage("assistant", ""))
+        index = len(record.messages) - 1
+        session.reply.start(handle, index)
+        self.services.changed(session)
+        self.save(*range(keep, index + 1), row=True)
+        await self.truncate(keep)
+        for i in range(keep, index + 1):
+            view = await self.add_message(record.messages[i], i)
+        await view.start_stream()
+        return True
+
+    async def take(self, updates: list[Update]) -> None:
+        """A batch of the live reply's updates, in order."""
+        reply = self.session.reply
+        fed = reply.feed(updates)
+        view = self.view_at(reply.index)
+        if fed.inherited is not None and view is not None:
+            await view.start_stream(reply.prefix)  # a fork: its text so far is the parent's up to the fork point
+        for notice in fed.notices:
+            self.notify(notice, severity="warning", timeout=8)
+        self.session.record.messages[reply.index].content = reply.content
+        if fed.outcome is not None:
+            await self._finish(fed.outcome)
+            return
+        if view is not None:
+            view.feed(fed.text, fed.tokens)
+        if time.monotonic() - reply.saved_at >= SAVE_EVERY_S:
+            self.save_reply()
+
+    async def _finish(self, outcome: Outcome) -> None:
+        """The final update: render the whole reply once, record its outcome and stats, then mark the chat idle."""
+        session = self.session
+        ending = session.reply.finish(outcome)
+        if outcome.finish_reason != "error":
+            session.turns[ending.index] = outcome
+        else:
+            kept = "The text so far is kept; " if ending.content else ""
+            self.notify(f"The reply failed: {outcome.error}. {kept}ctrl+r asks again.", severity="error", timeout=10)
+        # The final block table: the inspector colours this idle chat's cached pages by it.
+        if outcome.pages:
+            session.pages, session.page_tokens = outcome.pages, outcome.total_tokens
+        elif not session.pages:
+            session.page_tokens = outcome.total_tokens  # a backend that shows no pages: tokens, for estimates
+        if not outcome.generated_tokens and not ending.content and outcome.finish_reason in ("cancelled", "error"):
+            self._drop(ending.index)  # nothing came: drop the empty reply rather than keep a blank one
+            await self.truncate(ending.index)
+            saved: tuple[int, ...] = ()
+        else:
+            await self._show_ending(ending)
+            saved = (ending.index,)
+        # Only now is the chat idle: anything that waits on `busy` sees the finished reply on screen.
+        session.reply.end()
+        if session is not self.services.active():
+            session.unseen = True
+        self.services.changed(session)
+        self.save(*saved)
+        self.show_fill()
+        if outcome.finish_reason == "context_full":
+            self.notify(context.CONTEXT_FULL, severity="warning", timeout=10)
+
+    async def _show_ending(self, ending: Ending) -> None:
+        message = self.session.record.messages[ending.index]
+        message.content, message.stats = ending.content, ending.stats
+        if (view := self.view_at(ending.index)) is not None:
+            await view.finish(ending.content, ending.stats)
+
+    async def abandon(self) -> None:
+        """Stop a reply now, without waiting for the backend's final update (closing, quitting, editing)."""
+        reply = self.session.reply
+        if not reply.live:
+            return
+        ending = reply.abandon(self.session.record.messages[reply.index].content)
+        await self._show_ending(ending)
+        reply.end()
+        self.services.changed(self.session)
+        self.save(ending.index)
+
+    def stop(self) -> None:
+        """Cancel the live reply; its final update arrives as "cancelled" with its stats."""
+        if self.session.busy:
+            self.session.reply.handle.cancel()
+
+    def save_interrupted(self) -> None:
+        """The app is going (a signal): save the live reply as it stands, and wait for no more of it."""
+        if self.session.busy:
+            self.save_reply()
+            self.session.reply.stop_taking()
+
+    def _drop(self, count: int) -> None:
+        """Messages from `count` on leave the record and the disk (the screen follows with truncate())."""
+        if dropped := self.session.truncate(count):
+            self.services.saver.removed(self.session.record, dropped)
+
+    # ---- per-chat actions ------------------------------------------------------------------------------------
+    async def act(self, action: str, index: int) -> None:
+        """A key on a focused message."""
+        if action in ("copy", "copy_code"):
+            self.copy_message(index, code=action == "copy_code")
+        elif action == "branch":
+            await self.branch(index)
+        elif action == "edit":
+            self.edit_message(index)
+        elif action == "regenerate":
+            await self.regenerate(index)
+
+    async def regenerate(self, index: int | None = None) -> None:
+        if self.services.link.ready_or_say() is None:
+            return
+        messages = self.session.record.messages
+        last = len(messages) - 1
+        if index is not None and index != last:
+            self.notify("Only the last reply can be regenerated; press b on a message to branch from it.",
+                        severity="warning")
+            return
+        if not messages:
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        await self.abandon()
+        await self.start_reply(keep=last if messages[-1].role == "assistant" else last + 1)
+
+    def edit_message(self, index: int) -> None:
+        messages = self.session.record.messages
+        if index >= len(messages):
+            return
+        if messages[index].role != "user":
+            self.notify("Only your own messages can be edited; regenerate or branch a reply instead.",
+                        severity="warning")
+            return
+
+        async def done(text: str | None) -> None:
+            if text is None or not self.services.is_open(self.chat_id) or self.services.link.ready_or_say() is None:
+                return
+            await self.abandon()
+            await self.start_reply(keep=index, ask=text)
+
+        self.app.push_screen(EditMessageScreen(messages[index].content), done)
+
+    async def branch(self, index: int | None = None) -> None:
+        """A new tab with the messages up to `index` (the focused or last one); a live reply there is forked."""
+        session = self.session
+        if index is None:
+            focused = self.focused_message
+            index = focused.index if focused else len(session.record.messages) - 1
+        if index < 0:
+            self.notify("Nothing to branch yet: send a message first.", severity="warning")
+            return
+        if session.busy and index == session.reply.index:
+            await self._fork_live()
+        else:
+            await self._branch_at(index)
+
+    async def _branch_at(self, index: int) -> None:
+        """A new tab with the messages up to `index`; ending on a question, it is answered there."""
+        messages = deepcopy(self.session.record.messages[:index + 1])
+        branch = ChatSession(branch_record(self.session.record, messages), turns=self.session.turns_before(index + 1))
+        block_size = self.backend.info.block_size if self.backend is not None else None
+        branch.pages, branch.page_tokens = inherited_pages(branch.previous(index + 1), block_size)
+        view = await self.services.open_chat(branch, after=self.session)
+        view.save(messages=True)
+        if messages[-1].role == "user" and self.backend is not None:
+            await view.start_reply()
+
+    async def _fork_live(self) -> None:
+        """Branch at the reply being written: the backend forks it (locally, sharing its pages copy-on-write)."""
+        session, reply = self.session, self.session.reply
+        index = reply.index
+        try:
+            forked = reply.fork(self.backend, session.record.settings, self.services.inbox.callback(""))
+        except Exception as exc:
+            self.notify(f"Cannot fork this reply ({exc}); branching from the last finished message.",
+                        severity="warning")
+            await self._branch_at(index - 1)
+            return
+        messages = deepcopy(session.record.messages[:index]) + [ChatMessage("assistant", reply.content)]
+        branch = ChatSession(branch_record(session.record, messages), reply=forked, turns=session.turns_before(index))
+        view = await self.services.open_chat(branch, after=session)
+        self.services.changed(branch)   # once it has its tab: the status line counts it
+        if (message := view.view_at(index)) is not None:
+            message.set_stats("forked: continuing this reply…")
+        view.save(messages=True)
+
+    def copy_message(self, index: int, code: bool = False) -> None:
+        if 0 <= index < len(self.session.record.messages):
+            copying.copy_message(self.app, self.session.record.messages[index], code)
+
+    def copy_last(self, code: bool) -> None:
+        messages = self.session.record.messages
+        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), None)
+        if last is None:
+            self.notify("No reply to copy yet.", severity="warning")
+        else:
+            self.copy_message(last, code=code)
+
+    def rename(self) -> None:
+        def done(title: str | None) -> None:
+            if title and self.services.is_open(self.chat_id):
+                self.session.record.title = title
+                self.services.changed(self.session)
+                self.save(row=True)
+
+        self.app.push_screen(RenameScreen(self.session.record.title), done)
+
+    def settings(self) -> None:
+        record = self.session.record
+
+        def done(result) -> None:
+            if result and self.services.is_open(self.chat_id):
+                record.system_prompt, record.settings = result
+                self.save(row=True)
+                self.notify("Settings saved; they apply from the next reply.", timeout=3)
+
+        self.app.push_screen(ChatSettingsScreen(record.title, record.system_prompt, record.settings), done)

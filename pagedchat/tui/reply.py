@@ -1,0 +1,116 @@
+"""The reply a chat is writing: the request behind it and what it has streamed, from start to its end.
+
+Plain state and its rules, no widgets: the chat's view (chat_view.py) renders what these methods return. A
+reply ends once, by finish (the backend's final update) or abandon (stopped without waiting for it); from that
+moment it takes no more updates, and end() clears it after the screen and the disk show the result, so that
+whatever waits on `live` sees the finished reply in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pagedchat.backends.base import Outcome, ReplyHandle, Update
+from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatSettings, ReplyStats
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What one batch of updates added to the reply."""
+
+    text: str
+    tokens: int
+    inherited: str | None             # a fork's first update: the text it carries over from its parent
+    notices: frozenset[str]
+    outcome: Outcome | None           # the final update's, when it came in this batch
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a reply ended: the message it wrote into, its final text and its stats line."""
+
+    index: int
+    content: str
+    stats: ReplyStats
+
+
+@dataclass(eq=False)
+class Reply:
+    handle: ReplyHandle | None = None  # the live request, if any
+    index: int | None = None           # the message the live request writes into
+    prefix: str = ""                   # text the message had before this request (a forked branch)
+    inheriting: bool = False           # a forked branch whose first update (the text it inherits) is due
+    text: str = ""                     # text streamed by this request so far
+    tokens: int = 0
+    saved_at: float = 0.0              # monotonic time its snapshot was last saved
+    taking: bool = False               # still takes updates: false once it has ended
+
+    @property
+    def live(self) -> bool:
+        return self.handle is not None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.handle.request_id if self.handle is not None else None
+
+    @property
+    def content(self) -> str:
+        return self.prefix + self.text
+
+    def takes(self, request_id: str) -> bool:
+        return self.taking and self.request_id == request_id
+
+    def start(self, handle: ReplyHandle, index: int, *, prefix: str = "", inheriting: bool = False) -> None:
+        self.end()
+        self.handle, self.index, self.prefix, self.inheriting, self.taking = handle, index, prefix, inheriting, True
+
+    def feed(self, updates: list[Update]) -> Fed:
+        inherited = next((u.inherited for u in updates if u.inherited is not None), None)
+        if inherited is not None:
+            self.inheriting = False
+            self.prefix += inherited
+        fed = Fed("".join(u.text for u in updates), sum(u.tokens for u in updates), inherited,
+                  frozenset(u.notice for u in updates if u.notice), next((u.outcome for u in updates if u.finished), None))
+        self.text += fed.text
+        self.tokens += fed.tokens
+        return fed
+
+    def stats(self, finish_reason: str, outcome: Outcome | None = None) -> ReplyStats:
+        """The stats line: final from the outcome, else the live figures as they stand, ended by finish_reason."""
+        if outcome is not None:
+            return ReplyStats.from_outcome(outcome)
+        return replace(ReplyStats.from_outcome(self.handle.so_far()), generated_tokens=self.tokens,
+                       finish_reason=finish_reason)
+
+    def finish(self, outcome: Outcome) -> Ending:
+        self.stop_taking()
+        return Ending(self.index, self.prefix + outcome.text, self.stats(outcome.finish_reason, outcome))
+
+    def abandon(self, shown: str) -> Ending:
+        """Cancel without waiting for the final update. `shown` is the message's text now: a fork with no
+        update yet keeps the parent's text it started with."""
+        stats = self.stats("cancelled")  # before the cancel: the figures as they stand
+        self.handle.cancel()
+        self.stop_taking()
+        return Ending(self.index, shown if self.inheriting else self.content, stats)
+
+    def fork(self, backend, settings: ChatSettings, on_update) -> Reply:
+        """A branch's reply continuing this one (the backend forks the request); raises what the backend does."""
+        remaining = max(1, settings.max_tokens - self.tokens)
+        branch = Reply()
+        branch.start(backend.fork(self.handle, settings.params(max_tokens=remaining), on_update=on_update),
+                     self.index, prefix=self.prefix, inheriting=True)
+        return branch
+
+    def snapshot(self, message: ChatMessage) -> ChatMessage:
+        """The reply as saved while it is written: its text so far, marked interrupted, which is what it is if
+        the app dies before the next save. The final save replaces it under the same id."""
+        return ChatMessage(message.role, message.content, self.stats(INTERRUPTED), message.id)
+
+    def stop_taking(self) -> None:
+        """Take no more updates (the app is exiting and does not wait for them)."""
+        self.taking = False
+
+    def end(self) -> None:
+        self.handle, self.index, self.prefix, self.inheriting = None, None, "", False
+        self.text, self.tokens, self.taking = "", 0, False
