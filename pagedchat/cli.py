@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--top-p", type=float, default=1.0)
     ask.add_argument("--top-k", type=int, default=0)
     ask.add_argument("--seed", type=int)
+    ask.add_argument("--server", metavar="URL", help="ask an OpenAI-compatible server instead of the engine "
+                     "in-process, e.g. http://127.0.0.1:8000/v1 (--model then picks one of its models)")
+    ask.add_argument("--api-key", metavar="KEY", help="the server's API key (default: $PAGEDCHAT_API_KEY)")
     _add_engine_flags(ask)
 
     imp = sub.add_parser("import", help="bring a JSON chat export back as a new chat")
@@ -152,10 +157,11 @@ class AskResult:
 
     @classmethod
     def of(cls, model: str, done, total_s: float) -> AskResult:
+        """From a backend's Outcome."""
         return cls(model=model, text=done.text, finish_reason=done.finish_reason,
-                   prompt_tokens=len(done.prompt_token_ids), completion_tokens=len(done.token_ids),
+                   prompt_tokens=done.prompt_tokens, completion_tokens=done.generated_tokens,
                    cached_tokens=done.cached_tokens, prefilled_tokens=done.prefilled_tokens,
-                   time_to_first_token_s=done.time_to_first_token, decode_tokens_per_s=done.decode_tokens_per_s,
+                   time_to_first_token_s=done.time_to_first_token, decode_tokens_per_s=done.tokens_per_s,
                    total_s=total_s, error=done.error)
 
     def to_json(self) -> str:
@@ -166,42 +172,49 @@ class AskResult:
 _JSON_CONTROL_ESCAPES = {code: f"\\u{code:04x}" for code in range(0x7F, 0xA0)}
 
 
-def _answer(engine, messages: list[dict], params, echo: bool):
-    """Run one request; with echo, stream its text to stdout. The Completion (cancelled on ctrl+c)."""
-    handle = engine.submit(messages, params)
+def _answer(backend, messages: list[dict], params, echo: bool):
+    """Run one request; with echo, stream its text to stdout. Its Outcome (cancelled on ctrl+c)."""
+    updates: queue.SimpleQueue = queue.SimpleQueue()
+    reply = backend.submit(messages, params, on_update=updates.put)
     try:
-        for delta in handle:
+        while (update := updates.get()).outcome is None:
             if echo:
                 # A pipe often ends in a terminal too (less -R, cat): the model's controls are shown, never run.
-                print(visible_controls(delta.text), end="", flush=True)
+                print(visible_controls(update.text), end="", flush=True)
+        if echo:
+            print(visible_controls(update.text), end="", flush=True)
     except KeyboardInterrupt:
-        handle.cancel()
+        reply.cancel()
     if echo:
         print()
-    return handle.result()
+    return reply.result()
 
 
 def cmd_ask(args) -> int:
-    from pagedchat import Engine, SamplingParams
+    from pagedchat.backends.open import open_backend
+    from pagedchat.config import API_KEY_ENV, AppConfig
+    from pagedchat.engine.params import SamplingParams
 
-    # Both before the model loads, so a missing question or a bad setting is said at once.
+    # All before the model loads, so a missing question or a bad setting is said at once.
     question = ask_message(args.question, sys.stdin)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    config = AppConfig().with_overrides(
+        model=args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
+        dtype=args.dtype, threads=args.threads, quantize=args.quantize, server=args.server,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     progress = _Progress()
-    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                    device=args.device, dtype=args.dtype, threads=args.threads, progress=progress,
-                    quantize=args.quantize)
+    backend = open_backend(config, progress)
     progress.done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": question})
     start = time.perf_counter()
     try:
-        done = _answer(engine, messages, params, echo=not args.json)
+        done = _answer(backend, messages, params, echo=not args.json)
     finally:
-        engine.shutdown()
+        backend.shutdown()
     if args.json:
-        print(AskResult.of(Path(str(engine.model_path)).name, done, time.perf_counter() - start).to_json())
+        print(AskResult.of(backend.info.model, done, time.perf_counter() - start).to_json())
     if done.error:
         raise PagedChatError(f"generation failed: {done.error}")
     return 0

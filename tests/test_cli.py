@@ -10,6 +10,7 @@ import pytest
 
 from pagedchat.cli import main
 from pagedchat.text import visible_controls
+from tiny_models import make_tiny_model
 from tui_support import ScriptedEngine
 
 
@@ -30,11 +31,11 @@ class _Terminal(io.StringIO):
 
 
 def scripted(monkeypatch, replies) -> ScriptedEngine:
-    """`ask` on the scripted stand-in engine (pagedchat.Engine is what cmd_ask builds)."""
-    import pagedchat
+    """`ask` on the scripted stand-in engine (the Engine the local backend builds)."""
+    from pagedchat.engine import engine as engine_module
 
     engine = ScriptedEngine(replies)
-    monkeypatch.setattr(pagedchat, "Engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(engine_module, "Engine", lambda *args, **kwargs: engine)
     return engine
 
 
@@ -134,6 +135,31 @@ def test_piped_ask_json_on_a_real_engine_matches_generate(tiny_llama):
     assert result["text"] == expected.text and result["completion_tokens"] == len(expected.token_ids) == 12
     assert result["prompt_tokens"] == len(expected.prompt_token_ids) and result["finish_reason"] == "length"
     assert result["decode_tokens_per_s"] > 0
+
+
+def test_ask_over_a_server_answers_as_the_engine_in_process(tmp_path):
+    from remote_support import running_server
+
+    model = make_tiny_model(tmp_path / "model", seed=2)  # a seed whose greedy reply is visible text
+    flags = ("--json", "--max-tokens", "12")
+    local = run_cli("ask", "what is a page?", *flags, "--model", str(model), "--kv-cache-memory", "4MiB",
+                    "--threads", "1")
+    assert local.returncode == 0, local.stderr
+    with running_server(model, tmp_path) as server:
+        remote = run_cli("ask", "what is a page?", *flags, "--server", server.url)
+    assert remote.returncode == 0, remote.stderr
+    here, there = json.loads(local.stdout), json.loads(remote.stdout)
+    assert there["text"] == here["text"] and there["text"]
+    assert (there["prompt_tokens"], there["completion_tokens"]) == (here["prompt_tokens"], here["completion_tokens"])
+
+
+def test_ask_names_a_server_it_cannot_reach(capsys):
+    from remote_support import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["ask", "hi", "--server", url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"pagedchat: error: Cannot reach the server at {url}"), err
 
 
 def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, capsys):

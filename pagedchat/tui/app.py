@@ -27,8 +27,8 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, TabbedContent
 
 from pagedchat.backends.base import Backend
+from pagedchat.backends.open import open_backend
 from pagedchat.config import DEFAULT_THEME, AppConfig
-from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
@@ -52,28 +52,10 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else
 
 
 def default_backend_factory(config: AppConfig) -> BackendFactory:
-    """The server named by --server / `server =`, else the engine in this process."""
-    def connect(progress) -> Backend:
-        from pagedchat.backends.remote import RemoteBackend
-
-        progress(f"connecting to {config.server}", None)
-        return RemoteBackend(config.server, config.api_key, config.model, progress)
-
-    def load(progress) -> Backend:
-        from pagedchat.backends.local import LocalBackend
-        from pagedchat.engine.engine import Engine  # torch and transformers load here, off the UI thread
-
-        # Every core computes, the event loop's included: it needs little CPU between steps, and leaving it a
-        # core made streaming slower for less timer jitter (docs/bench.md, "A core for the event loop").
-        try:
-            engine = Engine(config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
-                            device=config.device, dtype=config.dtype, swap_space=config.swap_space,
-                            threads=config.threads, progress=progress, quantize=config.quantize)
-        except Exception as exc:
-            raise PagedChatError(f"The model could not be loaded: {exc}") from exc
-        return LocalBackend(engine)
-
-    return connect if config.server else load
+    """The server named by --server / `server =`, else the engine in this process. Every core computes, the
+    event loop's included: it needs little CPU between steps, and leaving it a core made streaming slower for
+    less timer jitter (docs/bench.md, "A core for the event loop")."""
+    return lambda progress: open_backend(config, progress)
 
 
 class PagedChatApp(App):
