@@ -58,18 +58,8 @@ def test_the_graph_sees_module_and_function_level_imports():
     assert "pagedchat.model.pull" in graph["pagedchat.cli"]  # imported inside a function
 
 
-# Circles in modules other work of issue #14 is reshaping, each by its back edge (a function-level import).
-# Drop an entry when its circle is gone (the test says so); add none.
-KNOWN_BACK_EDGES = {
-    ("pagedchat.tui.store", "pagedchat.tui.salvage"),
-}
-
-
 def test_no_import_circles():
     graph = import_graph()
-    for source, target in KNOWN_BACK_EDGES:
-        assert target in graph[source], f"{source} no longer imports {target}: drop it from KNOWN_BACK_EDGES"
-        graph[source].discard(target)
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:

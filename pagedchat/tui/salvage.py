@@ -12,9 +12,10 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from pagedchat.tui.db import connect, decode_message, describe
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, new_message_id
-from pagedchat.tui.store import Store, connect, decode_message, describe
 
 CHAT_COLUMNS = "id, title, system_prompt, settings, position, is_open, created, updated"
 MAX_PROBE = 1_000_000  # rowids tried one by one when even the list of rows cannot be read
@@ -30,7 +31,11 @@ class Salvage:
         return sum(len(c.messages) for c in self.chats)
 
 
-def rebuild(store_cls: type[Store], path: Path, reason: BaseException, busy_timeout_s: float) -> Store:
+# The Store class, passed in by the store itself, so that this module does not import it back.
+S = TypeVar("S")
+
+
+def rebuild(store_cls: type[S], path: Path, reason: BaseException, busy_timeout_s: float) -> S:
     """Move the damaged file aside, copy what reads into a fresh database at `path`, say what happened."""
     try:
         moved = move_aside(path)
@@ -39,7 +44,7 @@ def rebuild(store_cls: type[Store], path: Path, reason: BaseException, busy_time
                                    f"moved aside ({exc.strerror or exc}); chats in this session will not be kept.")
     found = read_damaged(moved)
     try:
-        store = store_cls._open_file(path, busy_timeout_s)
+        store = store_cls.open_file(path, busy_timeout_s)
         with store.transaction():
             for chat in found.chats:
                 store.put_chat(chat)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedchat.tui.records import ChatMessage, ChatRecord
-from pagedchat.tui.store import Store, describe
+from pagedchat.tui.db import describe
+from pagedchat.tui.store import Store
 
 RETRY_S = 2.0       # how often the app retries a failed write
 RETRY_WAIT_S = 0.1  # how long a retry waits for a lock: the UI thread waits with it, every RETRY_S
