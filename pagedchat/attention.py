@@ -94,8 +94,8 @@ def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int,
 
 def _math_dtype(q: torch.Tensor) -> torch.dtype:
     """fp16 attention on the CPU has no fast kernel, so it is upcast. bf16 stays bf16 (the flash kernel
-    accumulates in fp32, as transformers' bf16 sdpa does): at 16 chats that skips copying every gathered
-    page to fp32: 30 layers of decode attention took 44 -> 36 ms here, while prefill costs the same either way."""
+    accumulates in fp32, as transformers' bf16 sdpa does), which skips copying every gathered page to fp32
+    (measured in docs/bench.md, "The packed weights against llama.cpp")."""
     return torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
 
 
@@ -103,8 +103,8 @@ def _math_dtype(q: torch.Tensor) -> torch.dtype:
 # what merging two partial attentions needs. Missing (another torch, another device): no shared-prefix split.
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Reading a shared prefix once instead of once per sequence costs an extra attention call, gathers and a
-# merge: ~100 µs a layer, what reading ~1,500 keys costs (SmolLM2-135M, bf16, 2 CPU cores). Measured per
-# layer with 288 shared tokens: 4 chats 171 -> 204 µs (a loss), 8 chats 311 -> 279, 16 chats 657 -> 473.
+# merge per layer, about what reading this many keys costs: below it the split is a loss (per-layer timings
+# in docs/bench.md, "The packed weights against llama.cpp").
 SHARED_PREFIX_MIN_SAVED_KEYS = 1536
 
 
@@ -184,8 +184,8 @@ def _with_shared_prefix(queries, k, v, k_cache, v_cache, plan: _DecodePlan, scal
     """Attention over [shared prefix | own keys] as two partial attentions merged by their log-sum-exps.
 
     The prefix's K/V are gathered once and every sequence's query rows attend to them in one call, instead of
-    each sequence gathering and reading its own copy: with 8 chats on one 300-token system prompt that is 55%
-    fewer keys read per layer (cascade attention, as in FlashInfer and vLLM)."""
+    each sequence gathering and reading its own copy: B chats on one system prompt read its keys once, not B
+    times (cascade attention, as in FlashInfer and vLLM)."""
     b, kv_heads, group, d = queries.shape
     dtype = queries.dtype
     own, own_lse = _flash_with_lse(queries, k, v, attn_mask=plan.mask, scale=scale)

@@ -1,8 +1,8 @@
 """Projections (y = x @ W.T + b), each with its weight in the form its matmul runs fastest in.
 
 - `Linear`: a dense weight. On the CPU in bf16, torch's F.linear runs oneDNN on a plain row-major weight;
-  handing oneDNN the weight already packed in its own blocked layout gives the same numbers bit for bit and ran
-  the default model's projections 1.3-2x faster here. oneDNN's packing is a private torch op, so it is used only
+  handing oneDNN the weight already packed in its own blocked layout gives the same numbers bit for bit and runs
+  faster (docs/bench.md, "What each change bought"). oneDNN's packing is a private torch op, so it is used only
   where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's sgemm,
   the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
 - `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel (bf16 on the CPU).
