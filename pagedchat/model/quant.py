@@ -17,12 +17,19 @@ the kernel's: it holds scales and zeros in bf16, as it does activations.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 GROUP = 32
+# From this many rows (a prefill chunk) a matmul dequantizes its weight into float32 scratch and runs a dense
+# GEMM instead of the int4 kernel: the kernel dequantizes the weight again for every 4 rows, so past a few
+# hundred rows one dequantization plus MKL's sgemm is cheaper (docs/bench.md, "The packed weights against
+# llama.cpp"). The scratch is reused, so no second resident copy of the weights exists.
+DENSE_MIN_ROWS = 256
+DENSE_SCRATCH_WEIGHTS = 1 << 21  # weights dequantized at a time: a few MB of scratch, whatever the matrix
 # Types whose blocks map onto int4 groups; every other quantized type is dequantized (see GGUFTensor).
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 
@@ -192,10 +199,30 @@ class Int4Linear:
         return block is not None and self.out_features % block == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.doubled:
-            x = torch.cat((x, x), dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
+        if x.shape[0] >= DENSE_MIN_ROWS and self.gathers_rows:
+            y = self._dense_matmul(x)
+        else:
+            if self.doubled:
+                x = torch.cat((x, x), dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
         return y if self.bias is None else y + self.bias
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T with W dequantized into float32 scratch, a run of packed tiles at a time, each in its own order
+        ([tiles, K, BLOCK]: no transpose), the same (q - 8) * scale + zero the kernel computes, then sgemm."""
+        block = _packed_block_rows()
+        tiles, groups = self.out_features // block, self.scale_zeros.shape[0]
+        k = groups * GROUP
+        packed = self.packed.view(tiles, k, block // 2)
+        # [groups, N, 2] -> [tiles, groups, 1, BLOCK]: one scale and zero per tile row and group of 32
+        sz = self.scale_zeros.float().view(groups, tiles, 1, block, 2).transpose(0, 1)
+        xf = x.float()
+        y = torch.empty(tiles, x.shape[0], block)
+        step = max(1, DENSE_SCRATCH_WEIGHTS // (k * block))
+        for start in range(0, tiles, step):
+            run = slice(start, min(start + step, tiles))
+            torch.matmul(xf, _dequantize_tiles(packed[run], sz[run], self.doubled), out=y[run])
+        return y.transpose(0, 1).reshape(x.shape[0], self.out_features).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W in float32: an embedding lookup on a tied head, read from the packed codes (see
@@ -209,6 +236,32 @@ class Int4Linear:
         codes = (byte >> shift) & 0x0F
         sz = self.scale_zeros[:, ids].float()  # [K // 32, T, 2]
         return _reconstruct(codes, sz[..., 0].T, sz[..., 1].T, self.doubled)
+
+
+def _dequantize_tiles(packed: torch.Tensor, sz: torch.Tensor, doubled: bool) -> torch.Tensor:
+    """Packed tiles [n, K, BLOCK / 2] (byte j: row j's code low, row j + BLOCK / 2's high) and their scales and
+    zeros [n, groups, 1, BLOCK, 2] -> float32 weights [n, K, BLOCK] (K halved, the halves summed, if doubled)."""
+    n, k, half = packed.shape
+    codes = _scratch(torch.uint8, (n, k, 2 * half))
+    torch.bitwise_and(packed, 0x0F, out=codes[..., :half])
+    torch.bitwise_right_shift(packed, 4, out=codes[..., half:])
+    w = _scratch(torch.float32, (n, k // GROUP, GROUP, 2 * half))
+    torch.addcmul(sz[..., 1], w.copy_(codes.view(w.shape)).sub_(8), sz[..., 0], out=w)
+    w = w.view(n, k, 2 * half)
+    return w[:, : k // 2].add_(w[:, k // 2 :]) if doubled else w  # the halves of [x | x]: one K-wide matmul
+
+
+_scratch_of = threading.local()  # per compute thread: two engines in one process never share one
+
+
+def _scratch(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A reused buffer of this thread's, grown to the largest weight it has held, viewed as shape."""
+    buffers = _scratch_of.__dict__.setdefault("buffers", {})
+    need = int(np.prod(shape))
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < need:
+        buf = buffers[dtype] = torch.empty(need, dtype=dtype)
+    return buf[:need].view(shape)
 
 
 def packed_layout() -> str:

@@ -234,3 +234,49 @@ def test_unknown_quantize_is_one_line():
         from pagedchat.engine.sizing import parse_quantize
 
         parse_quantize("int3")
+
+
+# Packed weights at prefill sizes: from quant.DENSE_MIN_ROWS rows a projection dequantizes its packed weight into
+# reused float32 scratch and runs a dense GEMM. It must compute what the int4 kernel computes.
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("bias,scratch", [(False, 1 << 21), (True, 1)])
+def test_dense_path_computes_what_the_kernel_does(kind, bias, scratch, monkeypatch):
+    """Same weights, same input: the dense path's outputs equal the kernel's up to the bf16 rounding of a
+    different summation order, and are as close to float32 arithmetic on gguf's dequantized weight; also when
+    the scratch holds one packed tile at a time."""
+    monkeypatch.setattr(quant, "DENSE_SCRATCH_WEIGHTS", scratch)
+    n, k, rows = 192, 512, 40
+    groups = quant.int4_groups(exact_blocks(kind, n, k), kind, (n, k))
+    gen = torch.Generator().manual_seed(1)
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    linear = quant.Int4Linear(groups, b)
+    assert linear.gathers_rows  # out features in whole packed tiles: the dense path applies
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", rows + 1)
+    kernel = linear(x)
+    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", rows)
+    dense = linear(x)
+    weight = gguf.quants.dequantize(exact_blocks(kind, n, k), T[kind]).reshape(n, k)
+    want = x.float() @ torch.from_numpy(weight).float().T + (b.float() if bias else 0)
+    kernel_error = (kernel.float() - want).abs().max()
+    assert kernel_error < 0.05 * want.abs().max()  # the reference is right: only bf16 roundings apart
+    assert (dense.float() - want).abs().max() <= 1.5 * kernel_error
+    assert (dense != kernel).float().mean() < 0.01  # a few roundings part, not a different product
+
+
+@pytest.mark.slow
+def test_default_model_dense_prefill_matches_transformers(default_model, monkeypatch):
+    """The default model with every prefill chunk on the dense path: transformers' tokens up to near-ties."""
+    monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 8)
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="bfloat16")
+    ref = transformers_from_gguf(default_model, torch.bfloat16)
+    chats = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+             [{"role": "system", "content": "You are a terse assistant."},
+              {"role": "user", "content": "Name three uses of a paperclip."}]]
+    prompts = [engine.encode_prompt(chat) for chat in chats]
+    assert min(len(p) for p in prompts) >= 8
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    engine.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 16, sorted(engine.eos_token_ids)),
+                           near_tie=NEAR_TIE_BF16)
