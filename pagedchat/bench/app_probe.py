@@ -127,7 +127,7 @@ def app_args(model: str | None, max_tokens: int, options: Mapping[str, str]) -> 
 
 
 @dataclass(frozen=True)
-class Reply:
+class ReplyTiming:
     text: str
     tokens: int
     tokens_per_s: float
@@ -135,8 +135,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class AppRound:
-    app: Reply
-    engine: Reply
+    app: ReplyTiming
+    engine: ReplyTiming
 
 
 @dataclass(frozen=True)
@@ -188,10 +188,10 @@ def app_round(model: str | None, prompt: str, max_tokens: int, options: Mapping[
         finally:
             term.close()
     last = chat.messages[-1]
-    return chat, Reply(last.content, last.stats.generated_tokens, last.stats.tokens_per_s or 0.0)
+    return chat, ReplyTiming(last.content, last.stats.generated_tokens, last.stats.tokens_per_s or 0.0)
 
 
-def engine_reply(backend, chat, max_tokens: int) -> Reply:
+def engine_reply(backend, chat, max_tokens: int) -> ReplyTiming:
     """The same conversation and parameters straight into the engine."""
     from pagedchat.engine.params import SamplingParams
 
@@ -199,7 +199,7 @@ def engine_reply(backend, chat, max_tokens: int) -> Reply:
     outcome = backend.submit(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0)).result()
     if outcome.error:
         raise BenchError(f"the engine alone failed: {outcome.error}")
-    return Reply(outcome.text, outcome.generated_tokens, outcome.tokens_per_s or 0.0)
+    return ReplyTiming(outcome.text, outcome.generated_tokens, outcome.tokens_per_s or 0.0)
 
 
 def run_app_probe(model: str | None, repeat: int, max_tokens: int = DEFAULT_MAX_TOKENS,
