@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import struct
 import sys
 import tempfile
@@ -152,14 +153,18 @@ class AppReport:
 
 
 def finished_reply(data_dir: Path):
-    """The first chat's record once its reply is final (None before: the app saves a streaming reply too)."""
+    """The first chat's record once its reply is final (None before: the app saves a streaming reply too).
+    Polled while the app writes, so read-only: the probe never migrates, checks or salvages the app's file."""
     from pagedchat.tui.store import DB_NAME, Store
 
-    if not (data_dir / DB_NAME).exists():
+    path = data_dir / DB_NAME
+    if not path.exists():
         return None
-    store = Store.open(data_dir)
+    store = Store.read_only(path)
     try:
         chats = store.load_chats()
+    except sqlite3.OperationalError:  # the app has not made its tables yet
+        return None
     finally:
         store.close()
     for chat in chats:

@@ -90,6 +90,12 @@ class Store:
             raise
 
     @classmethod
+    def read_only(cls, path: Path) -> Store:
+        """The file as another process reads it while an app may be writing it: never created, migrated,
+        checked or salvaged from outside. Reads raise sqlite3.OperationalError before the app made its tables."""
+        return cls(connect(f"{path.resolve().as_uri()}?mode=ro", uri=True), path)
+
+    @classmethod
     def in_memory(cls, notice: str | None = None) -> Store:
         """A throwaway store, for when the data dir cannot be used: the app still runs, nothing is kept."""
         conn = connect(":memory:")

@@ -7,6 +7,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from pagedchat.tui.migrations import SCHEMA_VERSION
 from pagedchat.tui.records import (INTERRUPTED, MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
                                     ReplyStats, title_from)
@@ -68,6 +70,35 @@ def test_round_trip(tmp_path):
     assert [(m.role, m.content, m.id) for m in loaded.messages] == [(m.role, m.content, m.id) for m in chat.messages]
     assert loaded.messages[1].stats == ReplyStats(5, 2, 3, 0.01, 99.0, "stop")
     assert store.get_state("theme") == "pagedchat-light" and store.get_state("nothing", "x") == "x"
+
+
+def test_a_read_only_store_reads_a_live_file_and_never_writes_it(tmp_path):
+    writer = Store.open(tmp_path)
+    chat = _chat()
+    writer.save_chat(chat)
+    path = tmp_path / DB_NAME
+    files = (path, path.with_name(DB_NAME + "-wal"))  # the writer is still open: its rows may be in the WAL
+    before = [f.read_bytes() for f in files]
+    reader = Store.read_only(path)
+    try:
+        [seen] = reader.load_chats()
+        assert [m.content for m in seen.messages] == [m.content for m in chat.messages]
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            reader.save_chat(_chat())
+    finally:
+        reader.close()
+    assert [f.read_bytes() for f in files] == before
+    writer.close()
+
+
+def test_a_read_only_store_before_the_tables_exist_raises_operational_error(tmp_path):
+    sqlite3.connect(tmp_path / DB_NAME).close()  # an empty file, as just after the app created it
+    reader = Store.read_only(tmp_path / DB_NAME)
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            reader.load_chats()
+    finally:
+        reader.close()
 
 
 def test_wal_mode_and_busy_timeout(tmp_path):
