@@ -15,11 +15,12 @@ from textual.content import Content
 from textual.widgets import Label, ProgressBar
 
 from pagedchat.backends.base import Backend, request_pages
+from pagedchat.backends.open import Progress
 from pagedchat.text import visible_controls
 from pagedchat.tui.bridge import start_loading
 from pagedchat.tui.inspector import InspectorView
 
-BackendFactory = Callable[[Callable[[str, "float | None"], None]], Backend]
+BackendFactory = Callable[[Progress], Backend]
 
 
 class StatusBar(Horizontal):
