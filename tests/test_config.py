@@ -70,22 +70,22 @@ def test_with_overrides_rejects_unknown_fields():
 
 def test_the_app_hands_its_thread_setting_to_the_engine(tmp_path, monkeypatch):
     """threads (config.toml or --threads) reaches the engine; unset, the engine keeps torch's one per core."""
-    import pagedchat.engine.engine as engine_module
+    import pagedchat.backends.process as process_module
     from pagedchat.errors import PagedChatError
     from pagedchat.tui.app import default_backend_factory
 
     made = []
 
-    def record(*args, **kwargs):
-        made.append(kwargs)
-        raise RuntimeError("recorded")
+    def record(options, progress, log_path=None):
+        made.append(options)
+        raise PagedChatError("recorded")
 
-    monkeypatch.setattr(engine_module, "Engine", record)
+    monkeypatch.setattr(process_module, "ProcessBackend", record)
     for threads in (None, 1):
         config = load_config(config_dir=tmp_path, threads=threads)
-        with pytest.raises(PagedChatError, match="The model could not be loaded: recorded"):
+        with pytest.raises(PagedChatError, match="recorded"):
             default_backend_factory(config)(lambda *a: None)
-    assert [kwargs["threads"] for kwargs in made] == [None, 1]
+    assert [options["threads"] for options in made] == [None, 1]
 
 
 def test_server_and_api_key_from_file_env_and_flags(tmp_path, monkeypatch):

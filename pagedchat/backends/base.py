@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 
 from pagedchat.backends.metrics import ServerMetrics
 
-if TYPE_CHECKING:  # both import torch, which the app loads off its UI thread, with the backend
+if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
     from pagedchat.engine.memory import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
 

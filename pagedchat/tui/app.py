@@ -14,6 +14,7 @@ chat runs on the App's own message loop, one at a time. What is saved when is ma
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -52,10 +53,10 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else
 
 
 def default_backend_factory(config: AppConfig) -> BackendFactory:
-    """The server named by --server / `server =`, else the engine in this process. Every core computes, the
-    event loop's included: it needs little CPU between steps, and leaving it a core made streaming slower for
-    less timer jitter (docs/bench.md, "A core for the event loop")."""
-    return lambda progress: open_backend(config, progress)
+    """The server named by --server / `server =`, else the engine in a process of its own, so that drawing
+    never holds up a step (backends/process.py). Every core computes: the UI needs little CPU between steps, and
+    leaving it a core made streaming slower for less timer jitter (docs/bench.md, "A core for the event loop")."""
+    return lambda progress: open_backend(config, progress, own_process=os.name == "posix")  # pass_fds: POSIX
 
 
 class PagedChatApp(App):

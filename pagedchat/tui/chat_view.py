@@ -164,7 +164,8 @@ class ChatView(Vertical):
 
     def show_fill(self) -> None:
         """The chat's context figure on its input's bottom border."""
-        if (content := context.fill(self.session, self.backend)) is not None:
+        content = context.fill(self.session, self.backend)
+        if content is not None and content != self.prompt.border_subtitle:  # setting it repaints the input
             self.prompt.border_subtitle = content
 
     # ---- saving -------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@ a restart, and it works), sampling settings the engine would refuse, and finish 
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from pagedchat.backends.local import LocalBackend
@@ -86,6 +89,38 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
         await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "a new reply")
         assert session.record.messages[-1].stats.finish_reason == "length"
         assert "engine stopped" not in static_text(app, "#status")
+
+
+async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_path, model):
+    """The app's engine runs in a process of its own. Killed mid-reply (as the out-of-memory killer would), the
+    app stays up: the reply keeps what came, the status line says what happened, and a restart brings it back."""
+    app = PagedChatApp(make_config(tmp_path, model))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the model to load")
+        first = app.backend
+        session = app.active_session
+        session.record.settings = ChatSettings(max_tokens=1500, temperature=0.0, top_p=1.0)
+        prompt = app.chat_view(session).prompt
+        prompt.focus()
+        prompt.text = "hello there"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: session.busy and session.reply.tokens >= 10, "some of the reply")
+        os.kill(first.pid, signal.SIGKILL)
+        await wait_for(pilot, lambda: not session.busy, "the reply to end")
+        reply = session.record.messages[-1]
+        assert reply.stats.finish_reason == "error" and reply.stats.generated_tokens >= 10
+        assert "killed by SIGKILL" in reply.stats.line()
+        await wait_for(pilot, lambda: "engine stopped" in static_text(app, "#status"), "the status line")
+        assert "the engine process was killed by SIGKILL" in static_text(app, "#status")
+
+        [restart] = [c for c in AppCommands(app.screen).commands() if c.title == "Restart engine"]
+        restart.run()
+        await wait_for(pilot, lambda: app.backend is not None and app.backend is not first, "the new engine")
+        session.record.settings = ChatSettings(max_tokens=8, temperature=0.0, top_p=1.0)
+        prompt.text = "are you back?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "a new reply")
+        assert session.record.messages[-1].stats.finish_reason == "length"
 
 
 async def test_the_settings_dialog_refuses_what_a_request_would(tmp_path, model):

@@ -1,0 +1,147 @@
+"""The engine process's side of `process.ProcessBackend`: a LocalBackend driven over a socket pair.
+
+The first message in is the Engine's keyword arguments; then tuples.
+- In: ("call", key, method, args), ("cancel", reply key), ("forget", reply key) once the app has had its last
+  update, ("memory",) and ("stop",).
+- Out while loading: ("progress", stage, fraction), then ("ready", info, memory) or ("failed", text).
+- Out after: ("update", reply key, Update, the reply's figures so far), ("result", key, value, error), ("memory", MemorySnapshot) when asked
+  and before each reply's last update, and ("failure", text).
+Calls are answered on this process's main thread; updates are sent from the engine's thread as it steps.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagedchat.errors import PagedChatError, first_line
+
+POLL_S = 0.25   # how often, when no call comes, the engine's loop is checked for a failure to report
+
+
+class EngineServer:
+    def __init__(self, conn, backend) -> None:
+        self.conn = conn
+        self.backend = backend
+        self.replies: dict[int, Any] = {}  # until the app has had the last update and says forget
+        self._send_lock = threading.Lock()
+        self._failure_sent = False
+
+    def send(self, *message: Any) -> None:
+        with self._send_lock:
+            self._send(message)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # the app is gone; the main loop sees it and stops
+            pass
+
+    def send_memory(self) -> None:
+        """The memory picture, taken and sent under the send lock, so that pictures arrive in the order taken
+        and the app's latest is the newest."""
+        with self._send_lock:
+            self._send(("memory", self.backend.memory()))
+
+    def updates_for(self, key: int):
+        def on_update(update) -> None:
+            reply = self.replies.get(key)  # None for an update that comes before submit has returned
+            figures = reply.so_far() if reply is not None and update.outcome is None else None
+            if update.outcome is not None:
+                # The pages as the reply leaves them, ahead of its end: the app shows it idle at once.
+                self.send_memory()
+            self.send("update", key, update, figures)
+        return on_update
+
+    def _keep(self, key: int, reply):
+        """(request id, figures so far): the app keeps them, so it never has to ask for them."""
+        self.replies[key] = reply
+        return reply.request_id, reply.so_far()
+
+    # What a call may run: the face's methods, with replies named by key.
+    def submit(self, key: int, messages, params, previous):
+        return self._keep(key, self.backend.submit(messages, params, previous=previous,
+                                                   on_update=self.updates_for(key)))
+
+    def fork(self, key: int, parent_key: int, params):
+        return self._keep(key, self.backend.fork(self._reply(parent_key), params, on_update=self.updates_for(key)))
+
+    def _reply(self, key: int):
+        if key not in self.replies:
+            raise PagedChatError("That reply has finished.")
+        return self.replies[key]
+
+    def prompt_tokens(self, messages, previous):
+        return self.backend.prompt_tokens(messages, previous)
+
+    CALLS = ("submit", "fork", "prompt_tokens")
+
+    def answer(self, key: int, name: str, args: tuple) -> None:
+        try:
+            if name not in self.CALLS:
+                raise PagedChatError(f"the engine process has no call {name!r}")
+            self.send("result", key, getattr(self, name)(*args), None)
+        except Exception as exc:  # handed to the caller, who raises it; PagedChatError's kinds pickle as they are
+            error = exc if isinstance(exc, PagedChatError) else PagedChatError(first_line(exc))
+            self.send("result", key, None, error)
+
+    def run(self) -> None:
+        """Until the app says stop or goes away."""
+        while True:
+            try:
+                ready = self.conn.poll(POLL_S)
+                message = self.conn.recv() if ready else None
+            except (EOFError, OSError):
+                return
+            self.report_failure()
+            if message is None:
+                continue
+            kind, *rest = message
+            if kind == "stop":
+                return
+            if kind == "cancel":
+                reply = self.replies.get(rest[0])
+                if reply is not None:
+                    reply.cancel()
+            elif kind == "forget":
+                self.replies.pop(rest[0], None)
+            elif kind == "memory":
+                self.send_memory()
+            elif kind == "call":
+                self.answer(*rest)
+
+    def report_failure(self) -> None:
+        if self.backend.failure is not None and not self._failure_sent:
+            self._failure_sent = True
+            self.send("failure", self.backend.failure)
+
+
+def serve(conn) -> None:
+    """Load the engine the app's first message asks for, say so, then answer the app until it stops or goes."""
+    options = conn.recv()
+    progress = lambda stage, fraction: conn.send(("progress", stage, fraction))  # noqa: E731
+    try:
+        from pagedchat.backends.local import LocalBackend
+        from pagedchat.engine.engine import Engine
+
+        backend = LocalBackend(Engine(**options, progress=progress))
+    except Exception as exc:
+        conn.send(("failed", f"The model could not be loaded: {first_line(exc)}"))
+        return
+    try:
+        conn.send(("ready", backend.info, backend.memory()))
+        EngineServer(conn, backend).run()
+    finally:
+        backend.shutdown()
+
+
+def main(fd: int) -> None:
+    """The process's start (process.START): fd is this end of the app's socket pair. Its stdout and stderr are
+    the engine log, so a native crash's trace lands there too."""
+    faulthandler.enable()
+    try:
+        serve(Connection(fd))
+    except (EOFError, OSError):  # the app went away while we loaded or answered
+        pass
