@@ -4,8 +4,8 @@ The first message in is the Engine's keyword arguments; then tuples.
 - In: ("call", key, method, args), ("cancel", reply key), ("forget", reply key) once the app has had its last
   update, ("memory",) and ("stop",).
 - Out while loading: ("progress", stage, fraction), then ("ready", info, memory) or ("failed", text).
-- Out after: ("update", reply key, Update, the reply's figures so far), ("result", key, value, error), ("memory", MemorySnapshot) when asked
-  and before each reply's last update, and ("failure", text).
+- Out after: ("updates", [(reply key, Update, the reply's figures so far), ...]), ("result", key, value,
+  error), ("memory", MemorySnapshot) when asked and just before each reply's last update, and ("failure", text).
 Calls are answered on this process's main thread; updates are sent from the engine's thread as it steps.
 """
 
@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import faulthandler
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedchat.errors import PagedChatError, first_line
 
 POLL_S = 0.25   # how often, when no call comes, the engine's loop is checked for a failure to report
+# Updates go to the app at most this often, batched (a reply's first after a pause and its last at once): each
+# send wakes two of the app's threads, and each wake-up on a busy core stalls the step's parallel ops.
+BATCH_S = 0.05
 
 
 class EngineServer:
@@ -27,6 +31,8 @@ class EngineServer:
         self.backend = backend
         self.replies: dict[int, Any] = {}  # until the app has had the last update and says forget
         self._send_lock = threading.Lock()
+        self._outbox: list[tuple] = []    # (reply key, Update, figures) not yet sent
+        self._sent_at = 0.0
         self._failure_sent = False
 
     def send(self, *message: Any) -> None:
@@ -45,14 +51,28 @@ class EngineServer:
         with self._send_lock:
             self._send(("memory", self.backend.memory()))
 
+    def flush_updates(self) -> None:
+        with self._send_lock:
+            if time.monotonic() - self._sent_at >= BATCH_S:
+                self._send_updates()
+
+    def _send_updates(self) -> None:
+        if self._outbox:
+            self._send(("updates", self._outbox))
+            self._outbox, self._sent_at = [], time.monotonic()
+
     def updates_for(self, key: int):
         def on_update(update) -> None:
             reply = self.replies.get(key)  # None for an update that comes before submit has returned
             figures = reply.so_far() if reply is not None and update.outcome is None else None
-            if update.outcome is not None:
-                # The pages as the reply leaves them, ahead of its end: the app shows it idle at once.
-                self.send_memory()
-            self.send("update", key, update, figures)
+            with self._send_lock:
+                self._outbox.append((key, update, figures))
+                if update.outcome is not None:
+                    # The pages as the reply leaves them, ahead of its end: the app shows it idle at once.
+                    self._send(("memory", self.backend.memory()))
+                    self._send_updates()
+                elif time.monotonic() - self._sent_at >= BATCH_S:
+                    self._send_updates()
         return on_update
 
     def _keep(self, key: int, reply):
@@ -91,10 +111,11 @@ class EngineServer:
         """Until the app says stop or goes away."""
         while True:
             try:
-                ready = self.conn.poll(POLL_S)
+                ready = self.conn.poll(BATCH_S if self._outbox else POLL_S)
                 message = self.conn.recv() if ready else None
             except (EOFError, OSError):
                 return
+            self.flush_updates()
             self.report_failure()
             if message is None:
                 continue

@@ -213,14 +213,9 @@ class ProcessBackend:
                 kind, *rest = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "update":
-                key, update, figures = rest
-                reply = self._replies.get(key)
-                if reply is not None:
-                    reply.deliver(update, figures)
-                    if update.outcome is not None:
-                        self._replies.pop(key, None)
-                        self.send("forget", key)
+            if kind == "updates":
+                for key, update, figures in rest[0]:
+                    self._deliver(key, update, figures)
             elif kind == "result":
                 key, value, error = rest
                 future = self._calls.pop(key, None)
@@ -231,6 +226,14 @@ class ProcessBackend:
             elif kind == "failure":  # the engine's loop broke; the process is still there to say so
                 self.failure = rest[0]
         self._gone()
+
+    def _deliver(self, key: int, update: Update, figures: Outcome | None) -> None:
+        reply = self._replies.get(key)
+        if reply is not None:
+            reply.deliver(update, figures)
+            if update.outcome is not None:
+                self._replies.pop(key, None)
+                self.send("forget", key)
 
     def _gone(self) -> None:
         """The process has ended: end every live reply and waiting call with the reason."""
