@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
@@ -63,10 +64,10 @@ class ProcessReply:
             self._on_update(update)
 
     def end(self, error: str) -> None:
-        """The engine process is gone: the last update, with the text so far."""
-        self.deliver(Update(self.request_id, "", outcome=Outcome(
-            self.request_id, text="".join(self._text), finish_reason="error", generated_tokens=self._tokens,
-            error=error)))
+        """The engine process is gone: the last update, with the text and the figures so far."""
+        outcome = replace(self._figures or Outcome(self.request_id), text="".join(self._text),
+                          finish_reason="error", generated_tokens=self._tokens, error=error)
+        self.deliver(Update(self.request_id, "", outcome=outcome))
 
     @property
     def finished(self) -> bool:

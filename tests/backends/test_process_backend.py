@@ -118,6 +118,7 @@ def test_a_killed_engine_ends_its_replies_and_refuses_more(tiny_llama, tmp_path)
         # What came so far is kept.
         assert outcome.text == "".join(u.text for u in updates[:-1])
         assert outcome.generated_tokens == sum(u.tokens for u in updates) >= 5
+        assert outcome.prompt_tokens > 0  # the figures so far, for the chat's context indicator
         assert "killed by SIGKILL" in backend.failure
         with pytest.raises(PagedChatError, match="The engine stopped: .*SIGKILL"):
             backend.submit(QUESTION, GREEDY)
