@@ -31,6 +31,18 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("stopped-model"), seed=1, max_positions=2048)
 
 
+async def ask(pilot, text: str, max_tokens: int):
+    """Send text in the active chat, greedy, with this reply budget: (the chat, its input)."""
+    app = pilot.app
+    session = app.active_session
+    session.record.settings = ChatSettings(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+    prompt = app.chat_view(session).prompt
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    return session, prompt
+
+
 def test_chat_settings_follow_the_request_rule_and_old_saved_values_fall_back():
     from pagedchat.config import AppConfig, ConfigError
 
@@ -64,12 +76,7 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
     app = PagedChatApp(make_config(tmp_path, model), backend_factory=factory)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the model to load")
-        session = app.active_session
-        session.record.settings = ChatSettings(max_tokens=20, temperature=0.0, top_p=1.0)
-        prompt = app.chat_view(session).prompt
-        prompt.focus()
-        prompt.text = "hello there"
-        await pilot.press("enter")
+        session, prompt = await ask(pilot, "hello there", max_tokens=20)
         await wait_for(pilot, lambda: app.backend.failure is not None and not session.busy, "the engine to stop")
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "error"
@@ -98,12 +105,7 @@ async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_p
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the model to load")
         first = app.backend
-        session = app.active_session
-        session.record.settings = ChatSettings(max_tokens=1500, temperature=0.0, top_p=1.0)
-        prompt = app.chat_view(session).prompt
-        prompt.focus()
-        prompt.text = "hello there"
-        await pilot.press("enter")
+        session, prompt = await ask(pilot, "hello there", max_tokens=1500)
         await wait_for(pilot, lambda: session.busy and session.reply.tokens >= 10, "some of the reply")
         os.kill(first.pid, signal.SIGKILL)
         await wait_for(pilot, lambda: not session.busy, "the reply to end")
