@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pagedchat
-
 from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Update
 from pagedchat.errors import PagedChatError
 
@@ -68,10 +67,6 @@ class ProcessReply:
         outcome = replace(self._figures or Outcome(self.request_id), text="".join(self._text),
                           finish_reason="error", generated_tokens=self._tokens, error=error)
         self.deliver(Update(self.request_id, "", outcome=outcome))
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
 
     def cancel(self) -> None:
         self._backend.send("cancel", self.key)
