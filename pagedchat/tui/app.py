@@ -313,8 +313,8 @@ class PagedChatApp(App):
         self.exit()
 
     async def save_all(self) -> None:
-        for session in list(self.sessions.values()):
-            await self.chats.view(session).abandon()
+        for view in self.chats.views():
+            await view.abandon()
         if self.sessions:
             self.chats.save_order()
 
@@ -340,8 +340,8 @@ class PagedChatApp(App):
         (it did not finish, and nobody stopped it), and exit. Saved first: a closed terminal may not let the
         exit finish. Its last updates are not waited for."""
         self._exiting = True
-        for session in self.sessions.values():
-            self.chats.view(session).save_interrupted()
+        for view in self.chats.views():
+            view.save_interrupted()
         self.saver.retry(BUSY_TIMEOUT_S)  # even while writes fail: this is the last chance
         self.exit()
 
@@ -361,8 +361,8 @@ class PagedChatApp(App):
         if not self.link.arrived(event.engine):
             return
         self.link.show_status(self.chats.generating())
-        for session in self.sessions.values():
-            self.chats.view(session).show_fill()
+        for view in self.chats.views():
+            view.show_fill()
         self.refresh_memory(force=True)
 
     def on_engine_failed(self, event: EngineFailed) -> None:

@@ -61,6 +61,10 @@ class ChatTabs:
         except Exception:
             return None
 
+    def views(self) -> list[ChatView]:
+        """Every open chat's view that is mounted: a chat opened a moment ago may not be yet."""
+        return [view for session in list(self.sessions.values()) if (view := self.view(session)) is not None]
+
     def view_for_request(self, request_id: str) -> ChatView | None:
         """The chat whose live reply this request writes, if it still takes updates (not closed or abandoned)."""
         session = next((s for s in self.sessions.values() if s.reply.takes(request_id)), None)
