@@ -168,8 +168,8 @@ class BackendLink:
             held = request_pages(view, session.reply.request_id)
             if held is not None:
                 session.pages, session.page_tokens = held
-            if (view := chats.view(session)) is not None:
-                view.show_fill()
+            if (chat := chats.view(session)) is not None:
+                chat.show_fill()
         if inspector.display:
             pages = chats.chat_pages()
             active = chats.active
