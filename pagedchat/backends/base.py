@@ -78,6 +78,7 @@ class MemoryUnavailable:
 # Prometheus metrics (vLLM), or a line saying there is nothing to show.
 MemoryView = Union["MemorySnapshot", ServerMetrics, "MemoryUnavailable"]
 OnUpdate = Callable[[Update], None]
+Progress = Callable[[str, "float | None"], None]   # (stage, fraction done or None) while a backend loads
 
 
 @runtime_checkable

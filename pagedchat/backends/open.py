@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from pagedchat.backends.base import Backend
+from pagedchat.backends.base import Backend, Progress
 from pagedchat.config import AppConfig
 from pagedchat.errors import PagedChatError
-
-Progress = Callable[[str, "float | None"], None]
-
 
 ENGINE_LOG = "engine.log"  # in the data folder: what the engine process printed, a crash's trace included
 

@@ -22,10 +22,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pagedchat
-from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Update
+from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Progress, Update
 from pagedchat.errors import PagedChatError
 
 CALL_TIMEOUT_S = 30.0     # a call the engine process does not answer in this long is given up on
@@ -130,7 +130,7 @@ class ProcessBackend:
     Slow to construct (the child loads the model; `progress` hears how it goes); raises PagedChatError when the
     model cannot be loaded or the process dies first."""
 
-    def __init__(self, options: dict[str, Any], progress: Callable[[str, float | None], None],
+    def __init__(self, options: dict[str, Any], progress: Progress,
                  log_path: Path | None = None) -> None:
         self._log_path = log_path
         self._process, self._conn = start_process(log_path)
@@ -139,7 +139,6 @@ class ProcessBackend:
         self._keys = itertools.count(1)
         self._calls: dict[int, Future] = {}
         self._replies: dict[int, ProcessReply] = {}
-        self._memory: Any = None
         self._memory_asked = False
         self._closing = False
         self.failure: str | None = None

@@ -14,8 +14,7 @@ from textual.containers import Horizontal
 from textual.content import Content
 from textual.widgets import Label, ProgressBar
 
-from pagedchat.backends.base import Backend, request_pages
-from pagedchat.backends.open import Progress
+from pagedchat.backends.base import Backend, Progress, request_pages
 from pagedchat.text import visible_controls
 from pagedchat.tui.bridge import start_loading
 from pagedchat.tui.inspector import InspectorView
