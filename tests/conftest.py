@@ -24,6 +24,16 @@ def _float32_by_default():
         yield real  # for the test of the real one
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _int4_kernel_loaded():
+    """pagedchat's int4 kernel loaded (built first if this machine has none: `pagedchat pull` builds it in CI)
+    before any engine starts: an engine in a test's own cache folder would otherwise compile it there, in the
+    background, and switch kernels partway through the test."""
+    from pagedchat.model import int4_kernel
+
+    int4_kernel.ensure(wait=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tie=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
+from pagedchat.model import int4_kernel
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder, Placement, nbytes
 
@@ -92,6 +93,9 @@ class LlamaModel:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         self.weight_precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
+        self.built_packed = build.packs  # whether any projection runs packed int4
+        if self.built_packed:
+            int4_kernel.ensure(wait=False)  # batched steps switch to it once it is loaded
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from pagedchat.model import int4_kernel
+
 GROUP = 32
 # From this many rows (a prefill chunk) a matmul dequantizes its weight into float32 scratch and runs a dense
 # GEMM instead of the int4 kernel: the kernel dequantizes the weight again for every 4 rows, so past a few
@@ -195,12 +197,20 @@ class Int4Linear:
     @property
     def gathers_rows(self) -> bool:
         """Whether rows() can read single rows back (an embedding lookup on this weight)."""
-        block = _packed_block_rows()
+        block = packed_block_rows()
         return block is not None and self.out_features % block == 0
 
+    @property
+    def batched_fits(self) -> bool:
+        """Whether pagedchat's int4 kernel reads this weight: whole tiles of the layout it was written for."""
+        return packed_block_rows() == int4_kernel.BLOCK and self.out_features % int4_kernel.BLOCK == 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_MIN_ROWS and self.gathers_rows:
+        rows = x.shape[0]
+        if rows >= DENSE_MIN_ROWS and self.gathers_rows:
             y = self._dense_matmul(x)
+        elif rows >= int4_kernel.MIN_ROWS and self.batched_fits and (batched := int4_kernel.op()) is not None:
+            y = batched(x, self.packed, self.scale_zeros, self.doubled)
         else:
             if self.doubled:
                 x = torch.cat((x, x), dim=-1)
@@ -210,7 +220,7 @@ class Int4Linear:
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized into float32 scratch, a run of packed tiles at a time, each in its own order
         ([tiles, K, BLOCK]: no transpose), the same (q - 8) * scale + zero the kernel computes, then sgemm."""
-        block = _packed_block_rows()
+        block = packed_block_rows()
         tiles, groups = self.out_features // block, self.scale_zeros.shape[0]
         k = groups * GROUP
         packed = self.packed.view(tiles, k, block // 2)
@@ -227,7 +237,7 @@ class Int4Linear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W in float32: an embedding lookup on a tied head, read from the packed codes (see
         gathers_rows) instead of a second copy of the table."""
-        block = _packed_block_rows()
+        block = packed_block_rows()
         k = self.scale_zeros.shape[0] * GROUP
         tiles = self.packed.view(self.out_features // block, k, block // 2)
         half = block // 2
@@ -266,11 +276,11 @@ def _scratch(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 def packed_layout() -> str:
     """The packed layout on this machine, for keying saved packed weights: they are only valid where it holds."""
-    return f"int4-rows-{_packed_block_rows()}"
+    return f"int4-rows-{packed_block_rows()}"
 
 
 @functools.cache
-def _packed_block_rows() -> int | None:
+def packed_block_rows() -> int | None:
     """The kernel's packed layout, probed: rows come in blocks of BLOCK rows, and byte (block, k, j) holds row
     j's code at k in its low nibble and row j + BLOCK/2's in its high one. BLOCK follows the CPU's vector width
     (64 with AVX-512, 32 with AVX2), so it is found by packing known codes, not assumed."""
