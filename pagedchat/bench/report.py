@@ -29,6 +29,7 @@ class ModelInfo:
     path: str
     architecture: str
     dtype: str
+    int4_matmuls: str = ""  # what ran the packed weights' batched matmuls ("": nothing was packed)
 
 
 @dataclass(frozen=True)
