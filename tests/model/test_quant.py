@@ -4,7 +4,6 @@ gguf's own dequantization element for element, and tiny models against transform
 from __future__ import annotations
 
 import json
-import zlib
 
 import gguf
 import numpy as np
@@ -75,10 +74,52 @@ def _linear_names(folder) -> tuple[str, ...]:
     return tuple(gguf_name(n) for n, t in load_file(folder / "model.safetensors").items() if t.dim() == 2)
 
 
-def random_blocks(kind):
-    """Q4_K has no quantizer in gguf: its tensors are random blocks (the model is then what they decode to)."""
-    # crc32, not hash(): str hashes change with each interpreter, and the test must draw the same model every run.
-    return lambda name, arr: exact_blocks(kind, arr.shape[0], arr.shape[1], seed=zlib.crc32(name.encode()) % 1000)
+def q4_k_blocks(w: np.ndarray) -> np.ndarray:
+    """Float weights [n, k] (k a multiple of 256) as Q4_K blocks, the way llama.cpp's quantize_row_q4_K_ref makes
+    them (gguf has no Q4_K quantizer): each sub-block of 32 spans its min (never above 0) to its max in 15 steps
+    (make_qkx2_quants' first guess, without its refinement), the sub-blocks' steps and mins in 6 bits of their
+    super-block's largest (the f16 d and dmin), then each weight's nearest code.
+
+    Random bytes would decode to weights no quantizer writes: all-positive, a mean of 1.2 against the model's 0,
+    and logits near 1000, where bf16 (the packed kernel's output) is 8 apart. A draw then tied the two best
+    logits, 2.4 apart in float32, in bf16's rounding, which no near-tie threshold sized for real logits allows."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
+    low = np.minimum(x.min(-1), 0)
+    steps, mins = (x.max(-1) - low) / 15, -low
+    top_step, top_min = steps.max(-1, keepdims=True), mins.max(-1, keepdims=True)
+    sc = np.rint(steps * (63 / np.where(top_step > 0, top_step, 1))).clip(0, 63).astype(np.uint8)
+    mn = np.rint(mins * (63 / np.where(top_min > 0, top_min, 1))).clip(0, 63).astype(np.uint8)
+    d, dmin = (top_step / 63).astype(np.float16), (top_min / 63).astype(np.float16)
+    step = (d.astype(np.float32) * sc)[..., None]
+    q = np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / np.where(step > 0, step, 1))
+    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # runs of 64: the low nibbles are the first 32
+    out = np.empty((x.shape[0], 144), np.uint8)
+    out[:, 0:2], out[:, 2:4] = d.view(np.uint8), dmin.view(np.uint8)
+    out[:, 4:8] = sc[:, :4] | (sc[:, 4:] >> 4 << 6)  # ggml's 12 bytes: see gguf's Q4_K.get_scale_min
+    out[:, 8:12] = mn[:, :4] | (mn[:, 4:] >> 4 << 6)
+    out[:, 12:16] = (sc[:, 4:] & 0x0F) | (mn[:, 4:] << 4)
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return out.reshape(n, -1)
+
+
+def test_q4_k_from_a_quantizer_unpacks_to_ggufs_dequantization():
+    """Blocks as a quantizer writes them (6-bit sub-scales and mins up to 63, f16 d and dmin): the groups
+    rebuild gguf's dequantization to float32 rounding, and the kernel's bf16 scale and zero move each weight by
+    at most bf16's half step of them."""
+    w = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32) * 0.05
+    blocks = q4_k_blocks(w)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, T.Q4_K).reshape(w.shape))
+    assert (want - torch.from_numpy(w)).abs().max() < 0.1 * np.abs(w).max()  # the quantizer quantizes
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks.reshape(-1, 144)[:, 4:16]))
+    assert sc.max() == mn.max() == 63  # the 6-bit values' high bits in use (exact_blocks keeps them 0)
+    groups = quant.int4_groups(blocks, "Q4_K", w.shape)
+    codes, scale, zero = (torch.from_numpy(a) for a in (groups.codes, groups.scale, groups.zero))
+    exact = quant._reconstruct(codes, scale, zero, False)  # float32 scale and zero: (q - 8) s + z against q s - m
+    torch.testing.assert_close(exact, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    bound = 2.0 ** -8 * (8 * scale.abs() + zero.abs())  # |q - 8| <= 8; bf16 moves each by 2^-8 of itself at most
+    err = (groups.dequantize() - want).abs().view(*scale.shape, quant.GROUP)
+    assert (err <= bound[..., None] * 1.001).all() and err.max() > 0  # not bf16-exact, unlike exact_blocks
 
 
 @pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
@@ -88,8 +129,9 @@ def tiny_quantized(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"tiny-{kind}")
     # Q4_K blocks are 256 wide: the matrices' inputs must be multiples of 256.
     src = make_tiny_model(root / "src", head_dim=64 if kind == "Q4_K" else 16)
+    # gguf quantizes the other types; Q4_K is quantized here, the way llama.cpp does.
     path = write_tiny_gguf(src, root / "tiny.gguf", quantized=_linear_names(src), qtype=T[kind],
-                           blocks=random_blocks(kind) if kind == "Q4_K" else None)
+                           blocks=(lambda name, arr: q4_k_blocks(arr)) if kind == "Q4_K" else None)
     folder = convert_gguf(path, root / "out")
     return kind, folder, transformers_from_gguf(folder)
 
