@@ -4,8 +4,10 @@ the screen."""
 from __future__ import annotations
 
 import html
+import os
 import queue
 import re
+import signal
 import threading
 from types import SimpleNamespace
 import time
@@ -70,6 +72,41 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     # Handled: the input is cleared once the reply has started, or a notice says why it did not.
     await wait_for(pilot, lambda: not prompt.text or len(app.notices) > said, "the message to be handled")
     return session
+
+
+class EngineHold:
+    """Freezes the app's engine process (SIGSTOP) as the next reply's first update reaches the app, so that the
+    reply is still running when the test next acts, however long Pilot takes: a reply of LONG tokens takes about
+    half a second in the engine's own process, and a key press can wait as long for the tabs' underline
+    animation. release() lets the engine go on (SIGCONT), and so does the app shutting it down (which would
+    otherwise wait out STOP_TIMEOUT_S for a process that cannot read its stop). Make it after ready(), before
+    the send; while it holds, the app must not wait on a call to the engine."""
+
+    def __init__(self, app) -> None:
+        self.backend = app.backend
+        self._lock = threading.Lock()
+        self._stopped = self._released = False
+        put, shutdown = app.inbox.put, self.backend.shutdown
+
+        def put_first_stops(chat_id, update) -> None:  # the app's reader thread, before the UI hears of it
+            with self._lock:
+                if not self._stopped and not self._released:
+                    os.kill(self.backend.pid, signal.SIGSTOP)
+                    self._stopped = True
+            put(chat_id, update)
+
+        def shutdown_released() -> None:
+            self.release()
+            shutdown()
+
+        app.inbox.put = put_first_stops
+        self.backend.shutdown = shutdown_released
+
+    def release(self) -> None:
+        with self._lock:
+            if self._stopped and not self._released:
+                os.kill(self.backend.pid, signal.SIGCONT)
+            self._released = True
 
 
 SVG_CELL = re.compile(r'<text [^>]*?x="([\d.]+)"[^>]*?-line-(\d+)\)">(.*?)</text>', re.S)

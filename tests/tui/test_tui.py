@@ -26,10 +26,11 @@ from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import make_config, quick_pilot, screen_text, send, static_text, wait_for  # noqa: F401 (autouse)
+from tui_support import (EngineHold, make_config, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
+                         static_text, wait_for)
 
 SIZE = (100, 32)
-LONG = 400  # tokens: about a second of generation on a CPU core
+LONG = 400  # tokens: about half a second of generation on a CPU core (EngineHold keeps one running)
 VERY_LONG = 1500  # long enough to be sure of seeing two requests overlap; the test stops them
 
 
@@ -110,9 +111,11 @@ async def test_escape_stops_the_reply(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        hold = EngineHold(app)  # else the reply may end before the key
         session = await send(pilot, "tell me a long story", max_tokens=LONG)
         await wait_for(pilot, lambda: session.received_tokens > 0, "the first tokens")
         await pilot.press("escape")
+        hold.release()  # it reads the cancel first
         await wait_for(pilot, lambda: not session.busy, "the stop")
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "cancelled" and reply.stats.generated_tokens < LONG
@@ -330,6 +333,7 @@ async def test_chats_are_restored_after_restart(config):
         assert app.active_session is first
         app.theme = "pagedchat-light"
         await pilot.pause()
+        EngineHold(app)  # else the reply may end before the quit (released as the app shuts the engine down)
         long = await send(pilot, "still running at quit")
         await wait_for(pilot, lambda: long.received_tokens > 0, "tokens")
         await pilot.press("ctrl+q")
