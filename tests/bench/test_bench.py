@@ -336,7 +336,7 @@ def test_gguf_file_found(tmp_path, monkeypatch):
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (CI never builds it)")
 def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     """On a tiny GGUF: every chat gets exactly max_tokens tokens, the shared prefix decoded once."""
-    from test_loader import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
 
     gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", quantized=())
     cfg = BenchConfig(model=str(gguf), chats=(1, 3), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf_reference import transformers_from_gguf
 from safetensors.torch import load_file, save_file
+from tiny_gguf import QUANTIZED, gguf_name, llama_cpp_permute, write_tiny_gguf
 from tiny_models import config_of, make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,94 +21,12 @@ from pagedchat.model.config import ModelConfig
 from pagedchat.model.gguf import convert_gguf
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
-# Hugging Face name pieces -> GGUF names, the inverse of what the converter does.
-_HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-QUANTIZED = ("blk.0.ffn_up.weight", "blk.1.attn_k.weight")  # one plain, one permuted: both pass through Q8_0
 SAMPLE = "The quick brown fox says hello world, 12345 times.\n"
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name.startswith("model.layers."):
-        _, _, n, rest = hf_name.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        return f"blk.{n}.{_HF_TO_GGUF[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf_name]
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, copied so the test checks our inverse against it."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def q8_roundtrip(w: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                                   gguf.GGMLQuantizationType.Q8_0)
-
-
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
-    tj = json.loads((folder / "tokenizer.json").read_text())
-    vocab = dict(tj["model"]["vocab"])
-    for added in tj["added_tokens"]:
-        vocab[added["content"]] = added["id"]
-    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["content"] for a in tj["added_tokens"] if a["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    tok = AutoTokenizer.from_pretrained(folder)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = control, 1 = normal
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tok.bos_token_id)
-    writer.add_eos_token_id(tok.eos_token_id)
-    writer.add_pad_token_id(tok.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tok.chat_template)
-
-
-def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=QUANTIZED,
-                    tokenizer: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0, blocks=None) -> Path:
-    """A GGUF of the tiny HF model in folder, laid out the way llama.cpp's converter writes it: the tensors
-    named in quantized as qtype (or {"attn_v": type, "*": type}: by kind), by gguf's quantizer or, given, by
-    blocks(name, array) -> raw blocks."""
-    cfg = config_of(folder)
-    weights = load_file(folder / "model.safetensors")
-    w = gguf.GGUFWriter(out, arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_vocab_size(cfg["vocab_size"])
-    if tokenizer:
-        _add_tokenizer(w, folder)
-    for name, t in weights.items():
-        arr = t.float().numpy()
-        gname = gguf_name(name)
-        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
-            arr = llama_cpp_permute(arr, heads)
-        if gname in quantized:
-            kind = qtype.get(gname.split(".")[-2], qtype["*"]) if isinstance(qtype, dict) else qtype
-            raw = blocks(gname, arr) if blocks else gguf.quants.quantize(arr, kind)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=kind)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def _reference(folder: Path):

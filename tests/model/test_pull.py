@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_loader import write_tiny_gguf
+from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_model
 
 from pagedchat.errors import PullError

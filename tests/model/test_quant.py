@@ -12,7 +12,7 @@ import torch
 from gguf_reference import transformers_from_gguf
 from parity import NEAR_TIE, NEAR_TIE_BF16, assert_same_greedy
 from safetensors.torch import load_file
-from test_loader import gguf_name, write_tiny_gguf
+from tiny_gguf import gguf_name, write_tiny_gguf
 from tiny_models import hf_greedy, make_tiny_model
 
 from pagedchat import Engine, SamplingParams

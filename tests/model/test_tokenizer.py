@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loader import write_tiny_gguf
+from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
