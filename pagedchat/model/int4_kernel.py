@@ -16,6 +16,7 @@ Without AVX-512, without a compiler, or with PAGEDCHAT_INT4_KERNEL=0, torch's ke
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -47,6 +48,7 @@ class State:
 
 _state = State()
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def op() -> Callable | None:
@@ -153,6 +155,8 @@ def _ensure(here: bool) -> str | None:
         why = unavailable()
         if why is None:
             why = _build_and_load(library_path(), here)
+            if why is not None:  # it should have served here: say why in the log (the engine's, in the app)
+                log.warning("pagedchat's int4 kernel is not used, torch's serves: %s", why)
         _state.why_not = why or ""
         if why is None:
             _state.started.acquire(blocking=False)  # loaded: a later ensure(wait=False) has nothing to start
@@ -173,9 +177,14 @@ def _build_and_load(path: Path, here: bool) -> str | None:
 
 def _build_elsewhere(path: Path) -> None:
     """build(path) in a separate interpreter at low priority (see __main__): the compiler's seconds of CPU must
-    not slow the engine's steps."""
+    not slow the engine's steps. It runs in the kernels folder, not the user's: `-m` puts its folder first on
+    sys.path, where a stray torch/ or pagedchat/ must not be found; this pagedchat is found by its own path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run([sys.executable, "-m", __name__, str(path)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=path.parent,
+                            env=env)
     if result.returncode != 0:
         raise RuntimeError((result.stderr.strip().splitlines() or ["the build failed"])[-1])
 

@@ -142,9 +142,9 @@ def test_without_a_compiler_torchs_kernel_serves(fresh_state, monkeypatch):
     assert int4_kernel.op() is None
 
 
-def test_a_failed_build_is_remembered(fresh_state, monkeypatch):
-    """A source that does not compile: a clear reason, the compiler's message kept, and no second attempt at
-    the next start (that would cost every start the compiler's time)."""
+def test_a_failed_build_is_remembered(fresh_state, monkeypatch, caplog):
+    """A source that does not compile: a clear reason (in the log too), the compiler's message kept, and no
+    second attempt at the next start (that would cost every start the compiler's time)."""
     if int4_kernel.unavailable() is not None:
         pytest.skip(int4_kernel.unavailable())
     broken = fresh_state / "int4_mm.cpp"
@@ -153,6 +153,7 @@ def test_a_failed_build_is_remembered(fresh_state, monkeypatch):
     why = int4_kernel.ensure(wait=True)
     marker = int4_kernel.failure_path(int4_kernel.library_path())
     assert why == f"compiling int4_mm.cpp failed (see {marker})"
+    assert f"torch's serves: {why}" in caplog.text
     assert "error" in marker.read_text()
     assert not int4_kernel.library_path().exists()
     assert list((fresh_state / "kernels").iterdir()) == [marker]  # no build folder left behind
