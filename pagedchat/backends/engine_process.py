@@ -158,11 +158,11 @@ def serve(conn) -> None:
         backend.shutdown()
 
 
-def main(fd: int) -> None:
-    """The process's start (process.START): fd is this end of the app's socket pair. Its stdout and stderr are
-    the engine log, so a native crash's trace lands there too."""
+def main(fd: str) -> None:
+    """The process's start (process.start_process): fd is this end of the app's socket pair. Its stdout and
+    stderr are the engine log, so a native crash's trace lands there too."""
     faulthandler.enable()
     try:
-        serve(Connection(fd))
+        serve(Connection(int(fd)))
     except (EOFError, OSError):  # the app went away while we loaded or answered
         pass

@@ -16,7 +16,6 @@ import itertools
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import replace
@@ -24,7 +23,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import pagedchat
+from pagedchat import interpreter
 from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Progress, Update
 from pagedchat.errors import PagedChatError
 
@@ -90,21 +89,15 @@ def exit_text(code: int | None) -> str:
     return f"the engine process exited (code {code})"
 
 
-# The working folder leaves the path (a checkout's kernels/ folder would shadow the package), and this
-# pagedchat's folder joins at the end: found first wherever pagedchat is installed, still found where it is not.
-START = ("import sys; del sys.path[0]; sys.path.append(sys.argv[1]); "
-         "from pagedchat.backends.engine_process import main; main(int(sys.argv[2]))")
-
-
 def start_process(log_path: Path | None) -> tuple[subprocess.Popen, Connection]:
     """A fresh interpreter running engine_process.main, and our end of the socket pair to it. Not a fork (the app's
     threads would be copied mid-flight) nor multiprocessing's spawn (which runs the caller's main script again).
     Its own session: the terminal's signals are the app's, and the process ends when its socket closes."""
     ours, theirs = socket.socketpair()
-    package_root = str(Path(pagedchat.__file__).resolve().parent.parent)
     log = open_log(log_path)
     try:
-        process = subprocess.Popen([sys.executable, "-c", START, package_root, str(theirs.fileno())],
+        process = subprocess.Popen(interpreter.command("pagedchat.backends.engine_process", "main",
+                                                       str(theirs.fileno())),
                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     finally:

@@ -15,6 +15,7 @@ Without AVX-512, without a compiler, or with PAGEDCHAT_INT4_KERNEL=0, torch's ke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from pagedchat import paths
+from pagedchat import interpreter, paths
 
 MIN_ROWS = 8
 BLOCK = 64  # output channels per packed tile: torch's layout with AVX-512, the one int4_mm.cpp reads
@@ -63,13 +64,15 @@ def describe() -> str:
     return f"torch's int4 kernel ({_state.why_not})"
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags, read once: both the check and the library's name need them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def compiler() -> str | None:
@@ -176,22 +179,18 @@ def _build_and_load(path: Path, here: bool) -> str | None:
 
 
 def _build_elsewhere(path: Path) -> None:
-    """build(path) in a separate interpreter at low priority (see __main__): the compiler's seconds of CPU must
-    not slow the engine's steps. It runs in the kernels folder, not the user's: `-m` puts its folder first on
-    sys.path, where a stray torch/ or pagedchat/ must not be found; this pagedchat is found by its own path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    result = subprocess.run([sys.executable, "-m", __name__, str(path)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=path.parent,
-                            env=env)
+    """build(path) in a separate interpreter at low priority (build_niced): the compiler's seconds of CPU must
+    not slow the engine's steps."""
+    result = subprocess.run(interpreter.command(__name__, "build_niced", str(path)), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise RuntimeError((result.stderr.strip().splitlines() or ["the build failed"])[-1])
 
 
-if __name__ == "__main__":  # the background build: python -m pagedchat.model.int4_kernel TARGET
+def build_niced(target: str) -> None:
+    """The background build's process: build(target) at nice 10; a failure's reason is its last line."""
     os.nice(10)
     try:
-        build(Path(sys.argv[1]))
+        build(Path(target))
     except (OSError, RuntimeError) as e:
         sys.exit(str(e))
