@@ -186,6 +186,8 @@ class Int4Linear:
         self.packed, self.scale_zeros, self.bias = packed, scale_zeros, bias
         self.doubled, self.source = doubled, source
         self.out_features = scale_zeros.shape[1]
+        # Whether pagedchat's int4 kernel reads this weight: whole tiles of the layout it was written for.
+        self.batched_fits = packed_block_rows() == int4_kernel.BLOCK and self.out_features % int4_kernel.BLOCK == 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
@@ -199,11 +201,6 @@ class Int4Linear:
         """Whether rows() can read single rows back (an embedding lookup on this weight)."""
         block = packed_block_rows()
         return block is not None and self.out_features % block == 0
-
-    @property
-    def batched_fits(self) -> bool:
-        """Whether pagedchat's int4 kernel reads this weight: whole tiles of the layout it was written for."""
-        return packed_block_rows() == int4_kernel.BLOCK and self.out_features % int4_kernel.BLOCK == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
