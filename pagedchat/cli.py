@@ -124,15 +124,16 @@ class _Progress:
 def cmd_pull(args) -> int:
     from pagedchat.model.pull import pull_default_model
 
-    from pagedchat.model import int4_kernel
+    from pagedchat.model import qmm
 
     progress = _Progress()
     folder = pull_default_model(progress=progress, force=args.force)
     progress.done(f"the default model is ready in {folder}")
-    # Built here so that the app's first start has it (an engine that lacks it builds it in the background).
-    progress("compiling pagedchat's int4 kernel for this CPU", None)
-    int4_kernel.ensure(wait=True)
-    progress.done(f"batched int4 matmuls: {int4_kernel.describe()}")
+    # Built here so that the app's first start has them (an engine that lacks them builds them first).
+    if qmm.needs_build():
+        progress("compiling pagedchat's kernels for this machine (once)", None)
+    qmm.ensure()
+    progress.done(f"quantized matmuls: {qmm.describe()}")
     return 0
 
 

@@ -25,13 +25,34 @@ def _float32_by_default():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _int4_kernel_loaded():
-    """pagedchat's int4 kernel loaded (built first if this machine has none: `pagedchat pull` builds it in CI)
-    before any engine starts: an engine in a test's own cache folder would otherwise compile it there, in the
-    background, and switch kernels partway through the test."""
-    from pagedchat.model import int4_kernel
+def _kernels_loaded():
+    """pagedchat's kernels loaded (built first if this machine has none: `pagedchat pull` builds them in CI)
+    before any engine starts: an engine in a test's own cache folder would otherwise compile them there."""
+    from pagedchat.model import qmm
 
-    int4_kernel.ensure(wait=True)
+    qmm.ensure()
+
+
+@pytest.fixture
+def kernels():
+    """kernels(name) runs this test's engines on that level of pagedchat's kernels (skipping where this CPU has
+    none such), or kernels("off") on torch's paths: in float32 the weights dequantized exactly, transformers'
+    tokens bit for bit."""
+    from pagedchat.model import qmm
+
+    before = os.environ.get(qmm.ENV)
+
+    def use(name: str) -> None:
+        if name != "off":
+            why = qmm.ensure()
+            if why is not None:
+                pytest.skip(f"pagedchat's kernels are not built here: {why}")
+            if name not in qmm.runnable():
+                pytest.skip(f"this CPU does not run {name} (it runs {', '.join(qmm.runnable())})")
+        qmm.use(name)
+
+    yield use
+    qmm.use(before)
 
 
 @pytest.fixture(scope="session")

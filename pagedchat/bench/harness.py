@@ -32,7 +32,7 @@ DEFAULT_POOL_CONTEXTS = 16
 def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..., Peer]] = LOADERS) -> Report:
     import torch
 
-    from pagedchat.model import int4_kernel
+    from pagedchat.model import qmm
 
     progress = progress or NoProgress()
     torch.manual_seed(cfg.seed)
@@ -54,7 +54,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         once = [r for p in peers for r in p.runners if not r.every_round]
         runs = cfg.repeat * (1 + len(every)) + len(once)
         progress.set_total(sum(n * cfg.max_tokens for n in levels) * runs + 2 * WARM_REPEATS)
-        int4 = int4_kernel.describe() if engine.model.built_packed else ""
+        int4 = qmm.describe() if engine.model.built_packed else ""
         base = dict(config=cfg, model=ModelInfo(str(engine.model_path), engine.config.architecture,
                                                 str(engine.dtype).removeprefix("torch."), int4),
                     workload=WorkloadInfo(len(work.system_ids), tuple(len(p) - len(work.system_ids)

@@ -33,9 +33,10 @@ from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
-from pagedchat.model import packed_cache
+from pagedchat.model import packed_cache, qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.llama import LlamaModel
+from pagedchat.model.gguf import gguf_weights
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
 log = logging.getLogger("pagedchat.engine")
@@ -80,8 +81,10 @@ class Engine:
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = frozenset(eos_token_ids(folder, self.config.eos_token_ids, self.tokenizer))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = parse_dtype(dtype, self.device)
         self.quantize = parse_quantize(quantize)
+        if progress and self.device.type == "cpu" and qmm.needs_build():
+            progress("compiling pagedchat's kernels for this machine (once)", None)
+        self.dtype = parse_dtype(dtype, self.device, self.quantize is not None or gguf_weights(folder) is not None)
         if progress:
             progress("loading weights", None)
         self._compute = ComputeThread("pagedchat-engine", threads)

@@ -42,19 +42,29 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return re.search(r"\b(avx512_bf16|amx_bf16)\b", text) is not None
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the hardware computes it natively (half the weight bytes per token, faster matmuls), else
-    fp32. fp32 is the precision in which greedy tokens equal transformers' bit for bit."""
+def default_dtype(device: torch.device, quantized: bool = False) -> torch.dtype:
+    """bf16 where the hardware computes it natively (half the KV cache, faster attention and dense matmuls),
+    else fp32, in which pagedchat's kernels run quantized weights packed. Where they are not built, quantized
+    weights on a CPU without native bf16 still run faster packed on torch's int4 kernel, in bf16, than expanded
+    to float32 (docs/bench.md, "Quantized kernels for every x86-64 level"): so bf16 there too."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if cpu_has_native_bf16():
+        return torch.bfloat16
+    if quantized:
+        from pagedchat.model import qmm, quant
+
+        if qmm.ensure() is not None and quant.int4_available():
+            return torch.bfloat16
+    return torch.float32
 
 
-def parse_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def parse_dtype(value: str | torch.dtype | None, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """quantized: the model's weights are (a GGUF, or --quantize), which weighs on auto's choice."""
     if isinstance(value, torch.dtype):
         return value
     if value is None or str(value).lower() == "auto":
-        return default_dtype(device)
+        return default_dtype(device, quantized)
     try:
         return _DTYPES[str(value).lower()]
     except KeyError:

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from pagedchat.errors import ModelError, first_line
-from pagedchat.model import quant, tokenizer
+from pagedchat.model import qmm, quant, tokenizer
+from pagedchat.model.blocks import Blocks
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -207,6 +208,14 @@ class GGUFTensor:
             return None
         groups = quant.int4_groups(self.data, self.kind, self.shape)
         return groups.rows(lambda a: _unpermute_qk(a, self.heads)) if self.heads else groups
+
+    def blocks(self) -> Blocks | None:
+        """The tensor as the file's own blocks, row by row, for pagedchat's kernels; None for types they do not
+        run. Each row's blocks are its own, so llama's q/k row order is undone on whole rows."""
+        if self.kind not in qmm.TYPES or len(self.shape) != 2:
+            return None
+        rows = np.ascontiguousarray(self.data).reshape(self.shape[0], -1)
+        return Blocks(np.ascontiguousarray(_unpermute_qk(rows, self.heads)) if self.heads else rows, self.kind)
 
 
 def gguf_tensors(reader, cfg: dict, path: Path) -> dict[str, GGUFTensor]:

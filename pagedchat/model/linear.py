@@ -5,7 +5,10 @@
   faster (docs/bench.md, "What each change bought"). oneDNN's packing is a private torch op, so it is used only
   where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's sgemm,
   the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
-- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel (bf16 on the CPU).
+- `blocks.BlockLinear`: a GGUF's quantized blocks as the file holds them, run by pagedchat's kernels (qmm.py):
+  the CPU's path wherever they are built.
+- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel (bf16 on the CPU): the
+  path where pagedchat's kernels are not built.
 - `Concat`: projections side by side, where a fused one (q, k and v) mixes types with no common form.
 
 `build` picks among them for a model's weights: see `Placement`.
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import quant
+from pagedchat.model import qmm, quant
+from pagedchat.model.blocks import Blocks, BlockLinear, concat
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
 QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
@@ -97,42 +101,54 @@ def packing_is_exact(weight: torch.Tensor) -> bool:
 class Placement:
     """How a model's weights are held: dtype and device for dense ones, and whether quantized ones stay packed.
 
-    int4: packed int4 matmuls are used (CPU, bf16 activations, the kernel present; its fp32 path is a slow
-    reference loop). Off, every quantized tensor is dequantized exactly (gguf's d*q+m) into dtype: the float32
-    path, whose tokens equal transformers'. quantize: "int4"/"int8" quantizes dense (safetensors) weights too."""
+    blocks: quantized tensors stay the file's blocks, run by pagedchat's kernels (CPU, any dtype, the kernels
+    built). int4, where they are not: packed int4 matmuls on torch's kernel (CPU, bf16 activations; its fp32 path
+    is a slow reference loop). With neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into
+    dtype: the float32 path, whose tokens equal transformers'. quantize: "int4"/"int8" quantizes dense
+    (safetensors) weights too."""
 
     dtype: torch.dtype
     device: torch.device
     int4: bool
     quantize: str | None = None
     onednn: bool = False  # dense bf16 weights pre-packed for oneDNN (see Linear)
+    blocks: bool = False
 
     @classmethod
     def choose(cls, dtype: torch.dtype, device: torch.device, quantize: str | None) -> "Placement":
-        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        cpu = device.type == "cpu"
+        blocks = cpu and qmm.ensure() is None
+        int4 = not blocks and cpu and dtype == torch.bfloat16 and quant.int4_available()
         probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
-        return cls(dtype, device, cpu_bf16 and quant.int4_available(), quantize, packing_is_exact(probe))
+        return cls(dtype, device, int4, quantize, packing_is_exact(probe), blocks)
 
-    def groups(self, w) -> quant.Int4Groups | None:
-        """w (a torch tensor or a loader.GGUFTensor) as int4 groups where this placement packs it."""
-        if not self.int4:
-            return None
+    def packed(self, w) -> Blocks | quant.Int4Groups | None:
+        """w (a torch tensor or a loader.GGUFTensor) in the packed form this placement runs it in, if any."""
         if isinstance(w, torch.Tensor):
-            fits = w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % quant.GROUP == 0
-            return quant.quantize(w, QUANTIZE_TYPES[self.quantize]) if self.quantize and fits else None
-        return w.int4()
+            if not self.quantize or w.dim() != 2 or w.shape[1] % quant.GROUP:
+                return None
+            if self.blocks:
+                return Blocks.quantize(w, QUANTIZE_TYPES[self.quantize])
+            fits = self.int4 and w.shape[0] % 16 == 0
+            return quant.quantize(w, QUANTIZE_TYPES[self.quantize]) if fits else None
+        if self.blocks:
+            return w.blocks()
+        return w.int4() if self.int4 else None
 
     def dense(self, w) -> torch.Tensor:
         t = w if isinstance(w, torch.Tensor) else w.dense(self.dtype)
         return t.to(device=self.device, dtype=self.dtype)
 
-    def label(self, w, groups: quant.Int4Groups | None) -> str:
-        """What w is and how it runs, for LlamaModel.weight_precision: "Q4_1 as int4", "Q6_K as bfloat16"."""
+    def label(self, w, packed: Blocks | quant.Int4Groups | None) -> str:
+        """What w is and how it runs, for LlamaModel.weight_precision: "Q4_1 packed", "Q8_0 as 2×int4",
+        "Q6_K as bfloat16"."""
+        if isinstance(packed, Blocks):
+            return f"{packed.kind} packed" + (" (quantized at load)" if isinstance(w, torch.Tensor) else "")
         runs = str(self.dtype).removeprefix("torch.")
-        if groups is not None:
-            runs = "2×int4" if groups.doubled else "int4"
+        if packed is not None:
+            runs = "2×int4" if packed.doubled else "int4"
         if isinstance(w, torch.Tensor):  # a safetensors weight: as stored, or packed by --quantize
-            return f"{runs} (quantized at load)" if groups is not None else runs
+            return f"{runs} (quantized at load)" if packed is not None else runs
         return f"{w.kind} as {runs}"
 
 
@@ -145,7 +161,8 @@ class Builder:
                  forms: dict[str, str] | None = None):
         self.placement = placement
         self.cached = cached
-        self.forms: dict[str, str] = dict(forms or {})  # key -> "dense" | "linear" | "int4 <doubled> <source>" | "concat <n>"
+        # key -> "dense" | "linear" | "blocks <kind>" | "int4 <doubled> <source>" | "concat <n>"
+        self.forms: dict[str, str] = dict(forms or {})
         self.tensors: dict[str, torch.Tensor] = {}
         self.labels: list[str] = []
 
@@ -160,15 +177,15 @@ class Builder:
         share a form, each part's precision appended to labels."""
         if self.cached is not None:
             return self._restore(key)
-        runs: list[tuple[object, list]] = []  # consecutive parts of one form: (form, weights or groups)
+        runs: list[tuple[object, list]] = []  # consecutive parts of one form: (form, weights, blocks or groups)
         for w in parts:
-            g = self.placement.groups(w)
-            self.labels.append(self.placement.label(w, g))
-            form = None if g is None else g.doubled
+            p = self.placement.packed(w)
+            self.labels.append(self.placement.label(w, p))
+            form = None if p is None else p.kind if isinstance(p, Blocks) else p.doubled
             if runs and runs[-1][0] == form:
-                runs[-1][1].append(w if g is None else g)
+                runs[-1][1].append(w if p is None else p)
             else:
-                runs.append((form, [w if g is None else g]))
+                runs.append((form, [w if p is None else p]))
         if len(runs) == 1:
             return self._single(key, *runs[0], bias)
         self.forms[key] = f"concat {len(runs)}"
@@ -182,6 +199,11 @@ class Builder:
     def _single(self, key: str, form, items: list, bias: torch.Tensor | None):
         if bias is not None:
             bias = self._bias(key, bias)
+        if isinstance(form, str):
+            p = BlockLinear.of(concat(items) if len(items) > 1 else items[0], bias)
+            self.tensors[f"{key}.blocks"] = p.blocks
+            self.forms[key] = f"blocks {p.kind}"
+            return p
         if form is not None:
             p = quant.Int4Linear(quant.concat(items) if len(items) > 1 else items[0], bias)
             self.tensors[f"{key}.packed"], self.tensors[f"{key}.scale_zeros"] = p.packed, p.scale_zeros
@@ -197,12 +219,18 @@ class Builder:
         bias = self.cached.get(f"{key}.bias")
         if form == "concat":
             return Concat([self._restore(f"{key}.{i}") for i in range(int(args[0]))], bias)
+        if form == "blocks":
+            return BlockLinear(self.cached[f"{key}.blocks"], args[0], bias)
         if form == "int4":
             return quant.Int4Linear.from_packed(self.cached[f"{key}.packed"], self.cached[f"{key}.scale_zeros"],
                                                 bias, doubled=args[0] == "1", source=args[1])
         return Linear(self.cached[f"{key}.weight"], bias, self.placement.onednn)
 
     @property
+    def runs_blocks(self) -> bool:
+        return any(f.startswith("blocks") for f in self.forms.values())
+
+    @property
     def packs(self) -> bool:
         """Whether anything was packed: only then is a cache worth its disk (dense weights load fast as they are)."""
-        return any(f.startswith("int4") for f in self.forms.values())
+        return any(f.startswith(("int4", "blocks")) for f in self.forms.values())

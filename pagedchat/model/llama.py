@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
-from pagedchat.model import int4_kernel
+from pagedchat.model import qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder, Placement, nbytes
 
@@ -75,7 +75,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict | None, device: torch.device, dtype: torch.dtype,
                  quantize: str | None = None, cached: "PackedWeights | None" = None):
         """weights: torch tensors (a safetensors model) or loader.GGUFTensors; quantize: "int4"/"int8" packs
-        dense weights group-wise too (changing their numbers), where packed int4 runs (CPU, bf16). cached: the
+        dense weights group-wise too (changing their numbers), where packed weights run (the CPU). cached: the
         model as a packed-weights cache saved it (see pagedchat/model/packed_cache.py), in place of weights."""
         self.config = config
         self.device = device
@@ -92,10 +92,9 @@ class LlamaModel:
         except KeyError as exc:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
-        self.weight_precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
-        self.built_packed = build.packs  # whether any projection runs packed int4
-        if self.built_packed:
-            int4_kernel.ensure(wait=False)  # batched steps switch to it once it is loaded
+        self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
+        self.built_packed = build.packs  # whether any projection runs packed
+        self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -121,7 +120,7 @@ class LlamaModel:
                 form = "head" if getattr(self.lm_head, "gathers_rows", False) or \
                     getattr(self.lm_head, "weight", None) is not None else "dense"
             else:
-                form = "packed" if build.placement.groups(weight) is not None else "dense"
+                form = "packed" if build.placement.packed(weight) is not None else "dense"
         if form == "head":
             build.forms["embed"] = "head"
             return self.lm_head if getattr(self.lm_head, "gathers_rows", False) else self.lm_head.weight
@@ -135,6 +134,12 @@ class LlamaModel:
             build.labels.append(build.placement.label(weight, None))
         build.forms["embed"] = "dense"
         return table
+
+    @property
+    def weight_precision(self) -> str:
+        """What the weights are and how they run, for F2 and the status line: "Q4_1 packed + Q8_0 packed · AVX2"
+        (the kernels' level is this process's, so it is not part of a saved label)."""
+        return f"{self.precision} · {qmm.short()}" if self.runs_blocks else self.precision
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):

@@ -22,14 +22,14 @@ import torch
 
 from pagedchat import paths
 from pagedchat.errors import ModelError
-from pagedchat.model import quant
+from pagedchat.model import qmm, quant
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder
 from pagedchat.model.llama import LlamaModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
-FORMAT = "1"
+FORMAT = "2"
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,10 @@ class PackedWeights:
 
 
 def cache_file(folder: Path, dtype: torch.dtype, quantize: str | None) -> Path:
-    """Where the packed weights of this model, in this dtype and quantization, on this torch, are kept."""
-    key = json.dumps([FORMAT, source_fingerprint(folder), torch.__version__, quant.packed_layout(), str(dtype),
-                      quantize])
+    """Where the packed weights of this model, in this dtype and quantization, on this torch, are kept: GGUF
+    blocks where pagedchat's kernels run, else torch's int4 layout."""
+    layout = "blocks" if qmm.ready() else quant.packed_layout()
+    key = json.dumps([FORMAT, source_fingerprint(folder), torch.__version__, layout, str(dtype), quantize])
     return paths.cache_dir() / "packed" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
 
@@ -71,7 +72,7 @@ def write(path: Path, model: LlamaModel, built: Builder) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"forms": json.dumps(built.forms), "precision": model.weight_precision})
+        save_file(tensors, tmp, metadata={"forms": json.dumps(built.forms), "precision": model.precision})
         os.replace(tmp, path)
     except OSError as exc:  # a full or read-only disk costs the next start its speed, nothing else
         log.warning("could not write the packed-weights cache %s: %s", path, exc)
@@ -82,6 +83,8 @@ def write(path: Path, model: LlamaModel, built: Builder) -> None:
 def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, quantize: str | None,
                read_weights: Callable) -> LlamaModel:
     """The model from its packed-weights cache where one is valid, else from its weights (saving a cache)."""
+    if device.type == "cpu":
+        qmm.ensure()  # the cache's layout depends on whether the kernels run
     path = cache_file(folder, dtype, quantize)
     cached = read(path) if device.type == "cpu" else None
     if cached is not None:

@@ -8,7 +8,7 @@ import torch
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.errors import ModelError, RequestError
-from parity import NEAR_TIE, NEAR_TIE_BF16, assert_same_greedy
+from parity import NEAR_TIE, NEAR_TIE_BF16, NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 NO_EOS = [10**9]  # an id that never occurs, so transformers runs to max_new_tokens like ignore_eos
@@ -222,18 +222,27 @@ DEFAULT_CHATS = [
 ]
 
 
+# The paths a CPU takes: torch's with the weights dequantized (float32: transformers' tokens bit for bit),
+# pagedchat's kernels on float32 activations (a CPU without native bf16) at its best level and at AVX2, and on
+# bf16 ones (the default where the hardware has bf16). Near-ties may flip, then the continuations part and the
+# comparison stops.
+DEFAULT_MODEL_PATHS = {"float32-exact": ("float32", "off", NEAR_TIE),
+                       "float32-packed": ("float32", None, NEAR_TIE_PACKED),
+                       "float32-packed-avx2": ("float32", "avx2", NEAR_TIE_PACKED),
+                       "bfloat16-packed": ("bfloat16", None, NEAR_TIE_BF16)}
+paths_of_the_default_model = pytest.mark.parametrize("dtype,level,near_tie", DEFAULT_MODEL_PATHS.values(),
+                                                     ids=DEFAULT_MODEL_PATHS.keys())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,max_tokens,near_tie", [
-    ("float32", 40, NEAR_TIE),
-    # The fast CPU default where the hardware has bf16: the same tokens as transformers in bf16, up to bf16
-    # near-ties (then the two continuations part, and the comparison stops).
-    ("bfloat16", 24, NEAR_TIE_BF16),
-])
-def test_default_model_matches_transformers(default_model, dtype, max_tokens, near_tie):
-    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together. In bf16 its
-    weights run packed (Q4_1 as int4, the Q8_0 table and head as two int4 halves)."""
+@paths_of_the_default_model
+def test_default_model_matches_transformers(default_model, kernels, dtype, level, near_tie):
+    """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
     from gguf_reference import transformers_from_gguf
 
+    if level:
+        kernels(level)
+    max_tokens = 40 if dtype == "float32" else 24
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
     ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
@@ -241,20 +250,22 @@ def test_default_model_matches_transformers(default_model, dtype, max_tokens, ne
     for prompt, out in zip(prompts, outs):
         expected = hf_greedy(ref, prompt, max_tokens, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
-    if dtype == "float32":  # in bf16 the first token is a near-tie ("The" 25.33, "L'" 25.24 in float32) it may flip
+    if level == "off":  # elsewhere the first token is a near-tie ("The" 25.33, "L'" 25.24 in float32) it may flip
         assert "Paris" in outs[0].text
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,near_tie", [("float32", NEAR_TIE), ("bfloat16", NEAR_TIE_BF16)])
+@paths_of_the_default_model
 def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, shared_prefix_reads,
-                                                                     dtype, near_tie):
+                                                                     kernels, dtype, level, near_tie):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
     from gguf_reference import transformers_from_gguf
 
     from pagedchat import attention
 
+    if level:
+        kernels(level)
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
     ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF

@@ -1,4 +1,5 @@
-"""Quantized weights kept packed: GGUF blocks -> int4 groups -> torch's packed int4 matmul, checked against
+"""Quantized weights on torch's int4 kernel, the path where pagedchat's own kernels are not built (tests of those:
+test_qmm.py, test_packed_models.py): GGUF blocks -> int4 groups -> torch's packed int4 matmul, checked against
 gguf's own dequantization element for element, and tiny models against transformers."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_reference import transformers_from_gguf
+from kquants import q4_k_blocks
 from parity import NEAR_TIE, NEAR_TIE_BF16, assert_same_greedy
 from safetensors.torch import load_file
 from tiny_gguf import gguf_name, write_tiny_gguf
@@ -22,6 +24,11 @@ from pagedchat.model.gguf import convert_gguf
 
 T = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not quant.int4_available(), reason="this torch has no CPU int4 kernel")
+
+
+@pytest.fixture(autouse=True)
+def _torch_paths(kernels):
+    kernels("off")
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -72,35 +79,6 @@ def test_q8_0_halves_are_exact_on_real_quantizer_output():
 
 def _linear_names(folder) -> tuple[str, ...]:
     return tuple(gguf_name(n) for n, t in load_file(folder / "model.safetensors").items() if t.dim() == 2)
-
-
-def q4_k_blocks(w: np.ndarray) -> np.ndarray:
-    """Float weights [n, k] (k a multiple of 256) as Q4_K blocks, the way llama.cpp's quantize_row_q4_K_ref makes
-    them (gguf has no Q4_K quantizer): each sub-block of 32 spans its min (never above 0) to its max in 15 steps
-    (make_qkx2_quants' first guess, without its refinement), the sub-blocks' steps and mins in 6 bits of their
-    super-block's largest (the f16 d and dmin), then each weight's nearest code.
-
-    Random bytes would decode to weights no quantizer writes: all-positive, a mean of 1.2 against the model's 0,
-    and logits near 1000, where bf16 (the packed kernel's output) is 8 apart. A draw then tied the two best
-    logits, 2.4 apart in float32, in bf16's rounding, which no near-tie threshold sized for real logits allows."""
-    n, k = w.shape
-    x = w.astype(np.float32).reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
-    low = np.minimum(x.min(-1), 0)
-    steps, mins = (x.max(-1) - low) / 15, -low
-    top_step, top_min = steps.max(-1, keepdims=True), mins.max(-1, keepdims=True)
-    sc = np.rint(steps * (63 / np.where(top_step > 0, top_step, 1))).clip(0, 63).astype(np.uint8)
-    mn = np.rint(mins * (63 / np.where(top_min > 0, top_min, 1))).clip(0, 63).astype(np.uint8)
-    d, dmin = (top_step / 63).astype(np.float16), (top_min / 63).astype(np.float16)
-    step = (d.astype(np.float32) * sc)[..., None]
-    q = np.rint((x + (dmin.astype(np.float32) * mn)[..., None]) / np.where(step > 0, step, 1))
-    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # runs of 64: the low nibbles are the first 32
-    out = np.empty((x.shape[0], 144), np.uint8)
-    out[:, 0:2], out[:, 2:4] = d.view(np.uint8), dmin.view(np.uint8)
-    out[:, 4:8] = sc[:, :4] | (sc[:, 4:] >> 4 << 6)  # ggml's 12 bytes: see gguf's Q4_K.get_scale_min
-    out[:, 8:12] = mn[:, :4] | (mn[:, 4:] >> 4 << 6)
-    out[:, 12:16] = (sc[:, 4:] & 0x0F) | (mn[:, 4:] << 4)
-    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return out.reshape(n, -1)
 
 
 def test_q4_k_from_a_quantizer_unpacks_to_ggufs_dequantization():

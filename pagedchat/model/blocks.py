@@ -1,0 +1,78 @@
+"""Projections whose weights are a GGUF's own blocks, run by pagedchat's kernels (qmm.py): the quantized numbers
+of the file, at the file's size in memory, on every CPU the kernels build for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedchat.model import qmm
+from pagedchat.model.quant import DENSE_MIN_ROWS, DENSE_SCRATCH_WEIGHTS
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [N, K] as GGUF blocks: data [N, bytes per row] uint8, each row its own blocks."""
+
+    data: np.ndarray
+    kind: str
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, kind: str) -> "Blocks":
+        """A float weight quantized by gguf's own quantizer (what `--quantize` does to a safetensors model):
+        this changes the model's numbers."""
+        import gguf
+
+        w = weight.detach().float().cpu().numpy()
+        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+        return Blocks(np.ascontiguousarray(data).reshape(w.shape[0], -1), kind)
+
+
+def concat(parts: list[Blocks]) -> Blocks:
+    """Weights of one type stacked along N (q, k and v; gate and up), so that one matmul serves them all."""
+    return Blocks(np.concatenate([p.data for p in parts]), parts[0].kind)
+
+
+class BlockLinear:
+    """y = x @ W.T + b for W held as its GGUF blocks."""
+
+    gathers_rows = True  # rows() reads single rows back: the embedding lookup of a tied head
+
+    def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
+        self.blocks, self.kind, self.bias = blocks, kind, bias
+        self.source = kind
+        self.out_features = blocks.shape[0]
+
+    @classmethod
+    def of(cls, b: Blocks, bias: torch.Tensor | None = None) -> "BlockLinear":
+        return cls(torch.from_numpy(np.array(b.data, dtype=np.uint8)), b.kind, bias)  # a copy: the file stays closed
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.blocks, self.bias) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._dense_matmul(x) if x.shape[0] >= DENSE_MIN_ROWS else qmm.matmul(x, self.blocks, self.kind)
+        return y if self.bias is None else y + self.bias
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, W dequantized a slice of rows at a time into float32, then sgemm (y.T's rows per slice): past a
+        few hundred rows MKL's sgemm beats int8 dot products (docs/bench.md, "Quantized kernels for every x86-64
+        level"). Each slice is freed at once: no second resident copy of the weights."""
+        xf = x.float()
+        k = xf.shape[1]
+        yt = torch.empty(self.out_features, x.shape[0])
+        step = max(1, DENSE_SCRATCH_WEIGHTS // k)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, min(start + step, self.out_features))
+            torch.mm(qmm.dequantize(self.blocks[rows], self.kind), xf.T, out=yt[rows])
+        return torch.empty(x.shape[0], self.out_features, dtype=x.dtype).copy_(yt.T)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of W in float32, exactly gguf's dequantization of them."""
+        return qmm.dequantize(self.blocks[ids], self.kind)

@@ -1,0 +1,548 @@
+// One instruction-set level of pagedchat's quantized matmul, built once per level with that level's flags
+// (QMM_NAME and QMM_SYMBOL name it; see pagedchat/model/qmm.py), all levels in one library.
+//
+// The method is llama.cpp's (ggml-cpu quants.c): activations are quantized to int8 per 32 inputs, and each
+// weight block meets them in integer dot products, its scale applied once per block. What differs is the
+// shape of the loop. Every type's row is first decoded into one form (unsigned codes u, a scale a and an offset
+// c per 16 weights: w = a u + c), once per weight row for all activation rows of the call. One dot kernel then
+// serves every type, and a batch of chats pays for the unpacking once, not once per chat.
+//
+// Nothing here may use an inline function from a header shared with other levels (the standard library's
+// templates, say): the linker keeps one copy of such a function, maybe one built for a wider level than the CPU
+// has. Intrinsics are always inlined, and everything else is static to this file.
+
+#include "qmm.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#ifndef QMM_SYMBOL
+#error "build with -DQMM_SYMBOL=<level> -DQMM_NAME=\"<name>\""
+#endif
+
+namespace qmm {
+namespace {
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: man * 2^-24
+    const float f = float(man) * 5.9604644775390625e-08f;
+    __builtin_memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float out;
+  __builtin_memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Decoding: one weight row -> u [k] (uint8, or int8 for Q8_0), a16 and c16 [k / 16]. The formulas are ggml's
+// dequantize_row_* ones, regrouped as a u + c.
+
+struct Decoded {
+  uint8_t* u;
+  float* a16;  // [k / 16]
+  float* c16;  // [k / 16]
+};
+
+Decoded layout(uint8_t* scratch, int64_t k) {
+  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  Decoded d;
+  d.u = base;
+  d.a16 = reinterpret_cast<float*>(base + k);
+  d.c16 = d.a16 + k / 16;
+  return d;
+}
+
+void set32(const Decoded& d, int64_t j, float a, float c) {
+  d.a16[2 * j] = d.a16[2 * j + 1] = a;
+  d.c16[2 * j] = d.c16[2 * j + 1] = c;
+}
+
+// 16 bytes of nibbles -> 32 codes: the low nibbles are codes 0..15, the high ones 16..31 (ggml's order).
+void nibbles(const uint8_t* qs, uint8_t* u) {
+  for (int l = 0; l < 16; ++l) {
+    u[l] = qs[l] & 0x0F;
+    u[l + 16] = qs[l] >> 4;
+  }
+}
+
+void fifth_bits(uint32_t qh, uint8_t* u) {
+  for (int l = 0; l < 32; ++l) u[l] |= uint8_t(((qh >> l) & 1) << 4);
+}
+
+// Q4_K and Q5_K's 6-bit sub-block scales and mins (ggml's get_scale_min_k4).
+void scale_min_k4(int j, const uint8_t* q, float* sc, float* mn) {
+  if (j < 4) {
+    *sc = float(q[j] & 63);
+    *mn = float(q[j + 4] & 63);
+  } else {
+    *sc = float((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *mn = float((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+void decode_k4_scales(const Decoded& d, const uint8_t* b, int64_t first_block) {
+  const float dd = f16(b), dmin = f16(b + 2);
+  for (int s = 0; s < 8; ++s) {
+    float sc, mn;
+    scale_min_k4(s, b + 4, &sc, &mn);
+    set32(d, first_block + s, dd * sc, -dmin * mn);
+  }
+}
+
+void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
+  const int64_t nb = k / 32;
+  switch (type) {
+    case Q4_0:
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* b = row + 18 * j;
+        nibbles(b + 2, d.u + 32 * j);
+        const float dd = f16(b);
+        set32(d, j, dd, -8 * dd);
+      }
+      break;
+    case Q4_1:
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* b = row + 20 * j;
+        nibbles(b + 4, d.u + 32 * j);
+        set32(d, j, f16(b), f16(b + 2));
+      }
+      break;
+    case Q5_0:
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* b = row + 22 * j;
+        nibbles(b + 6, d.u + 32 * j);
+        fifth_bits(u32(b + 2), d.u + 32 * j);
+        const float dd = f16(b);
+        set32(d, j, dd, -16 * dd);
+      }
+      break;
+    case Q5_1:
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* b = row + 24 * j;
+        nibbles(b + 8, d.u + 32 * j);
+        fifth_bits(u32(b + 4), d.u + 32 * j);
+        set32(d, j, f16(b), f16(b + 2));
+      }
+      break;
+    case Q8_0:
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* b = row + 34 * j;
+        for (int l = 0; l < 32; ++l) d.u[32 * j + l] = b[2 + l];
+        set32(d, j, f16(b), 0.f);
+      }
+      break;
+    case Q4_K:
+      for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t* b = row + 144 * s;
+        decode_k4_scales(d, b, 8 * s);
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* qs = b + 16 + 32 * c;
+          uint8_t* u = d.u + 256 * s + 64 * c;
+          for (int l = 0; l < 32; ++l) {
+            u[l] = qs[l] & 0x0F;
+            u[l + 32] = qs[l] >> 4;
+          }
+        }
+      }
+      break;
+    case Q5_K:
+      for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t* b = row + 176 * s;
+        decode_k4_scales(d, b, 8 * s);
+        const uint8_t* qh = b + 16;
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* ql = b + 48 + 32 * c;
+          uint8_t* u = d.u + 256 * s + 64 * c;
+          for (int l = 0; l < 32; ++l) {
+            u[l] = uint8_t((ql[l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4));
+            u[l + 32] = uint8_t((ql[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+          }
+        }
+      }
+      break;
+    case Q6_K:
+      for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t* b = row + 210 * s;
+        const float dd = f16(b + 208);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* ql = b + 64 * h;
+          const uint8_t* qh = b + 128 + 32 * h;
+          const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h);
+          uint8_t* u = d.u + 256 * s + 128 * h;
+          for (int l = 0; l < 32; ++l) {
+            u[l] = uint8_t((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
+            u[l + 32] = uint8_t((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
+            u[l + 64] = uint8_t((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+            u[l + 96] = uint8_t((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+          }
+          for (int g = 0; g < 8; ++g) {
+            const float a = dd * float(sc[g]);
+            d.a16[16 * s + 8 * h + g] = a;
+            d.c16[16 * s + 8 * h + g] = -32 * a;
+          }
+        }
+      }
+      break;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Activations: per 32 inputs, d = max |x| / 127 and q = round(x / d), rounded half away from zero as ggml does.
+
+void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16) {
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t j = 0; j < k / 32; ++j) {
+      const float* xb = x + i * k + 32 * j;
+      float amax = 0.f;
+      for (int l = 0; l < 32; ++l) {
+        const float v = xb[l] < 0 ? -xb[l] : xb[l];
+        amax = v > amax ? v : amax;
+      }
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* qb = q + i * k + 32 * j;
+      int sums[2] = {0, 0};
+      for (int l = 0; l < 32; ++l) {
+        const float v = xb[l] * id;
+        const int c = int(v + (v < 0 ? -0.5f : 0.5f));
+        qb[l] = int8_t(c);
+        sums[l >> 4] += c;
+      }
+      for (int l = 0; l < 8; ++l) d8[i * k / 4 + 8 * j + l] = d;
+      s16[(2 * j) * m + i] = d * float(sums[0]);
+      s16[(2 * j + 1) * m + i] = d * float(sums[1]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The dot kernel: for R activation rows, sum over blocks of (a (u . q)) d, lane by lane, plus the offsets.
+
+#if defined(__AVX2__)
+
+// The SIMD levels decode each block in registers and use it at once against up to ROWS activation rows: the
+// codes never leave the registers, and a batch of chats pays for the unpacking once per ROWS rows.
+
+inline __m256i dot256(__m256i u, __m256i q) {  // 8 int32 lanes, each the sum of 4 u8 x s8 products
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, q);
+#else
+  // u <= 128 (Q8_0's codes made positive) and |q| <= 127: the pairs' sums fit in int16 without saturating.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One block of 32 weights in registers: w = a u + c, a and c for each 16 (lanes 0-3 and 4-7 of a).
+struct Block {
+  __m256i u;
+  __m256 a;
+  float c0, c1;
+};
+
+inline __m256i nibbles256(const uint8_t* qs) {  // 16 bytes -> 32 codes in ggml's order
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+inline __m256i fifth_bits256(const uint8_t* qh) {  // bit l of 32 -> 0x10 in byte l (llama.cpp's bytes_from_bits_32)
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(u32(qh))), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i byte_shift_right(__m256i v, int n) {  // per byte, for n < 8, the caller masking the result
+  return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n));
+}
+
+inline Block one_scale(__m256i u, float a, float c) { return {u, _mm256_set1_ps(a), c, c}; }
+
+template <int T>
+inline Block block(const uint8_t* row, int64_t j) {
+  if constexpr (T == Q4_0) {
+    const uint8_t* b = row + 18 * j;
+    const float d = f16(b);
+    return one_scale(nibbles256(b + 2), d, -8 * d);
+  } else if constexpr (T == Q4_1) {
+    const uint8_t* b = row + 20 * j;
+    return one_scale(nibbles256(b + 4), f16(b), f16(b + 2));
+  } else if constexpr (T == Q5_0) {
+    const uint8_t* b = row + 22 * j;
+    const float d = f16(b);
+    return one_scale(_mm256_or_si256(nibbles256(b + 6), fifth_bits256(b + 2)), d, -16 * d);
+  } else if constexpr (T == Q5_1) {
+    const uint8_t* b = row + 24 * j;
+    return one_scale(_mm256_or_si256(nibbles256(b + 8), fifth_bits256(b + 4)), f16(b), f16(b + 2));
+  } else if constexpr (T == Q8_0) {
+    const uint8_t* b = row + 34 * j;
+    return one_scale(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), f16(b), 0.f);
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const int sub = int(j % 8);  // the 32-block within its super-block of 256
+    const uint8_t* b = row + (T == Q4_K ? 144 : 176) * (j / 8);
+    const uint8_t* qs = b + (T == Q4_K ? 16 : 48) + 32 * (sub / 2);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    __m256i u = _mm256_and_si256(byte_shift_right(raw, 4 * (sub & 1)), _mm256_set1_epi8(0x0F));
+    if constexpr (T == Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i bit = _mm256_and_si256(byte_shift_right(qh, sub), _mm256_set1_epi8(1));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+    }
+    float sc, mn;
+    scale_min_k4(sub, b + 4, &sc, &mn);
+    return one_scale(u, f16(b) * sc, -f16(b + 2) * mn);
+  } else {  // Q6_K
+    const int sub = int(j % 8), half = sub / 4, quarter = sub % 4;
+    const uint8_t* b = row + 210 * (j / 8);
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (quarter & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const __m256i low = _mm256_and_si256(byte_shift_right(ql, 4 * (quarter >> 1)), _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_and_si256(byte_shift_right(qh, 2 * quarter), _mm256_set1_epi8(3));
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * quarter);
+    const float d = f16(b + 208), a0 = d * float(sc[0]), a1 = d * float(sc[1]);
+    return {_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set_m128(_mm_set1_ps(a1), _mm_set1_ps(a0)),
+            -32 * a0, -32 * a1};
+  }
+}
+
+// One weight row against R activation rows: each weight block is decoded once for the R rows. The offsets
+// (c times the activations' sums) ride along as one vector over the R rows: s16 is stored by column, so one
+// load holds a block's sums for every row of the tile.
+template <int T>
+constexpr bool SIGNED = T == Q8_0;  // maddubs and dpbusd take unsigned codes: the signs move onto q
+template <int T>
+constexpr bool OFFSET = T != Q8_0;
+
+template <int T, int R>
+inline Block step256(const uint8_t* row, int64_t j, const Activations& x, int64_t i0, __m256* acc) {
+  const int64_t k = x.k;
+  const Block b = block<T>(row, j);
+  const __m256i u = SIGNED<T> ? _mm256_sign_epi8(b.u, b.u) : b.u;
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = i0 + r;
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * k + 32 * j));
+    if (SIGNED<T>) q = _mm256_sign_epi8(q, b.u);
+    const __m256 p = _mm256_cvtepi32_ps(dot256(u, q));
+    acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(b.a, _mm256_loadu_ps(x.d8 + i * k / 4 + 8 * j)), acc[r]);
+  }
+  return b;
+}
+
+template <int R>
+void store(const float* partial, int64_t i0, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) y[(i0 + r) * ldy] = partial[r];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+
+constexpr int ROWS = 16;  // 16 accumulators and two blocks fit in AVX-512's 32 registers
+
+inline __m512i dot512(__m512i u, __m512i q) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1));
+#endif
+}
+
+// Two blocks a step: their codes fill 64 bytes, and the activations' codes and scales for them are contiguous.
+template <int T, int R>
+void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_t ldy) {
+  const int64_t k = x.k, m = x.m, nb = k / 32;
+  const __mmask16 rows = __mmask16((1u << R) - 1);
+  const float* s16 = x.s16 + i0;
+  __m512 acc[R], off = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= nb; j += 2) {
+    const Block b0 = block<T>(row, j), b1 = block<T>(row, j + 1);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(b0.u), b1.u, 1);
+    const __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(b0.a), b1.a, 1);
+    const __m512i u = SIGNED<T> ? _mm512_abs_epi8(w) : w;
+    const __mmask64 negative = SIGNED<T> ? _mm512_movepi8_mask(w) : 0;
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      __m512i q = _mm512_loadu_si512(x.q + i * k + 32 * j);
+      if (SIGNED<T>) q = _mm512_mask_sub_epi8(q, negative, _mm512_setzero_si512(), q);
+      const __m512 p = _mm512_cvtepi32_ps(dot512(u, q));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(a, _mm512_loadu_ps(x.d8 + i * k / 4 + 8 * j)), acc[r]);
+    }
+    if (OFFSET<T>) {
+      const float c[4] = {b0.c0, b0.c1, b1.c0, b1.c1};
+      for (int g = 0; g < 4; ++g)
+        off = _mm512_fmadd_ps(_mm512_set1_ps(c[g]), _mm512_maskz_loadu_ps(rows, s16 + (2 * j + g) * m), off);
+    }
+  }
+  alignas(64) float partial[16];
+  _mm512_store_ps(partial, off);
+  for (int r = 0; r < R; ++r) partial[r] += _mm512_reduce_add_ps(acc[r]);
+  if (j < nb) {  // an odd block count: the last block at half width
+    __m256 tail[R];
+    for (int r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+    const Block b = step256<T, R>(row, j, x, i0, tail);
+    for (int r = 0; r < R; ++r) {
+      partial[r] += hsum256(tail[r]);
+      if (OFFSET<T>) partial[r] += b.c0 * s16[2 * j * m + r] + b.c1 * s16[(2 * j + 1) * m + r];
+    }
+  }
+  store<R>(partial, i0, y, ldy);
+}
+
+#else
+
+constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 registers
+
+template <int T, int R>
+void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_t ldy) {
+  const int64_t m = x.m;
+  const float* s16 = x.s16 + i0;
+  const __m256i rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(R), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 acc[R], off = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < x.k / 32; ++j) {
+    const Block b = step256<T, R>(row, j, x, i0, acc);
+    if (OFFSET<T>) {
+      off = _mm256_fmadd_ps(_mm256_set1_ps(b.c0), _mm256_maskload_ps(s16 + 2 * j * m, rows), off);
+      off = _mm256_fmadd_ps(_mm256_set1_ps(b.c1), _mm256_maskload_ps(s16 + (2 * j + 1) * m, rows), off);
+    }
+  }
+  alignas(32) float partial[8];
+  _mm256_store_ps(partial, off);
+  for (int r = 0; r < R; ++r) partial[r] += hsum256(acc[r]);
+  store<R>(partial, i0, y, ldy);
+}
+
+#endif
+
+// The last m < ROWS rows: the tile of exactly that height.
+template <int T, int R>
+void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (m == R) {
+      tile<T, R>(row, x, i0, y, ldy);
+    } else {
+      rest<T, R - 1>(row, x, i0, m, y, ldy);
+    }
+  }
+}
+
+template <int T>
+void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
+               float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    int64_t i = 0;
+    for (; i + ROWS <= m; i += ROWS) tile<T, ROWS>(row, x, i, y + n, ldy);
+    rest<T, ROWS - 1>(row, x, i, m - i, y + n, ldy);
+  }
+}
+
+void matmul(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
+            int64_t m, float* y, int64_t ldy, uint8_t*) {
+  switch (type) {
+    case Q4_0: matmul_of<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_1: matmul_of<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_0: matmul_of<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_1: matmul_of<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q8_0: matmul_of<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_K: matmul_of<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_K: matmul_of<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q6_K: matmul_of<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    default: break;
+  }
+}
+
+#else  // the portable path: each weight row decoded into scratch (decode above), then the same sums in plain C++
+
+// y[i * ldy] += sum over g of c16[g] * s16[g][i], for every activation row i: the weight row's offsets.
+void add_offsets(const float* c16, const Activations& x, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < x.m; ++i) {
+    float sum = 0.f;
+    for (int64_t g = 0; g < x.k / 16; ++g) sum += c16[g] * x.s16[g * x.m + i];
+    y[i * ldy] += sum;
+  }
+}
+
+void dot_row(const Decoded& w, bool is_signed, const Activations& x, int64_t i, float* y) {
+  const int64_t k = x.k;
+  const int8_t* q = x.q + i * k;
+  const float* d8 = x.d8 + i * k / 4;
+  float sum = 0.f;
+  for (int64_t g = 0; g < k / 16; ++g) {
+    int32_t dot = 0;
+    for (int l = 0; l < 16; ++l) {
+      const int32_t u = is_signed ? int32_t(int8_t(w.u[16 * g + l])) : int32_t(w.u[16 * g + l]);
+      dot += u * int32_t(q[16 * g + l]);
+    }
+    sum += w.a16[g] * float(dot) * d8[4 * g];
+  }
+  *y = sum;
+}
+
+void matmul(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
+            int64_t m, float* y, int64_t ldy, uint8_t* scratch) {
+  const Decoded d = layout(scratch, x.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    decode(type, w + n * row_bytes, x.k, d);
+    for (int64_t i = 0; i < m; ++i) dot_row(d, type == Q8_0, x, i, y + i * ldy + n);
+    add_offsets(d.c16, x, y + n, ldy);
+  }
+}
+
+#endif
+
+void dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n, float* out,
+                uint8_t* scratch) {
+  // Where ggml's formula is d (q - z), so is this one: a u + c would round differently.
+  const int zero = type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
+  const Decoded d = layout(scratch, k);
+  for (int64_t r = 0; r < n; ++r) {
+    decode(type, w + r * row_bytes, k, d);
+    float* o = out + r * k;
+    for (int64_t l = 0; l < k; ++l) {
+      const float a = d.a16[l / 16];
+      if (type == Q8_0) {
+        o[l] = a * float(int8_t(d.u[l]));
+      } else if (zero) {
+        o[l] = a * float(int(d.u[l]) - zero);
+      } else {
+        o[l] = a * float(d.u[l]) + d.c16[l / 16];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern const Level QMM_SYMBOL = {QMM_NAME, quantize, matmul, dequantize};
+
+}  // namespace qmm

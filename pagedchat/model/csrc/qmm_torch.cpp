@@ -1,0 +1,153 @@
+// pagedchat's quantized matmul as a torch op: y = x @ W.T for W held as its GGUF blocks (qmm_level.cpp does the
+// arithmetic). It picks the instruction-set level the caller names among those this library was built with and
+// this CPU runs, and splits the weight's rows over torch's own threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "qmm.h"
+
+namespace qmm {
+
+int64_t block_values(int type) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 0;
+  }
+}
+
+int64_t block_bytes(int type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+}  // namespace qmm
+
+namespace {
+
+struct Entry {
+  const qmm::Level* level;
+  bool (*runs)();
+};
+
+#if defined(__x86_64__)
+bool runs_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool runs_avx2_vnni() { return runs_avx2() && __builtin_cpu_supports("avxvnni"); }
+bool runs_avx512() {
+  return runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+bool runs_avx512_vnni() { return runs_avx512() && __builtin_cpu_supports("avx512vnni"); }
+#endif
+bool always() { return true; }
+
+// Best first. A level is listed only where the build compiled it (QMM_LEVEL_* from qmm.py).
+const std::vector<Entry>& built() {
+  static const std::vector<Entry> entries = {
+#if defined(QMM_LEVEL_AVX512_VNNI)
+      {&qmm::avx512_vnni, runs_avx512_vnni},
+#endif
+#if defined(QMM_LEVEL_AVX512)
+      {&qmm::avx512, runs_avx512},
+#endif
+#if defined(QMM_LEVEL_AVX2_VNNI)
+      {&qmm::avx2_vnni, runs_avx2_vnni},
+#endif
+#if defined(QMM_LEVEL_AVX2)
+      {&qmm::avx2, runs_avx2},
+#endif
+      {&qmm::portable, always},
+  };
+  return entries;
+}
+
+// The levels this CPU runs, best first: their names, whose index the ops take.
+std::vector<std::string> levels() {
+  std::vector<std::string> names;
+  for (const auto& e : built())
+    if (e.runs()) names.emplace_back(e.level->name);
+  return names;
+}
+
+const qmm::Level& level_at(int64_t index) {
+  int64_t seen = 0;
+  for (const auto& e : built())
+    if (e.runs() && seen++ == index) return *e.level;
+  TORCH_CHECK(false, "no kernel level ", index, " on this CPU");
+}
+
+int64_t check_weight(const at::Tensor& w, int64_t type) {
+  const int64_t values = qmm::block_values(int(type)), bytes = qmm::block_bytes(int(type));
+  TORCH_CHECK(values > 0, "GGML type ", type, " is not one this kernel runs");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % bytes == 0,
+              "the weight must be its GGUF blocks: contiguous uint8 [rows, blocks * ", bytes, "]");
+  return w.size(1) / bytes * values;  // k
+}
+
+at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t level) {
+  const int64_t k = check_weight(w, type);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "]");
+  const qmm::Level& lv = level_at(level);
+  const auto x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), n = w.size(0);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y.to(x_in.scalar_type());
+
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto d8 = at::empty({m, k / 4}, x.options());
+  auto s16 = at::empty({k / 16, m}, x.options());
+  const float* xs = x.data_ptr<float>();
+  int8_t* qs = q.data_ptr<int8_t>();
+  float *ds = d8.data_ptr<float>(), *ss = s16.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss); });
+  const qmm::Activations acts{qs, ds, ss, k, m};
+  const uint8_t* ws = w.data_ptr<uint8_t>();
+  float* ys = y.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  // Rows per task: enough work that a split across threads pays for waking them.
+  const int64_t grain = std::max<int64_t>(4, (1 << 16) / std::max<int64_t>(1, k * m));
+  at::parallel_for(0, n, grain, [&](int64_t a, int64_t b) {
+    std::vector<uint8_t> scratch(qmm::scratch_bytes(k));
+    lv.matmul(int(type), ws, row_bytes, a, b, acts, m, ys, n, scratch.data());
+  });
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
+  const int64_t k = check_weight(w, type);
+  const qmm::Level& lv = level_at(level);
+  auto out = at::empty({w.size(0), k}, w.options().dtype(at::kFloat));
+  const uint8_t* ws = w.data_ptr<uint8_t>();
+  float* os = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  at::parallel_for(0, w.size(0), 16, [&](int64_t a, int64_t b) {
+    std::vector<uint8_t> scratch(qmm::scratch_bytes(k));
+    lv.dequantize(int(type), ws + a * row_bytes, row_bytes, k, b - a, os + a * k, scratch.data());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedchat_qmm, m) {
+  m.def("levels() -> str[]", &levels);
+  m.def("matmul(Tensor x, Tensor w, int type, int level) -> Tensor", &matmul);
+  m.def("dequantize(Tensor w, int type, int level) -> Tensor", &dequantize);
+}

@@ -1,0 +1,290 @@
+"""pagedchat's quantized matmuls: a GGUF's weights run from their own blocks (csrc/), compiled once per machine.
+
+Every quantized type of a typical download (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's
+blocks, so the weights take the file's size in memory. Each call quantizes its activation rows to int8 per 32
+inputs and takes integer dot products against the blocks, as llama.cpp's CPU kernels do (docs/bench.md,
+"Quantized kernels for every x86-64 level").
+
+One library holds several instruction-set levels, the same source compiled with each one's flags, and the
+level is picked at run time from what the CPU runs: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2, and
+portable C++ for any other CPU (ARM included). PAGEDCHAT_KERNEL names a level to force one (a lower one than the
+CPU's, to test or measure it), or "off" to run torch's paths instead.
+
+The library is built with the machine's C++ compiler against the installed torch, into the cache folder, under
+a name keyed by the sources, torch and the machine's architecture. `pagedchat pull` builds it, and so does the
+first engine that finds none (about as long as `pull` takes for it). A build that failed leaves the compiler's
+message beside the library's name and is not tried again. Without a compiler, torch's paths serve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedchat import paths
+
+ENV = "PAGEDCHAT_KERNEL"  # a level's name, or "off"
+CSRC = Path(__file__).with_name("csrc")
+LEVEL_SOURCE, TORCH_SOURCE, HEADER = CSRC / "qmm_level.cpp", CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
+# GGML's ids for the types the library runs (qmm.h).
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str    # as PAGEDCHAT_KERNEL and the status line give it
+    label: str   # for people: "AVX2", "AVX-512 VNNI"
+    flags: tuple[str, ...]
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# Best first. Other architectures build the portable level only, for their own baseline.
+X86_LEVELS = (
+    Level("avx512-vnni", "AVX-512 VNNI", (*_AVX512, "-mavx512vnni")),
+    Level("avx512", "AVX-512", _AVX512),
+    Level("avx2-vnni", "AVX2 VNNI", (*_AVX2, "-mavxvnni")),
+    Level("avx2", "AVX2", _AVX2),
+)
+PORTABLE = Level("portable", "portable C++", ())
+
+
+def levels_to_build() -> tuple[Level, ...]:
+    return (*X86_LEVELS, PORTABLE) if platform.machine() in ("x86_64", "AMD64") else (PORTABLE,)
+
+
+def symbol(level: Level) -> str:
+    return level.name.replace("-", "_")
+
+
+@dataclass
+class State:
+    loaded: bool = False
+    runnable: tuple[str, ...] = ()  # the library's levels this CPU runs, best first
+    index: int = -1                 # the one in use, in runnable
+    why_not: str = "not loaded yet"
+
+
+_state = State()
+_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+def ready() -> bool:
+    """Whether quantized weights can run from their blocks in this process now."""
+    return _state.index >= 0
+
+
+def runnable() -> tuple[str, ...]:
+    """The levels of the loaded library that this CPU runs, best first (none before it is loaded)."""
+    return _state.runnable
+
+
+def level() -> Level | None:
+    """The level in use, once loaded."""
+    if not ready():
+        return None
+    return next(lv for lv in levels_to_build() if lv.name == _state.runnable[_state.index])
+
+
+def describe() -> str:
+    """What quantized matmuls run on here, for logs and the bench's header."""
+    lv = level()
+    if lv is not None:
+        return f"pagedchat's {lv.label} kernels (int8 dot products)"
+    return f"torch's kernels ({_state.why_not})"
+
+
+def short() -> str:
+    """The path in a few characters, for the status line and F2: "AVX2", "torch"."""
+    lv = level()
+    return lv.label if lv is not None else "torch"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+
+
+def unavailable() -> str | None:
+    """Why the library cannot serve here, or None where it can be built."""
+    if os.environ.get(ENV, "") == "off":
+        return f"off: {ENV}=off"
+    if not sys.platform.startswith("linux"):
+        return "built on Linux only"
+    if compiler() is None:
+        return "no C++ compiler (c++ or $CXX) on PATH"
+    return None
+
+
+def library_path() -> Path:
+    """Where this machine's build lives. Every level is inside and picked at run time, so the CPU's own flags
+    are not part of the name: the same library serves any CPU of this architecture."""
+    parts = [p.read_bytes() for p in (LEVEL_SOURCE, TORCH_SOURCE, HEADER)]
+    parts += [torch.__version__.encode(), platform.machine().encode(), platform.python_implementation().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return paths.cache_dir() / "kernels" / f"qmm-{key}.so"
+
+
+def failure_path(target: Path) -> Path:
+    """Beside a library that could not be built: why, so that every start does not try again (a new source,
+    torch or architecture is a new name, and tries again)."""
+    return target.with_suffix(".failed")
+
+
+def _common() -> list[str]:
+    # -ffp-contract=off: dequantize's a * u + c must round as gguf's does, not as one fused multiply-add.
+    return ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", f"-I{CSRC}"]
+
+
+def level_command(lv: Level, out: Path) -> list[str]:
+    return [compiler(), *_common(), *lv.flags, f"-DQMM_SYMBOL={symbol(lv)}", f'-DQMM_NAME="{lv.name}"', "-c",
+            str(LEVEL_SOURCE), "-o", str(out)]
+
+
+def torch_command(built: list[Level], out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline OpenMP, run on the libgomp torch has loaded.
+    return [compiler(), *_common(), "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-DQMM_LEVEL_{symbol(lv).upper()}" for lv in built),
+            *(f"-I{p}" for p in cpp_extension.include_paths()), "-c", str(TORCH_SOURCE), "-o", str(out)]
+
+
+def link_command(objects: list[Path], out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    return [compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(out),
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def build(target: Path, only: tuple[Level, ...] | None = None) -> list[str]:
+    """Compile into target, atomically: a reader sees no library or a whole one. Levels compile side by side;
+    one that this compiler cannot build is left out. Returns the names built. On failure of the rest, raises
+    and leaves the compiler's message in failure_path(target). only: these levels (tests build a lower one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wanted = only or levels_to_build()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
+        objs = {lv: Path(work) / f"{lv.name}.o" for lv in wanted}
+        jobs = {lv: _start(level_command(lv, o)) for lv, o in objs.items()}
+        results = {lv: (job, *job.communicate()) for lv, job in jobs.items()}
+        built = [lv for lv, (job, _, _) in results.items() if job.returncode == 0]
+        errors = {lv.name: err for lv, (job, _, err) in results.items() if job.returncode != 0}
+        if PORTABLE in wanted and PORTABLE not in built:
+            _fail(target, errors["portable"])
+        if errors:
+            log.info("kernel levels this compiler could not build: %s", ", ".join(errors))
+        glue = Path(work) / "qmm_torch.o"
+        out = Path(work) / target.name
+        for command in (torch_command(built, glue), link_command([glue, *(objs[lv] for lv in built)], out)):
+            job = _start(command)
+            _, err = job.communicate()
+            if job.returncode != 0:
+                _fail(target, err)
+        os.replace(out, target)
+    return [lv.name for lv in built]
+
+
+def needs_build() -> bool:
+    """Whether ensure() would compile first (for a progress line: it takes a while, once per machine)."""
+    return not _state.loaded and unavailable() is None and not library_path().exists() \
+        and not failure_path(library_path()).exists()
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _fail(target: Path, stderr: str) -> None:
+    failure_path(target).write_text(f"compiling pagedchat's kernels failed:\n{stderr[-4000:]}")
+    raise RuntimeError(f"compiling pagedchat's kernels failed (see {failure_path(target)})")
+
+
+def _load_library(path: Path) -> None:
+    try:
+        torch.ops.load_library(str(path))
+        runnable = tuple(torch.ops.pagedchat_qmm.levels())
+    except (OSError, RuntimeError) as e:  # a library left by another torch, say: torch's paths serve
+        _state.why_not = f"could not load {path.name}: {e}"
+        return
+    _state.loaded, _state.runnable = True, runnable
+    _choose()
+
+
+def _choose() -> None:
+    """The level in use: the best this CPU runs, or the one PAGEDCHAT_KERNEL names."""
+    forced = os.environ.get(ENV, "")
+    if forced == "off":
+        _state.index, _state.why_not = -1, f"off: {ENV}=off"
+        return
+    if forced and forced not in _state.runnable:
+        known = ", ".join(lv.name for lv in levels_to_build())
+        _state.index = -1
+        _state.why_not = (f"{ENV}={forced}: not a level this CPU runs (it runs {', '.join(_state.runnable)}; "
+                          f"the levels are {known}, or off)")
+        return
+    _state.index = _state.runnable.index(forced) if forced else 0
+    _state.why_not = ""
+
+
+def use(name: str | None) -> None:
+    """Switch this process to level name (None: the CPU's best), as PAGEDCHAT_KERNEL would: for tests."""
+    if name is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = name
+    if _state.loaded:
+        _choose()
+
+
+def ensure() -> str | None:
+    """Load the library, building it first if this machine has none; why it is not in use, or None."""
+    with _lock:  # one build at a time
+        if _state.loaded:
+            _choose()
+            return None if ready() else _state.why_not
+        why = unavailable()
+        if why is None:
+            why = _build_and_load(library_path())
+            if why is not None:  # it should have served here: say why in the log (the engine's, in the app)
+                log.warning("pagedchat's quantized kernels are not used, torch's paths serve: %s", why)
+        _state.why_not = why or ""
+        return why
+
+
+def _build_and_load(path: Path) -> str | None:
+    if failure_path(path).exists():
+        return f"they did not compile here (see {failure_path(path)})"
+    if not path.exists():
+        try:
+            build(path)
+        except (OSError, RuntimeError) as e:
+            return str(e)
+    _load_library(path)
+    return None if ready() else _state.why_not
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [M, K] @ W.T for W given as its GGUF blocks [N, bytes per row]; the result in x's dtype."""
+    return torch.ops.pagedchat_qmm.matmul(x, blocks, TYPES[kind], _state.index)
+
+
+def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The blocks' rows in float32, exactly as gguf's own dequantization computes them."""
+    return torch.ops.pagedchat_qmm.dequantize(blocks, TYPES[kind], _state.index)

@@ -1,0 +1,206 @@
+"""pagedchat's quantized kernels (pagedchat/model/csrc, loaded by qmm.py): every type of a typical GGUF, on every
+instruction-set level this CPU runs, against gguf's own dequantization times the same int8 activations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from kquants import quantize
+
+from pagedchat.model import qmm
+from pagedchat.model.blocks import BlockLinear, Blocks
+
+T = gguf.GGMLQuantizationType
+KINDS = list(qmm.TYPES)
+LEVELS = [lv.name for lv in qmm.levels_to_build()]
+
+
+@pytest.fixture
+def level(request, kernels):
+    """The level named by the test's parameter in use, for this test only."""
+    kernels(request.param)
+    return request.param
+
+
+def quantized(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A [n, k] weight quantized the way llama.cpp does (gguf's quantizer, or kquants' for the K types)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return quantize(w, kind)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Every bit of every block random (the high bits of Q4_K's 6-bit scales and Q6_K's negative scales
+    included), then the f16 scales set to small finite values: the decoding's every path, whatever a quantizer
+    tends to write."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    f16 = lambda lo, hi: rng.uniform(lo, hi, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)  # noqa: E731
+    where = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+             "Q6_K": [208]}[kind]
+    for offset in where:
+        raw[..., offset:offset + 2] = f16(-0.02, 0.02)
+    return raw.reshape(n, -1)
+
+
+def widths(kind: str) -> tuple[int, ...]:
+    """Input widths: for the 32-wide types an odd block count too (the 512-bit loop's half-width tail)."""
+    return (96, 576) if gguf.GGML_QUANT_SIZES[T[kind]][0] == 32 else (256, 768)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activations, computed here in numpy: per 32 inputs d = max |x| / 127 and q = x / d rounded
+    half away from zero (as ggml rounds), both in float32. Returns q [m, k] and d [m, k / 32]."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    v = (xb * inv[..., None]).astype(np.float32)
+    q = np.trunc(v + np.where(v < 0, np.float32(-0.5), np.float32(0.5))).astype(np.float32)
+    return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
+
+
+def reference(x: torch.Tensor, blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ W.T in float64 on the same int8 activations: sum over blocks of d * (q . w), W gguf's dequantization.
+    Also the sum of the terms' magnitudes, the scale of float32's summation error."""
+    n = blocks.shape[0]
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(n, -1)).double()
+    q, d = quantize_activations(x)
+    terms = (q.view(q.shape[0], 1, -1, 32) * w.view(1, n, -1, 32)).sum(-1) * d[:, None, :]  # [m, n, blocks]
+    return terms.sum(-1), (q.abs().view(q.shape[0], 1, -1, 32) * w.abs().view(1, n, -1, 32)).sum(-1).mul(
+        d[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("make", [quantized, random_blocks], ids=["quantizer", "random-bits"])
+def test_matmul_is_ggufs_weights_times_the_int8_activations(level, kind, make):
+    """For 1 row (one chat's decode) through 8, 16 and a ragged 37 (a batch, and the tiles' remainders): the
+    kernel's float32 sums of the same products, to float32 rounding; and within int8's error of the float
+    product itself."""
+    for k in widths(kind):
+        n = 40
+        blocks = make(kind, n, k, seed=k)
+        linear = BlockLinear(torch.from_numpy(blocks), kind)
+        for rows in (1, 8, 16, 37):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            want, scale = reference(x, blocks, kind)
+            got = linear(x).double()
+            assert ((got - want).abs() <= 1e-5 * scale + 1e-30).all(), f"k={k} rows={rows}"
+            w = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(n, -1)).double()
+            exact = x.double() @ w.T
+            assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_is_ggufs_bit_for_bit(level, kind):
+    """The rows an embedding lookup and the prefill path read: gguf's own dequantization, exactly."""
+    for make in (quantized, random_blocks):
+        blocks = make(kind, 24, widths(kind)[-1], seed=7)
+        want = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(24, -1).astype(np.float32))
+        linear = BlockLinear(torch.from_numpy(blocks), kind)
+        assert torch.equal(qmm.dequantize(linear.blocks, kind), want)
+        ids = torch.tensor([5, 0, 23, 5])
+        assert torch.equal(linear.rows(ids), want[ids])
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_bf16_activations_and_a_bias(level):
+    """bf16 in, bf16 out (the dtype a native-bf16 CPU runs in), the bias added after."""
+    blocks = quantized("Q4_1", 64, 256, seed=1)
+    bias = torch.randn(64)
+    linear = BlockLinear(torch.from_numpy(blocks), "Q4_1", bias.bfloat16())
+    x = torch.randn(3, 256).bfloat16()
+    y = linear(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 64)
+    want, _ = reference(x.float(), blocks, "Q4_1")
+    torch.testing.assert_close(y.float(), (want.float() + bias.bfloat16().float()).bfloat16().float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+def test_prefill_rows_take_the_dense_path_to_the_same_numbers(kind, monkeypatch):
+    """From DENSE_MIN_ROWS rows a projection dequantizes a slice of rows at a time and runs sgemm: the float
+    product on gguf's weights, also when one slice holds a single row."""
+    if qmm.ensure() is not None:
+        pytest.skip(qmm.ensure())
+    from pagedchat.model import blocks as blocks_module
+
+    raw = quantized(kind, 48, 512, seed=3)
+    linear = BlockLinear(torch.from_numpy(raw), kind)
+    x = torch.randn(blocks_module.DENSE_MIN_ROWS, 512)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).reshape(48, -1).astype(np.float32))
+    for slice_weights in (1 << 21, 1):
+        monkeypatch.setattr(blocks_module, "DENSE_SCRATCH_WEIGHTS", slice_weights)
+        torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_from_a_float_weight_are_ggufs_quantizer():
+    """--quantize on a safetensors model: gguf's own quantizer, rows kept as rows."""
+    w = torch.randn(32, 64)
+    b = Blocks.quantize(w, "Q8_0")
+    assert b.kind == "Q8_0" and b.data.shape == (32, 2 * 34)
+    assert np.array_equal(b.data, gguf.quants.quantize(w.numpy(), T.Q8_0))
+
+
+def test_a_forced_level_the_cpu_lacks_says_so(monkeypatch):
+    if qmm.ensure() is not None:
+        pytest.skip(qmm.ensure())
+    monkeypatch.setenv(qmm.ENV, "sse9")
+    try:
+        why = qmm.ensure()
+        assert why.startswith(f"{qmm.ENV}=sse9: not a level this CPU runs (it runs {qmm.runnable()[0]}")
+        assert not qmm.ready() and qmm.short() == "torch"
+        monkeypatch.setenv(qmm.ENV, "off")
+        assert qmm.ensure() == f"off: {qmm.ENV}=off"
+        assert qmm.describe() == f"torch's kernels (off: {qmm.ENV}=off)"
+    finally:
+        monkeypatch.undo()
+        qmm.ensure()
+    assert qmm.ready() and qmm.level().name == qmm.runnable()[0]
+
+
+def test_a_library_built_for_lower_levels_runs_only_those(tmp_path):
+    """Built with AVX2 and portable only (what a build for an AVX2 machine holds), the library offers just
+    those, whatever this CPU has: in a fresh process, since a library cannot be unloaded."""
+    if qmm.unavailable() is not None:
+        pytest.skip(qmm.unavailable())
+    wanted = tuple(lv for lv in qmm.levels_to_build() if lv.name in ("avx2", "portable"))
+    target = tmp_path / "qmm-low.so"
+    built = qmm.build(target, only=wanted)
+    assert built == [lv.name for lv in wanted]
+    code = f"import torch; torch.ops.load_library({str(target)!r}); print(list(torch.ops.pagedchat_qmm.levels()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    runnable_here = [name for name in built if name in qmm.runnable()]
+    assert out.strip() == str(runnable_here)
+
+
+def test_no_compiler_leaves_torchs_paths_with_the_reason(monkeypatch):
+    monkeypatch.setattr(qmm, "_state", qmm.State())
+    monkeypatch.setattr(qmm, "compiler", lambda: None)
+    assert qmm.ensure() == "no C++ compiler (c++ or $CXX) on PATH"
+    assert not qmm.ready() and qmm.describe() == "torch's kernels (no C++ compiler (c++ or $CXX) on PATH)"
+
+
+def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
+    """A source that does not compile: torch's paths, the compiler's message beside the library's name, and no
+    second attempt at the next start."""
+    if qmm.unavailable() is not None:
+        pytest.skip(qmm.unavailable())
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "qmm_level.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(qmm, "LEVEL_SOURCE", broken)
+    monkeypatch.setattr(qmm, "_state", qmm.State())
+    marker = qmm.failure_path(qmm.library_path())
+    assert qmm.ensure() == f"compiling pagedchat's kernels failed (see {marker})"
+    assert "this is not C++" in marker.read_text() or "error" in marker.read_text()
+    assert not qmm.library_path().exists()
+    monkeypatch.setattr(qmm, "_state", qmm.State())
+    monkeypatch.setattr(qmm, "build", lambda *a, **k: pytest.fail("built again"))
+    assert qmm.ensure() == f"they did not compile here (see {marker})"
