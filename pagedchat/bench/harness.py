@@ -54,9 +54,11 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         once = [r for p in peers for r in p.runners if not r.every_round]
         runs = cfg.repeat * (1 + len(every)) + len(once)
         progress.set_total(sum(n * cfg.max_tokens for n in levels) * runs + 2 * WARM_REPEATS)
-        int4 = qmm.describe() if engine.model.built_packed else ""
+        kernels = qmm.describe() if engine.model.built_packed else ""
         base = dict(config=cfg, model=ModelInfo(str(engine.model_path), engine.config.architecture,
-                                                str(engine.dtype).removeprefix("torch."), int4),
+                                                str(engine.dtype).removeprefix("torch."),
+                                                engine.model.weight_precision, kernels),
+                    peer_builds=tuple(f"{p.name}: {p.build}" for p in peers if p.build),
                     workload=WorkloadInfo(len(work.system_ids), tuple(len(p) - len(work.system_ids)
                                                                       for p in work.prompts),
                                           cfg.max_tokens, tuple(work.questions)),
@@ -71,7 +73,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         startup = startup_times(cfg, top, peers, progress) if cfg.startup else ()
         machine = Machine(device=device, torch=torch.__version__, torch_threads=torch.get_num_threads(),
                           cpu=_cpu_name(), cpus=os.cpu_count(), load_average_at_start=machine_start,
-                          load_average_at_end=_load_average())
+                          load_average_at_end=_load_average(), cpu_level=qmm.best_label())
         return Report(machine=machine, ttft_cold_warm=cold_warm, cold_first_token=cold, startup=startup,
                       levels=tuple(out_levels), **base)
     finally:

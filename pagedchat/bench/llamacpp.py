@@ -231,4 +231,13 @@ def peer(cfg, engine, work) -> Peer:
 
     return Peer("llama.cpp", (Runner("llama.cpp", LABEL, True, run),), close=close,
                 cold_first_token=lambda prompts: on_own_thread(llama.cold_first_token, prompts),
-                startup=lambda: time_to_ready(["-c", _READY, str(path), str(threads)]))
+                startup=lambda: time_to_ready(["-c", _READY, str(path), str(threads)]), build=build_flags())
+
+
+def build_flags() -> str:
+    """The CPU features this llama.cpp was built for, from its own system info: which level it runs at."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    flags = [part.split("=")[0].strip() for part in info.split("|") if part.strip().endswith("= 1")]
+    return "built for " + " ".join(f.split(":")[-1].strip() for f in flags)

@@ -30,4 +30,5 @@ class Peer:
     cold_first_token: Callable[[list[list[int]]], list[float]] | None = None
     # fresh process -> seconds from its start to the model ready to decode
     startup: Callable[[], float] | None = None
+    build: str = ""  # how the peer was built, for the bench's header
 

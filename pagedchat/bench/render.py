@@ -45,8 +45,11 @@ def header_lines(report: Report) -> list[str]:
     lines = [f"pagedchat bench · {report.model.path} ({report.model.dtype}) on {m.device} "
              f"({m.cpu}, {m.cpus or '?'} CPUs, {m.torch_threads} torch threads, torch {m.torch}) · "
              f"system prompt {w.system_tokens} tokens, {w.max_tokens} tokens per reply"]
-    if report.model.int4_matmuls:
-        lines.append(f"batched matmuls of the packed weights: {report.model.int4_matmuls}")
+    if m.cpu_level:
+        lines.append(f"this CPU's best level: {m.cpu_level}")
+    if report.model.kernels:
+        lines.append(f"weights {report.model.weights}; quantized matmuls: {report.model.kernels}")
+    lines += report.peer_builds
     alternating = [PAGEDCHAT] + [p.label for lv in report.levels[:1] for p in lv.peers if p.every_round]
     if cfg.repeat > 1:
         lines.append(f"{cfg.repeat} rounds per level of {', '.join(alternating)}, alternating; each runner's "

@@ -22,6 +22,7 @@ class Machine:
     cpus: int | None
     load_average_at_start: tuple[float, ...] | None
     load_average_at_end: tuple[float, ...] | None
+    cpu_level: str = ""  # the best level of pagedchat's kernels this CPU runs ("": not built)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class ModelInfo:
     path: str
     architecture: str
     dtype: str
-    int4_matmuls: str = ""  # what ran the packed weights' batched matmuls ("": nothing was packed)
+    weights: str = ""  # what the weights are and how they run: "Q4_1 packed + Q8_0 packed · AVX2"
+    kernels: str = ""  # what ran the packed weights' matmuls ("": nothing was packed)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Report:
     cold_first_token: tuple[Timed, ...]   # pagedchat's cold prompt first, then each peer's, same prompts
     startup: tuple[Timed, ...]            # start to model ready, pagedchat first; empty when not measured
     levels: tuple[Level, ...]
+    peer_builds: tuple[str, ...] = ()  # how each peer was built, where it says ("llama.cpp: AVX2 FMA ...")
 
     @property
     def peer_labels(self) -> list[tuple[str, str]]:

@@ -98,11 +98,17 @@ def level() -> Level | None:
     return next(lv for lv in levels_to_build() if lv.name == _state.runnable[_state.index])
 
 
+def best_label() -> str:
+    """The best level this CPU runs, whichever is in use ("" before the library is loaded)."""
+    return next((lv.label for lv in levels_to_build() if _state.runnable and lv.name == _state.runnable[0]), "")
+
+
 def describe() -> str:
     """What quantized matmuls run on here, for logs and the bench's header."""
     lv = level()
     if lv is not None:
-        return f"pagedchat's {lv.label} kernels (int8 dot products)"
+        forced = f", forced by {ENV}={lv.name}" if os.environ.get(ENV) else ""
+        return f"pagedchat's {lv.label} kernels (int8 dot products{forced})"
     return f"torch's kernels ({_state.why_not})"
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import math
+import platform
 import pytest
 
 from pagedchat import bench
@@ -18,6 +19,7 @@ from pagedchat.bench.memory import parameter_count
 from pagedchat.bench.loaders import LOADERS
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.render import header_lines, render, to_markdown
+from pagedchat.model import qmm
 from pagedchat.bench.harness import run_bench
 from pagedchat.bench.stats import percentile, timing_stats
 from pagedchat.bench.workload import build_workload
@@ -268,7 +270,7 @@ def test_rounds_alternate_over_every_peer_and_show_the_median(tiny_llama, report
         ("pagedchat", rep.ttft_cold_warm.cold_s), ("llama.cpp", 0.5)]
     assert rep.startup == ()
     assert ("3 rounds per level of pagedchat, transformers, padded batch, llama.cpp, shared prompt"
-            in header_lines(rep)[1])
+            in "\n".join(header_lines(rep)))
     buf = io.StringIO()
     from rich.console import Console
 
@@ -338,7 +340,7 @@ def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     """On a tiny GGUF: every chat gets exactly max_tokens tokens, the shared prefix decoded once."""
     from tiny_gguf import write_tiny_gguf
 
-    gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", quantized=())
+    gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf")  # two tensors in Q8_0: packed, the rest F32
     cfg = BenchConfig(model=str(gguf), chats=(1, 3), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
                       against=("llama.cpp",), kv_cache_memory="1MiB", repeat=1)
     rep = run_bench(cfg)
@@ -348,6 +350,11 @@ def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     cold = rep.cold_first_token[1]
     assert cold.runner == "llama.cpp" and len(cold.all_s) == 3 and cold.median_s > 0
     assert [t.runner for t in rep.startup] == ["pagedchat", "llama.cpp"] and rep.startup[1].median_s > 0
+    # the header says which level each side runs at: this CPU's, pagedchat's kernels', llama.cpp's build
+    header = "\n".join(header_lines(rep))
+    assert f"this CPU's best level: {qmm.best_label()}" in header
+    assert f"quantized matmuls: {qmm.describe()}" in header and "Q8_0 packed" in header
+    assert "llama.cpp: built for " in header and ("AVX2" in header or platform.machine() != "x86_64")
 
 
 def test_budget_too_small(tiny_llama, capsys):
