@@ -211,7 +211,8 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 // ------------------------------------------------------------------------------------------------------------
 // Activations: per 32 inputs, d = max |x| / 127 and q = round(x / d), rounded half away from zero as ggml does.
 
-void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16) {
+void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16,
+              float* s32) {
   for (int64_t i = i0; i < i1; ++i) {
     for (int64_t j = 0; j < k / 32; ++j) {
       const float* xb = x + i * k + 32 * j;
@@ -232,6 +233,7 @@ void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8
       for (int l = 0; l < 8; ++l) d8[i * k / 4 + 8 * j + l] = d;
       s16[(2 * j) * m + i] = d * float(sums[0]);
       s16[(2 * j + 1) * m + i] = d * float(sums[1]);
+      s32[j * m + i] = d * float(sums[0] + sums[1]);
     }
   }
 }
@@ -287,6 +289,13 @@ inline __m256i byte_shift_right(__m256i v, int n) {  // per byte, for n < 8, the
 
 inline Block one_scale(__m256i u, float a, float c) { return {u, _mm256_set1_ps(a), c, c}; }
 
+// Two adjacent f16 values (a block's d and m, or d and dmin) in one conversion.
+inline void f16_pair(const uint8_t* p, float* first, float* second) {
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(int(u32(p))));
+  *first = _mm_cvtss_f32(v);
+  *second = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+
 template <int T>
 inline Block block(const uint8_t* row, int64_t j) {
   if constexpr (T == Q4_0) {
@@ -295,14 +304,18 @@ inline Block block(const uint8_t* row, int64_t j) {
     return one_scale(nibbles256(b + 2), d, -8 * d);
   } else if constexpr (T == Q4_1) {
     const uint8_t* b = row + 20 * j;
-    return one_scale(nibbles256(b + 4), f16(b), f16(b + 2));
+    float d, m;
+    f16_pair(b, &d, &m);
+    return one_scale(nibbles256(b + 4), d, m);
   } else if constexpr (T == Q5_0) {
     const uint8_t* b = row + 22 * j;
     const float d = f16(b);
     return one_scale(_mm256_or_si256(nibbles256(b + 6), fifth_bits256(b + 2)), d, -16 * d);
   } else if constexpr (T == Q5_1) {
     const uint8_t* b = row + 24 * j;
-    return one_scale(_mm256_or_si256(nibbles256(b + 8), fifth_bits256(b + 4)), f16(b), f16(b + 2));
+    float d, m;
+    f16_pair(b, &d, &m);
+    return one_scale(_mm256_or_si256(nibbles256(b + 8), fifth_bits256(b + 4)), d, m);
   } else if constexpr (T == Q8_0) {
     const uint8_t* b = row + 34 * j;
     return one_scale(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), f16(b), 0.f);
@@ -317,9 +330,10 @@ inline Block block(const uint8_t* row, int64_t j) {
       const __m256i bit = _mm256_and_si256(byte_shift_right(qh, sub), _mm256_set1_epi8(1));
       u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
     }
-    float sc, mn;
+    float sc, mn, d, dmin;
     scale_min_k4(sub, b + 4, &sc, &mn);
-    return one_scale(u, f16(b) * sc, -f16(b + 2) * mn);
+    f16_pair(b, &d, &dmin);
+    return one_scale(u, d * sc, -dmin * mn);
   } else {  // Q6_K
     const int sub = int(j % 8), half = sub / 4, quarter = sub % 4;
     const uint8_t* b = row + 210 * (j / 8);
@@ -341,6 +355,8 @@ template <int T>
 constexpr bool SIGNED = T == Q8_0;  // maddubs and dpbusd take unsigned codes: the signs move onto q
 template <int T>
 constexpr bool OFFSET = T != Q8_0;
+template <int T>
+constexpr bool TWO_OFFSETS = T == Q6_K;  // one per 16; every other type has one per block of 32
 
 template <int T, int R>
 inline Block step256(const uint8_t* row, int64_t j, const Activations& x, int64_t i0, __m256* acc) {
@@ -379,7 +395,7 @@ template <int T, int R>
 void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_t ldy) {
   const int64_t k = x.k, m = x.m, nb = k / 32;
   const __mmask16 rows = __mmask16((1u << R) - 1);
-  const float* s16 = x.s16 + i0;
+  const float *s16 = x.s16 + i0, *s32 = x.s32 + i0;
   __m512 acc[R], off = _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t j = 0;
@@ -396,10 +412,13 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
       const __m512 p = _mm512_cvtepi32_ps(dot512(u, q));
       acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(a, _mm512_loadu_ps(x.d8 + i * k / 4 + 8 * j)), acc[r]);
     }
-    if (OFFSET<T>) {
+    if (TWO_OFFSETS<T>) {
       const float c[4] = {b0.c0, b0.c1, b1.c0, b1.c1};
       for (int g = 0; g < 4; ++g)
         off = _mm512_fmadd_ps(_mm512_set1_ps(c[g]), _mm512_maskz_loadu_ps(rows, s16 + (2 * j + g) * m), off);
+    } else if (OFFSET<T>) {
+      off = _mm512_fmadd_ps(_mm512_set1_ps(b0.c0), _mm512_maskz_loadu_ps(rows, s32 + j * m), off);
+      off = _mm512_fmadd_ps(_mm512_set1_ps(b1.c0), _mm512_maskz_loadu_ps(rows, s32 + (j + 1) * m), off);
     }
   }
   alignas(64) float partial[16];
@@ -424,15 +443,17 @@ constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 register
 template <int T, int R>
 void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_t ldy) {
   const int64_t m = x.m;
-  const float* s16 = x.s16 + i0;
+  const float *s16 = x.s16 + i0, *s32 = x.s32 + i0;
   const __m256i rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(R), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 acc[R], off = _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t j = 0; j < x.k / 32; ++j) {
     const Block b = step256<T, R>(row, j, x, i0, acc);
-    if (OFFSET<T>) {
+    if (TWO_OFFSETS<T>) {
       off = _mm256_fmadd_ps(_mm256_set1_ps(b.c0), _mm256_maskload_ps(s16 + 2 * j * m, rows), off);
       off = _mm256_fmadd_ps(_mm256_set1_ps(b.c1), _mm256_maskload_ps(s16 + (2 * j + 1) * m, rows), off);
+    } else if (OFFSET<T>) {
+      off = _mm256_fmadd_ps(_mm256_set1_ps(b.c0), _mm256_maskload_ps(s32 + j * m, rows), off);
     }
   }
   alignas(32) float partial[8];

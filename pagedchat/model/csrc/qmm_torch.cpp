@@ -113,11 +113,12 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   auto q = at::empty({m, k}, x.options().dtype(at::kChar));
   auto d8 = at::empty({m, k / 4}, x.options());
   auto s16 = at::empty({k / 16, m}, x.options());
+  auto s32 = at::empty({k / 32, m}, x.options());
   const float* xs = x.data_ptr<float>();
   int8_t* qs = q.data_ptr<int8_t>();
-  float *ds = d8.data_ptr<float>(), *ss = s16.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss); });
-  const qmm::Activations acts{qs, ds, ss, k, m};
+  float *ds = d8.data_ptr<float>(), *ss = s16.data_ptr<float>(), *s2 = s32.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss, s2); });
+  const qmm::Activations acts{qs, ds, ss, s2, k, m};
   const uint8_t* ws = w.data_ptr<uint8_t>();
   float* ys = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
