@@ -27,10 +27,12 @@ def _float32_by_default():
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_loaded():
     """pagedchat's kernels loaded (built first if this machine has none: `pagedchat pull` builds them in CI)
-    before any engine starts: an engine in a test's own cache folder would otherwise compile them there."""
-    from pagedchat.model import qmm
+    before any engine starts: an engine in a test's own cache folder would otherwise compile them there (the
+    int4 kernel in the background, switching kernels partway through a test)."""
+    from pagedchat.model import int4_kernel, qmm
 
     qmm.ensure()
+    int4_kernel.ensure(wait=True)
 
 
 @pytest.fixture

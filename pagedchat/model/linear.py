@@ -7,8 +7,10 @@
   the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
 - `blocks.BlockLinear`: a GGUF's quantized blocks as the file holds them, run by pagedchat's kernels (qmm.py):
   the CPU's path wherever they are built.
-- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel (bf16 on the CPU): the
-  path where pagedchat's kernels are not built.
+- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel on bf16 activations, with
+  pagedchat's AVX-512 int4 kernel for batches (int4_kernel.py): faster there than int8 dot products
+  (docs/bench.md, "Quantized kernels for every x86-64 level"), so it keeps the types it holds where that kernel
+  builds; and the path for them where pagedchat's kernels are not built.
 - `Concat`: projections side by side, where a fused one (q, k and v) mixes types with no common form.
 
 `build` picks among them for a model's weights: see `Placement`.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import qmm, quant
+from pagedchat.model import int4_kernel, qmm, quant
 from pagedchat.model.blocks import Blocks, BlockLinear, concat
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
@@ -102,8 +104,8 @@ class Placement:
     """How a model's weights are held: dtype and device for dense ones, and whether quantized ones stay packed.
 
     blocks: quantized tensors stay the file's blocks, run by pagedchat's kernels (CPU, any dtype, the kernels
-    built). int4, where they are not: packed int4 matmuls on torch's kernel (CPU, bf16 activations; its fp32 path
-    is a slow reference loop). With neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into
+    built). int4: packed int4 matmuls on torch's kernel (CPU, bf16 activations; its fp32 path is a slow reference
+    loop), for the types it holds, where pagedchat's AVX-512 int4 kernel builds or blocks cannot run. With neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into
     dtype: the float32 path, whose tokens equal transformers'. quantize: "int4"/"int8" quantizes dense
     (safetensors) weights too."""
 
@@ -118,7 +120,8 @@ class Placement:
     def choose(cls, dtype: torch.dtype, device: torch.device, quantize: str | None) -> "Placement":
         cpu = device.type == "cpu"
         blocks = cpu and qmm.ensure() is None
-        int4 = not blocks and cpu and dtype == torch.bfloat16 and quant.int4_available()
+        int4 = cpu and dtype == torch.bfloat16 and quant.int4_available() and \
+            (not blocks or int4_kernel.unavailable() is None)
         probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
         return cls(dtype, device, int4, quantize, packing_is_exact(probe), blocks)
 
@@ -127,13 +130,13 @@ class Placement:
         if isinstance(w, torch.Tensor):
             if not self.quantize or w.dim() != 2 or w.shape[1] % quant.GROUP:
                 return None
-            if self.blocks:
-                return Blocks.quantize(w, QUANTIZE_TYPES[self.quantize])
-            fits = self.int4 and w.shape[0] % 16 == 0
-            return quant.quantize(w, QUANTIZE_TYPES[self.quantize]) if fits else None
-        if self.blocks:
+            if self.int4 and w.shape[0] % 16 == 0:
+                return quant.quantize(w, QUANTIZE_TYPES[self.quantize])
+            return Blocks.quantize(w, QUANTIZE_TYPES[self.quantize]) if self.blocks else None
+        groups = w.int4() if self.int4 else None
+        if groups is None and self.blocks:
             return w.blocks()
-        return w.int4() if self.int4 else None
+        return groups
 
     def dense(self, w) -> torch.Tensor:
         t = w if isinstance(w, torch.Tensor) else w.dense(self.dtype)
@@ -229,6 +232,10 @@ class Builder:
     @property
     def runs_blocks(self) -> bool:
         return any(f.startswith("blocks") for f in self.forms.values())
+
+    @property
+    def runs_int4(self) -> bool:
+        return any(f.startswith("int4") for f in self.forms.values())
 
     @property
     def packs(self) -> bool:

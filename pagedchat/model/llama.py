@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
-from pagedchat.model import qmm
+from pagedchat.model import int4_kernel, qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder, Placement, nbytes
 
@@ -95,6 +95,8 @@ class LlamaModel:
         self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
         self.built_packed = build.packs  # whether any projection runs packed
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
+        if build.runs_int4:
+            int4_kernel.ensure(wait=False)  # batched int4 steps switch to it once it is loaded
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim

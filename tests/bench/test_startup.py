@@ -29,12 +29,12 @@ def test_f2_and_the_status_line_say_how_the_weights_run(tiny_llama, tmp_path, mo
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))  # the packed weights are saved there
     from pagedchat.model import qmm
 
-    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16", quantize="int4")
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="float32", quantize="int4")
     precision = engine.model.weight_precision
     assert precision == f"Q4_1 packed (quantized at load) · {qmm.short()}"  # the kernels' level: "AVX2", ...
     snap = engine.memory()
     assert (snap.weight_bytes, snap.weight_precision) == (engine.model.weight_bytes(), precision)
-    assert LocalBackend(engine).info.where == f"on cpu · bfloat16 · weights {precision}"
+    assert LocalBackend(engine).info.where == f"on cpu · float32 · weights {precision}"
     engine.shutdown()
     text = render_summary(snap, 80).plain
     assert "weights" in text and precision in text
