@@ -95,7 +95,8 @@ class LlamaModel:
         self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
         self.built_packed = build.packs  # whether any projection runs packed
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
-        if build.runs_int4:
+        self.runs_int4 = build.runs_int4      # whether any of it runs as int4 groups
+        if self.runs_int4:
             int4_kernel.ensure(wait=False)  # batched int4 steps switch to it once it is loaded
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         q_size = config.num_heads * config.head_dim

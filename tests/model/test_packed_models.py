@@ -144,6 +144,13 @@ def test_a_q4_k_m_file_runs_every_tensor_packed(tmp_path, monkeypatch):
     engine.shutdown()
     for prompt, out, want in zip(PROMPTS, outs, expected):
         assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=NEAR_TIE_PACKED)
+    # bf16 (a CPU with native bf16): still nothing expanded, whichever packed form each type takes there
+    engine, outs = generate(folder, dtype="bfloat16")
+    assert "as bfloat16" not in engine.model.weight_precision
+    assert engine.model.weight_bytes() <= 1.2 * sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    engine.shutdown()
+    for prompt, out, want in zip(PROMPTS, outs, expected):
+        assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=NEAR_TIE_BF16)
 
 
 @pytest.mark.parametrize("quantize_as,kind", [("int4", "Q4_1"), ("int8", "Q8_0")])
