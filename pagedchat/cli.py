@@ -135,7 +135,8 @@ def cmd_pull(args) -> int:
     qmm.ensure()
     progress.done(f"quantized matmuls: {qmm.describe()}")
     if int4_kernel.unavailable() is None:  # bf16 on AVX-512 runs Q4_* and Q8_0 as int4 groups (README)
-        progress("compiling pagedchat's int4 kernel for this CPU", None)
+        if not int4_kernel.library_path().exists():
+            progress("compiling pagedchat's int4 kernel for this CPU", None)
         int4_kernel.ensure(wait=True)
         progress.done(f"batched int4 matmuls in bf16: {int4_kernel.describe()}")
     return 0

@@ -42,7 +42,6 @@ class BlockLinear:
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
         self.blocks, self.kind, self.bias = blocks, kind, bias
-        self.source = kind
         self.out_features = blocks.shape[0]
 
     @classmethod
