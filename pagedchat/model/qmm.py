@@ -74,6 +74,7 @@ class State:
     runnable: tuple[str, ...] = ()  # the library's levels this CPU runs, best first
     index: int = -1                 # the one in use, in runnable
     why_not: str = "not loaded yet"
+    warned: bool = False            # whether the log has said why they do not serve
 
 
 _state = State()
@@ -264,8 +265,10 @@ def ensure() -> str | None:
         why = unavailable()
         if why is None:
             why = _build_and_load(library_path())
-            if why is not None:  # it should have served here: say why in the log (the engine's, in the app)
-                log.warning("pagedchat's quantized kernels are not used, torch's paths serve: %s", why)
+        if why is not None and not why.startswith("off:") and not _state.warned:
+            # Once per process, in the log (the engine's, in the app): the user did not ask for torch's paths.
+            log.warning("pagedchat's quantized kernels are not used, torch's paths serve: %s", why)
+            _state.warned = True
         _state.why_not = why or ""
         return why
 

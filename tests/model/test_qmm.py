@@ -180,10 +180,14 @@ def test_a_library_built_for_lower_levels_runs_only_those(tmp_path):
     assert out.strip() == str(runnable_here)
 
 
-def test_no_compiler_leaves_torchs_paths_with_the_reason(monkeypatch):
+def test_no_compiler_leaves_torchs_paths_with_the_reason(monkeypatch, caplog):
+    """Said once in the log, however many engines start; and in describe(), which pull and the bench print."""
     monkeypatch.setattr(qmm, "_state", qmm.State())
     monkeypatch.setattr(qmm, "compiler", lambda: None)
-    assert qmm.ensure() == "no C++ compiler (c++ or $CXX) on PATH"
+    with caplog.at_level("WARNING", logger=qmm.__name__):
+        assert qmm.ensure() == qmm.ensure() == "no C++ compiler (c++ or $CXX) on PATH"
+    assert [r.getMessage() for r in caplog.records] == [
+        "pagedchat's quantized kernels are not used, torch's paths serve: no C++ compiler (c++ or $CXX) on PATH"]
     assert not qmm.ready() and qmm.describe() == "torch's kernels (no C++ compiler (c++ or $CXX) on PATH)"
 
 
