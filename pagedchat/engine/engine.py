@@ -35,8 +35,8 @@ from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, pl
 from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.llama import LlamaModel
 from pagedchat.model.gguf import gguf_weights
+from pagedchat.model.llama import LlamaModel
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
 log = logging.getLogger("pagedchat.engine")

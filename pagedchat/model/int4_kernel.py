@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Callable
 import torch
 
 from pagedchat import interpreter, paths
+from pagedchat.model.qmm import NO_COMPILER, compiler, failure_path
 
 MIN_ROWS = 8
 BLOCK = 64  # output channels per packed tile: torch's layout with AVX-512, the one int4_mm.cpp reads
@@ -75,10 +75,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
-
-
 def unavailable() -> str | None:
     """Why the kernel cannot serve here, or None where it can be built."""
     if os.environ.get(ENV, "1") == "0":
@@ -89,7 +85,7 @@ def unavailable() -> str | None:
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     if compiler() is None:
-        return "no C++ compiler (c++ or $CXX) on PATH"
+        return NO_COMPILER
     return None
 
 
@@ -110,12 +106,6 @@ def build_command(source: Path, target: Path) -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()),
             str(source), "-o", str(target), *(f"-L{p}" for p in cpp_extension.library_paths()),
             "-lc10", "-ltorch_cpu", "-ltorch"]
-
-
-def failure_path(target: Path) -> Path:
-    """Beside a library that could not be built: why, so that every start does not try again (a new source,
-    torch or CPU is a new name, and tries again)."""
-    return target.with_suffix(".failed")
 
 
 def build(target: Path) -> None:

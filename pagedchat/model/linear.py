@@ -105,9 +105,9 @@ class Placement:
 
     blocks: quantized tensors stay the file's blocks, run by pagedchat's kernels (CPU, any dtype, the kernels
     built). int4: packed int4 matmuls on torch's kernel (CPU, bf16 activations; its fp32 path is a slow reference
-    loop), for the types it holds, where pagedchat's AVX-512 int4 kernel builds or blocks cannot run. With neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into
-    dtype: the float32 path, whose tokens equal transformers'. quantize: "int4"/"int8" quantizes dense
-    (safetensors) weights too."""
+    loop), for the types it holds, where pagedchat's AVX-512 int4 kernel builds or blocks cannot run. With
+    neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into dtype: the float32 path, whose
+    tokens equal transformers'. quantize: "int4"/"int8" quantizes dense (safetensors) weights too."""
 
     dtype: torch.dtype
     device: torch.device
@@ -240,4 +240,4 @@ class Builder:
     @property
     def packs(self) -> bool:
         """Whether anything was packed: only then is a cache worth its disk (dense weights load fast as they are)."""
-        return any(f.startswith(("int4", "blocks")) for f in self.forms.values())
+        return self.runs_int4 or self.runs_blocks

@@ -93,7 +93,6 @@ class LlamaModel:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
-        self.built_packed = build.packs  # whether any projection runs packed
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
         self.runs_int4 = build.runs_int4      # whether any of it runs as int4 groups
         if self.runs_int4:

@@ -119,7 +119,11 @@ def short() -> str:
     return lv.label if lv is not None else "torch"
 
 
+NO_COMPILER = "no C++ compiler (c++ or $CXX) on PATH"
+
+
 def compiler() -> str | None:
+    """The C++ compiler both of pagedchat's kernel libraries are built with (this one and int4_kernel's)."""
     return shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
 
 
@@ -130,7 +134,7 @@ def unavailable() -> str | None:
     if not sys.platform.startswith("linux"):
         return "built on Linux only"
     if compiler() is None:
-        return "no C++ compiler (c++ or $CXX) on PATH"
+        return NO_COMPILER
     return None
 
 
@@ -144,8 +148,8 @@ def library_path() -> Path:
 
 
 def failure_path(target: Path) -> Path:
-    """Beside a library that could not be built: why, so that every start does not try again (a new source,
-    torch or architecture is a new name, and tries again)."""
+    """Beside a library that could not be built: why, so that every start does not try again (new sources, a
+    new torch or another machine make a new name, which tries again)."""
     return target.with_suffix(".failed")
 
 

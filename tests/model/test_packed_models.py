@@ -6,7 +6,6 @@ size; the packed-weights cache; `--quantize`."""
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from gguf_reference import transformers_from_gguf
