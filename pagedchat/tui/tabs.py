@@ -62,8 +62,10 @@ class ChatTabs:
             return None
 
     def views(self) -> list[ChatView]:
-        """Every open chat's view that is mounted: a chat opened a moment ago may not be yet."""
-        return [view for session in list(self.sessions.values()) if (view := self.view(session)) is not None]
+        """Every open chat's view that is mounted with its children: a chat opened a moment ago may be in the
+        DOM before its compose has run, and its input is not there to touch yet."""
+        return [view for session in list(self.sessions.values())
+                if (view := self.view(session)) is not None and view.is_mounted]
 
     def view_for_request(self, request_id: str) -> ChatView | None:
         """The chat whose live reply this request writes, if it still takes updates (not closed or abandoned)."""
