@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.app:
         return run_app(args)
     if args.serve:
-        from pagedchat.serve import bench as serve_bench
+        from pagedchat.bench import http
 
-        return serve_bench.run(args)
+        return http.run(args)
     from rich.console import Console
     from rich.markup import escape
 
