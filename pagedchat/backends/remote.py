@@ -25,10 +25,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate, Outcome, Update
 from pagedchat.backends.metrics import ServerMetrics, parse_metrics
+from pagedchat.config import API_KEY_ENV
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.errors import PagedChatError
 
-API_KEY_ENV = "PAGEDCHAT_API_KEY"
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
 READ_S = 600.0         # between two chunks: a queued request may wait long for its first token
 REFRESH_S = 0.25       # the inspector's page map is at most this old (plus one round trip)

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import uvicorn
 
 from pagedchat.backends.base import TokenBackend
+from pagedchat.config import API_KEY_ENV
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.app import create_app
 
-API_KEY_ENV = "PAGEDCHAT_API_KEY"
 # On SIGTERM, in-flight replies get this long to finish; then they are cancelled and their pages freed.
 GRACEFUL_SECONDS = 3
 
