@@ -1,8 +1,9 @@
 """Saved chats in SQLite (`chats.db` in the data dir).
 
 Small and synchronous on purpose: a write is one short transaction on the UI thread. The file is shared:
-several pagedchat instances may keep it open at once. WAL mode lets them read while one writes, a busy
-timeout makes a writer wait its turn, and every save upserts single messages by id, so no instance ever
+several pagedchat instances may keep it open at once. A rollback journal (not WAL, whose memory-mapped index
+turns an unwritable file into SIGBUS: db.use_rollback_journal) and a busy timeout make a writer wait its
+turn, and every save upserts single messages by id, so no instance ever
 rewrites (and so deletes) what another wrote. What is refused or salvaged, and why:
 
 - "busy"/"locked", read-only, a missing permission: not damage. The file is left exactly as it is.
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pagedchat.tui.db import (BUSY_TIMEOUT_S, DECODE_ERRORS, Damaged, connect, decode_message, describe,
-                               encode_stats, is_damage)
+                               encode_stats, is_damage, use_rollback_journal)
 from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
 
@@ -74,13 +75,13 @@ class Store:
     def open_file(cls, path: Path, busy_timeout_s: float) -> Store:
         conn = connect(path, busy_timeout_s)
         try:
-            version = schema_version(conn)  # a read: nothing, not even the WAL switch, touches a newer file
+            version = schema_version(conn)  # a read: nothing, not even the journal switch, touches a newer file
             if version > SCHEMA_VERSION:
                 raise NewerSchema(version)
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise Damaged(f"integrity check failed: {check[0] if check else 'no answer'}")
-            conn.execute("PRAGMA journal_mode = WAL")  # persistent: readers and one writer at once
+            use_rollback_journal(conn)
             migrate(conn)
             store = cls(conn, path)
             store.load_chats()  # reads every row: a bad row shows up now, not mid-session

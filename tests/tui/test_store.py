@@ -77,8 +77,7 @@ def test_a_read_only_store_reads_a_live_file_and_never_writes_it(tmp_path):
     chat = _chat()
     writer.save_chat(chat)
     path = tmp_path / DB_NAME
-    files = (path, path.with_name(DB_NAME + "-wal"))  # the writer is still open: its rows may be in the WAL
-    before = [f.read_bytes() for f in files]
+    before = path.read_bytes()
     reader = Store.read_only(path)
     try:
         [seen] = reader.load_chats()
@@ -87,7 +86,7 @@ def test_a_read_only_store_reads_a_live_file_and_never_writes_it(tmp_path):
             reader.save_chat(_chat())
     finally:
         reader.close()
-    assert [f.read_bytes() for f in files] == before
+    assert path.read_bytes() == before and not list(tmp_path.glob(DB_NAME + "-*"))
     writer.close()
 
 
@@ -101,9 +100,16 @@ def test_a_read_only_store_before_the_tables_exist_raises_operational_error(tmp_
         reader.close()
 
 
-def test_wal_mode_and_busy_timeout(tmp_path):
+def test_rollback_journal_no_mmap_and_busy_timeout(tmp_path):
+    # A file an older pagedchat left in WAL mode comes back to a rollback journal: no memory-mapped -shm.
+    old = sqlite3.connect(tmp_path / DB_NAME)
+    old.execute("PRAGMA journal_mode = WAL")
+    old.close()
     store = Store.open(tmp_path, busy_timeout_s=1.5)
-    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert store.conn.execute("PRAGMA mmap_size").fetchone()[0] == 0
+    store.save_chat(_chat("a"))
+    assert not (tmp_path / (DB_NAME + "-shm")).exists()
     assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 1500
     assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
