@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schem
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
 
 DB_NAME = "chats.db"
+EMPTY_GRACE_S = 5.0  # a 0-byte file younger than this is another instance's, created an instant before its tables
 SNIPPET_TOKENS = 12  # words of context FTS5 shows around a match
 
 
@@ -38,6 +40,32 @@ def fts_query(text: str) -> str:
         return ""
     quoted = ['"' + w.replace('"', '""') + '"' for w in words]
     return " ".join(quoted) + "*"
+
+
+def not_a_file(path: Path) -> str | None:
+    """What the path (or what its symlink points at) is, if it exists and is not a regular file: SQLite would
+    open a device or a pipe, and write its journal beside it (a link to /dev/null made /dev/null-journal)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = "a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+        "a pipe or socket"
+    return f"{kind} ({path.resolve()})" if path.is_symlink() else kind
+
+
+def is_left_empty(path: Path) -> bool:
+    """A 0-byte file nobody is creating: SQLite would open it as an empty database, and the chats it once held
+    would vanish without a word."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_GRACE_S
 
 
 class Store:
@@ -57,6 +85,11 @@ class Store:
 
         data_dir.mkdir(parents=True, exist_ok=True)
         path = data_dir / DB_NAME
+        if (kind := not_a_file(path)) is not None:
+            return cls.in_memory(f"Saved chats in {path} cannot be used: it is {kind}, not a file. It is left as it "
+                                 "is; chats in this session will not be kept.")
+        if is_left_empty(path):
+            return salvage.rebuild(cls, path, Damaged("the file is empty, 0 bytes"), busy_timeout_s)
         try:
             return cls.open_file(path, busy_timeout_s)
         except NewerSchema as exc:
