@@ -28,6 +28,7 @@ from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schem
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
 
 DB_NAME = "chats.db"
+MEMORY = Path(":memory:")
 EMPTY_GRACE_S = 5.0  # a 0-byte file younger than this is another instance's, created an instant before its tables
 SNIPPET_TOKENS = 12  # words of context FTS5 shows around a match
 
@@ -134,7 +135,12 @@ class Store:
         """A throwaway store, for when the data dir cannot be used: the app still runs, nothing is kept."""
         conn = connect(":memory:")
         migrate(conn)
-        return cls(conn, Path(":memory:"), notice)
+        return cls(conn, MEMORY, notice)
+
+    @property
+    def keeps_chats(self) -> bool:
+        """False for the throwaway store in memory (Store.in_memory): nothing written to it outlives the process."""
+        return self.path != MEMORY
 
     def close(self) -> None:
         self.conn.close()
