@@ -94,6 +94,7 @@ class PagedChatApp(App):
         self.saver: Saver | None = None
         self.chats: ChatTabs | None = None
         self._exiting = False                          # a signal: no more updates are taken
+        self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
@@ -297,8 +298,20 @@ class PagedChatApp(App):
             self.screen.toggle_inspector()
             return
         inspector = self.query_one(InspectorView)
+        if not inspector.display:
+            self._focus_before_inspector = self.focused
+        elif self.focused is None or inspector in (self.focused, *self.focused.ancestors):
+            # Hidden with the keyboard inside it (Tab, to scroll it): focus would be nowhere, and neither typing
+            # nor Esc (stop the reply) would reach the chat. It goes back where it was, or to the input.
+            self._refocus(self._focus_before_inspector)
         inspector.display = not inspector.display
         self.refresh_memory(force=True)
+
+    def _refocus(self, widget) -> None:
+        if widget is not None and widget.is_attached and widget.focusable:
+            widget.focus()
+        elif (chat := self.active_chat) is not None:
+            chat.prompt.focus()
 
     def action_help(self) -> None:
         keymap = self.config.keys
