@@ -109,6 +109,14 @@ class PagedChatApp(App):
         super().notify(visible_controls(message), title=visible_controls(title), severity=severity,
                        timeout=timeout, markup=False)
 
+    def action_help_quit(self) -> None:
+        """ctrl+c outside a text field: Textual's hint, whose "[b]…[/b]" is markup this app's notify() shows as
+        typed."""
+        quit_keys = [key for key, active in self.active_bindings.items()
+                     if active.binding.action in ("quit", "app.quit")]
+        if quit_keys:
+            self.notify(f"Press {quit_keys[0]} to quit the app.", title="Do you want to quit?")
+
     @property
     def notices(self) -> list[str]:
         """The notifications on screen now, oldest first."""

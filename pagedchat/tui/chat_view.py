@@ -272,19 +272,15 @@ class ChatView(Vertical):
             session.pages, session.page_tokens = outcome.pages, outcome.total_tokens
         elif not session.pages:
             session.page_tokens = outcome.total_tokens  # a backend that shows no pages: tokens, for estimates
-        if not outcome.generated_tokens and not ending.content and outcome.finish_reason in ("cancelled", "error"):
-            self._drop(ending.index)  # nothing came: drop the empty reply rather than keep a blank one
-            await self.truncate(ending.index)
-            saved: tuple[int, ...] = ()
-        else:
-            await self._show_ending(ending)
-            saved = (ending.index,)
+        # Kept even when nothing came (Esc before the first token, a server gone): its stats line says so, and
+        # the next message does not follow the question as a second user turn in a row.
+        await self._show_ending(ending)
         # Only now is the chat idle: anything that waits on `busy` sees the finished reply on screen.
         session.reply.end()
         if session is not self.services.active():
             session.unseen = True
         self.services.changed(session)
-        self.save(*saved)
+        self.save(ending.index)
         self.show_fill()
         if outcome.finish_reason == "context_full":
             self.notify(context.CONTEXT_FULL, severity="warning", timeout=10)

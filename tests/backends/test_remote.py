@@ -189,7 +189,8 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
             await wait_for(pilot, lambda: any("could not be reached" in n for n in app.notices),
                            "the retry to fail", timeout=60)
             await wait_for(pilot, lambda: not session.busy, "the chat idle again")
-            assert session.record.messages[-1].role == "user"  # the empty reply is dropped, the question kept
+            failed = session.record.messages[-1]   # kept, marked: the next message is not a second question in a row
+            assert failed.role == "assistant" and not failed.content and failed.stats.finish_reason == "error"
 
             # The server back on the same address: regenerate works again.
             with running_server(model, tmp_path, port):

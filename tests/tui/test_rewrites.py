@@ -270,3 +270,29 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
         assert contents(first) == kept
         shown = await screen_is_disk(pilot)
         assert len(shown) == 4
+
+
+async def test_esc_before_the_first_token_keeps_a_marked_reply(tmp_path):
+    """The empty reply was dropped, so the next message followed the question as a second user turn in a row."""
+    engine = ScriptedEngine(["never seen", "second answer"], first_token_s=5.0)
+    app = PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = app.active_session
+        prompt = app.chat_view(session).prompt
+        prompt.focus()
+        prompt.text = "first question"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: session.busy, "the reply to start")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not session.busy, "the stop")
+        reply = session.record.messages[-1]
+        assert reply.role == "assistant" and reply.content == "" and reply.stats.finish_reason == "cancelled"
+        assert reply.stats.line().endswith("stopped before the first token")
+        await screen_is_disk(pilot)
+        engine.first_token_s = 0.0
+        await turn(pilot, "second question")
+        roles = [m.role for m in session.record.messages]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert session.record.messages[-1].content == "second answer"
+        await screen_is_disk(pilot)
