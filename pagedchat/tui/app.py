@@ -49,6 +49,7 @@ from pagedchat.tui.tabs import ChatTabs, TabHooks
 from pagedchat.tui.themes import load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
+RECONNECT_S = 3.0      # a server that could not be reached is tried again this often, in the background
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
 
@@ -88,7 +89,8 @@ class PagedChatApp(App):
         super().__init__()
         self.config = config
         self._open_store_at = open_store
-        self.link = BackendLink(self, backend_factory or default_backend_factory(config))
+        self.link = BackendLink(self, backend_factory or default_backend_factory(config),
+                                reconnect_s=RECONNECT_S if config.server else None)
         self.inbox = DeltaInbox(self)
         self.store: Store | None = None
         self.saver: Saver | None = None
