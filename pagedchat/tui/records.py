@@ -69,13 +69,14 @@ class ReplyStats:
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    counted: bool = True     # False: the server reported no usage; prompt and cache are unknown, not 0
 
     @classmethod
     def from_outcome(cls, o) -> ReplyStats:
         """From a backend's Outcome (pagedchat.backends.base)."""
         return cls(prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens, generated_tokens=o.generated_tokens,
                    ttft=o.time_to_first_token, tokens_per_s=o.tokens_per_s, finish_reason=o.finish_reason,
-                   error=o.error)
+                   error=o.error, counted=o.counted)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ReplyStats | None:
@@ -85,8 +86,11 @@ class ReplyStats:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
     def line(self) -> str:
-        parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
-                 f"generated {self.generated_tokens}"]
+        if self.counted:
+            parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
+                     f"generated {self.generated_tokens}"]
+        else:   # the streamed pieces, which servers send one per token, are the only figure left
+            parts = ["tokens not reported", f"{self.generated_tokens} pieces streamed"]
         if self.ttft is not None:
             parts.append(f"TTFT {self.ttft * 1000:.0f} ms" if self.ttft < 1 else f"TTFT {self.ttft:.2f} s")
         if self.tokens_per_s is not None:
