@@ -46,7 +46,10 @@ class StatusBar(Horizontal):
             self.bar.update(total=None)
         else:
             self.bar.update(total=100, progress=fraction * 100)
-        self.line.update(Content.assemble(("loading ", "$text-muted"), visible_controls(stage)))
+        # A stage that says what it does ("loading weights", "compiling …", "connecting to …") stands alone;
+        # a bare one (a file's name) is what is being loaded.
+        says_what = stage.split(" ", 1)[0].lower().endswith("ing")
+        self.line.update(Content.assemble(("" if says_what else "loading ", "$text-muted"), visible_controls(stage)))
 
     def loading_again(self) -> None:
         self.bar.display = True

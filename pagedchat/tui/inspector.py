@@ -170,7 +170,7 @@ def render_sharing(snap, width: int = 80) -> Content:
     saved = snap.pages_saved_by_sharing
     live = len(snap.seqs)
     lines = [_heading("Sharing and waste"),
-             _kv("shared", f"{len(snap.shared_pages)} pages", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})",
+             _kv("shared", f"{len(snap.shared_pages)} page{'' if len(snap.shared_pages) == 1 else 's'}", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})",
                  width)]
     if live:
         slack = sum(len(s.pages) * snap.block_size - s.num_tokens for s in snap.seqs.values() if s.pages)
