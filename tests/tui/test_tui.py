@@ -135,6 +135,7 @@ async def test_two_tabs_generate_at_once(config):
         await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
+        assert "●" not in label(second)   # the one in view shows its reply being written instead
         await pilot.press("escape")  # stops the chat in view only
         await wait_for(pilot, lambda: not second.busy, "the second chat to stop")
         assert first.busy
