@@ -49,7 +49,8 @@ class StatusBar(Horizontal):
         # A stage that says what it does ("loading weights", "compiling …", "connecting to …") stands alone;
         # a bare one (a file's name) is what is being loaded.
         says_what = stage.split(" ", 1)[0].lower().endswith("ing")
-        self.line.update(Content.assemble(("" if says_what else "loading ", "$text-muted"), visible_controls(stage)))
+        prefix = "" if says_what else "loading "
+        self.line.update(Content.assemble((prefix, "$text-muted"), visible_controls(stage)))
 
     def loading_again(self) -> None:
         self.bar.display = True
@@ -144,8 +145,8 @@ class BackendLink:
             self.app.notify(f"{self.stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
             return None
         if self.backend is None and self.error:
-            self.app.notify(f"Not connected yet (the last try: {self.error.rstrip('.')}). Trying again now; your message is "
-                            "kept in the input.", severity="error", timeout=8)
+            self.app.notify(f"Not connected yet (the last try: {self.error.rstrip('.')}). Trying again now; your "
+                            "message is kept in the input.", severity="error", timeout=8)
             self.start()
         elif self.backend is None:
             self.app.notify("The model is still loading; your message is kept in the input.", severity="warning")

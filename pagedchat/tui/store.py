@@ -48,10 +48,8 @@ def not_a_file(path: Path) -> str | None:
     open a device or a pipe, and write its journal beside it (a link to /dev/null made /dev/null-journal)."""
     try:
         mode = path.stat().st_mode
-    except FileNotFoundError:
+    except OSError:   # missing (it is created), or unreachable: SQLite's own error says why
         return None
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
     if stat.S_ISREG(mode):
         return None
     kind = "a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
