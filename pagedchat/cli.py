@@ -259,14 +259,17 @@ def cmd_import(args) -> int:
     except NotAChatExport as exc:
         raise PagedChatError(f"not imported: {exc}") from None
     store = Store.open(config.data_dir)
-    if store.notice:
-        print(store.notice, file=sys.stderr)
     try:
+        if not store.keeps_chats:   # the file cannot be used: importing into memory would keep nothing
+            raise PagedChatError(f"not imported: {store.notice}")
+        if store.notice:
+            print(visible_controls(store.notice), file=sys.stderr)
         save_imported(store, record)
     finally:
         store.close()
-    print(f"Imported “{record.title}” ({len(record.messages)} messages) into {store.path}; "
-          "it opens as a tab at the next start.")
+    # The title and the path are the file's and the user's text: shown, never obeyed by the terminal.
+    print(visible_controls(f"Imported “{record.title}” ({len(record.messages)} messages) into {store.path}; "
+                           "it opens as a tab at the next start."))
     return 0
 
 

@@ -105,6 +105,7 @@ class AppConfig:
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
         "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "system_prompt": (str,),
         "theme": (str,), "server": (str,), "api_key": (str,)}
+_KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
 _SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
 
 
@@ -115,7 +116,7 @@ def _check(where: str, table: dict, schema: dict) -> dict:
             raise ConfigError(f"{where}: unknown setting {key!r} (known: {', '.join(schema)})")
         kinds = schema[key]
         if isinstance(value, bool) or not isinstance(value, kinds):
-            names = " or ".join("number" if k is float else k.__name__ for k in kinds)
+            names = " or ".join(_KIND_NAMES[k] for k in kinds if not (k is int and float in kinds))
             raise ConfigError(f"{where}: {key} must be a {names}, not {value!r}")
         out[key] = float(value) if float in kinds and not isinstance(value, str) else value
     return out

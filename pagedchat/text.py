@@ -7,7 +7,8 @@ text through `visible_controls` first; the stored text keeps exactly what was wr
 
 Controls are shown, not dropped, so that nothing the model wrote disappears without a trace: C0 controls and
 DEL become their Unicode control pictures (ESC is "␛"), a C1 control becomes "␛" and its 7-bit equivalent
-(U+009B, the one-byte CSI, shows as "␛["). Tab and newline stay; a carriage return is dropped, since a CRLF line
+(U+009B, the one-byte CSI, shows as "␛["); a bidi override or isolate shows as its code point ("⟨U+202E⟩").
+Tab and newline stay; a carriage return is dropped, since a CRLF line
 end is common and a lone one only serves to overwrite what came before it on the line.
 
 Character by character, so a stream cut into chunks anywhere gives the same result as the whole text.
@@ -40,6 +41,10 @@ def _picture(code: int) -> str:
 
 _TABLE = {code: ("" if chr(code) in _DROP else _picture(code))
           for code in [*range(0x20), *range(0x7F, 0xA0)] if chr(code) not in _KEEP}
+# Bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069) reorder what follows them on
+# the terminal: a right-to-left override makes "exe.txt" read as "txt.exe". They have no control pictures, so
+# they show as their code point.
+_TABLE.update({code: f"⟨U+{code:04X}⟩" for code in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})
 
 
 def visible_controls(text: str) -> str:

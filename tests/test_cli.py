@@ -187,6 +187,48 @@ def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, c
     assert len(Store.open(tmp_path / "data").load_chats()) == 1   # nothing written for the bad file
 
 
+def test_import_prints_a_crafted_title_as_text(tmp_path, monkeypatch, capsys):
+    """The success line was the one place a title reached the terminal raw: OSC 2 set the window title, CSI 2J
+    cleared the screen, U+202E reversed what followed."""
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    export = tmp_path / "chat.json"
+    title = "x\x1b]2;pwned\x07\x1b[2J\u202eevil"
+    export.write_text(json.dumps({"title": title, "messages": [{"role": "user", "content": "hi"}]}))
+    assert main(["import", str(export)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert f"Imported “{visible_controls(title)}” (1 messages)" in out
+
+
+def test_import_takes_a_plain_openai_messages_array(tmp_path, monkeypatch, capsys):
+    from pagedchat.tui.store import Store
+
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    export = tmp_path / "messages.json"
+    export.write_text(json.dumps([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Capital of France?"},
+                                  {"role": "assistant", "content": "Paris."}]))
+    assert main(["import", str(export)]) == 0
+    [chat] = Store.open(tmp_path / "data").load_chats()
+    assert chat.system_prompt == "Be brief." and chat.title == "Capital of France?"
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "Capital of France?"), ("assistant", "Paris.")]
+
+
+def test_import_into_an_unusable_store_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chats.db").symlink_to("/dev/null")
+    export = tmp_path / "chat.json"
+    export.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    assert main(["import", str(export)]) == 1
+    captured = capsys.readouterr()
+    assert "Imported" not in captured.out and "not imported: Saved chats in" in captured.err
+    assert "is a device (/dev/null)" in captured.err
+
+
 def test_every_subcommand_has_its_handler():
     """A subcommand the parser accepts but COMMANDS lacks fails with a KeyError (`serve` did after a merge)."""
     import argparse

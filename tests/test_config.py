@@ -41,11 +41,11 @@ def test_explicit_path_must_exist(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("model = ", "not valid TOML"),
     ("modle = 'x'", "unknown setting 'modle'"),
-    ("block_size = '16'", "block_size must be a int"),
+    ("block_size = '16'", "block_size must be a whole number, not '16'"),
     ("block_size = 0", "at least 1"),
     ("threads = 0", "threads must be at least 1"),
-    ("threads = 'all'", "threads must be a int"),
-    ("[sampling]\ntemperature = 'hot'", "temperature must be a int or number"),
+    ("threads = 'all'", "threads must be a whole number"),
+    ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
     ("[sampling]\ntemperature = nan", r"\[sampling\]: temperature must be a finite number >= 0 \(got nan\)"),
@@ -98,5 +98,5 @@ def test_server_and_api_key_from_file_env_and_flags(tmp_path, monkeypatch):
     assert load_config(config_dir=tmp_path).api_key == "from-env"
     assert load_config(config_dir=tmp_path, api_key="from-flag").api_key == "from-flag"
     (tmp_path / "config.toml").write_text("server = 8000\n")
-    with pytest.raises(ConfigError, match="server must be a str"):
+    with pytest.raises(ConfigError, match="server must be a string"):
         load_config(config_dir=tmp_path)

@@ -27,6 +27,15 @@ def test_text_tab_newline_and_unicode_are_untouched():
     assert visible_controls(text) == text
 
 
+def test_bidi_overrides_and_isolates_show_as_their_code_points():
+    # U+202E would make "gnp.exe" read "exe.png" on the terminal.
+    assert visible_controls("photo\u202egnp.exe") == "photo⟨U+202E⟩gnp.exe"
+    bidi = [chr(c) for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]]
+    shown = visible_controls("".join(bidi))
+    assert not set(shown) & set(bidi) and shown.count("⟨U+") == len(bidi)
+    assert visible_controls("עברית العربية") == "עברית العربية"   # right-to-left text itself is untouched
+
+
 def test_carriage_returns_are_dropped():
     assert visible_controls("one\r\ntwo\rover") == "one\ntwoover"
 
@@ -35,6 +44,8 @@ def test_carriage_returns_are_dropped():
 def test_no_control_survives_and_chunks_do_not_matter(text):
     shown = visible_controls(text)
     assert not any(unicodedata.category(c) == "Cc" and c not in "\t\n" for c in shown)
+    reordering = ("LRE", "RLE", "PDF", "LRO", "RLO", "LRI", "RLI", "FSI", "PDI")
+    assert not any(unicodedata.bidirectional(c) in reordering for c in shown)
     cut = len(text) // 2
     assert visible_controls(text[:cut]) + visible_controls(text[cut:]) == shown
 

@@ -175,12 +175,13 @@ class ScriptedEngine:
     cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024)
     model = SimpleNamespace(weight_precision="float32")
 
-    def __init__(self, replies: list[str | tuple[str, str]], chunks: int = 3) -> None:
+    def __init__(self, replies: list[str | tuple[str, str]], chunks: int = 3, first_token_s: float = 0.0) -> None:
         from tiny_models import make_tokenizer
 
         self.tokenizer = make_tokenizer()   # a real chat template, so the app builds its prompts as usual
         self.replies = list(replies)
         self.chunks = chunks
+        self.first_token_s = first_token_s   # how long each reply thinks before its first text (a long prefill)
         self.prompts: list[list[int]] = []  # every submitted prompt, in order
         self.failure: str | None = None     # as Engine.failure: a test sets it to stop the engine
         self.cancelled: set[str] = set()
@@ -207,6 +208,9 @@ class ScriptedEngine:
         step = max(1, -(-len(text) // self.chunks))
         pieces = [text[i:i + step] for i in range(0, len(text), step)]
         sent: list[str] = []
+        thinking_until = time.monotonic() + self.first_token_s
+        while time.monotonic() < thinking_until and handle.request_id not in self.cancelled:
+            time.sleep(0.01)
         for i, piece in enumerate(pieces):
             if handle.request_id in self.cancelled:
                 break

@@ -45,6 +45,7 @@ class Outcome:
     error: str | None = None
     pages: tuple[int, ...] = ()        # its block table when it ended, where the backend can see it
     token_ids: tuple[int, ...] = ()    # prompt and reply ids, where known: the next turn's prompt reuses them
+    counted: bool = True               # False: a server sent no usage, so the token figures are not counts
 
     @property
     def total_tokens(self) -> int:

@@ -171,7 +171,7 @@ class RemoteReply:
                        cached_tokens=(getattr(details, "cached_tokens", 0) or 0) if details else 0,
                        generated_tokens=(usage.completion_tokens or self.tokens) if usage else self.tokens,
                        time_to_first_token=(self.first_at - self.started) if self.first_at else None,
-                       tokens_per_s=tps, error=error, pages=self.pages)
+                       tokens_per_s=tps, error=error, pages=self.pages, counted=usage is not None)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self._outcome = self._figures(reason, error)

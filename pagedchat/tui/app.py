@@ -49,6 +49,7 @@ from pagedchat.tui.tabs import ChatTabs, TabHooks
 from pagedchat.tui.themes import load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
+RECONNECT_S = 3.0      # a server that could not be reached is tried again this often, in the background
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
 
@@ -88,12 +89,14 @@ class PagedChatApp(App):
         super().__init__()
         self.config = config
         self._open_store_at = open_store
-        self.link = BackendLink(self, backend_factory or default_backend_factory(config))
+        self.link = BackendLink(self, backend_factory or default_backend_factory(config),
+                                reconnect_s=RECONNECT_S if config.server else None)
         self.inbox = DeltaInbox(self)
         self.store: Store | None = None
         self.saver: Saver | None = None
         self.chats: ChatTabs | None = None
         self._exiting = False                          # a signal: no more updates are taken
+        self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
@@ -107,6 +110,14 @@ class PagedChatApp(App):
         error messages. `markup` is accepted for Widget.notify, which passes True by default, and ignored."""
         super().notify(visible_controls(message), title=visible_controls(title), severity=severity,
                        timeout=timeout, markup=False)
+
+    def action_help_quit(self) -> None:
+        """ctrl+c outside a text field: Textual's hint, whose "[b]…[/b]" is markup this app's notify() shows as
+        typed."""
+        quit_keys = [key for key, active in self.active_bindings.items()
+                     if active.binding.action in ("quit", "app.quit")]
+        if quit_keys:
+            self.notify(f"Press {quit_keys[0]} to quit the app.", title="Do you want to quit?")
 
     @property
     def notices(self) -> list[str]:
@@ -297,8 +308,20 @@ class PagedChatApp(App):
             self.screen.toggle_inspector()
             return
         inspector = self.query_one(InspectorView)
+        if not inspector.display:
+            self._focus_before_inspector = self.focused
+        elif self.focused is None or inspector in (self.focused, *self.focused.ancestors):
+            # Hidden with the keyboard inside it (Tab, to scroll it): focus would be nowhere, and neither typing
+            # nor Esc (stop the reply) would reach the chat. It goes back where it was, or to the input.
+            self._refocus(self._focus_before_inspector)
         inspector.display = not inspector.display
         self.refresh_memory(force=True)
+
+    def _refocus(self, widget) -> None:
+        if widget is not None and widget.is_attached and widget.focusable:
+            widget.focus()
+        elif (chat := self.active_chat) is not None:
+            chat.prompt.focus()
 
     def action_help(self) -> None:
         keymap = self.config.keys

@@ -46,7 +46,11 @@ class StatusBar(Horizontal):
             self.bar.update(total=None)
         else:
             self.bar.update(total=100, progress=fraction * 100)
-        self.line.update(Content.assemble(("loading ", "$text-muted"), visible_controls(stage)))
+        # A stage that says what it does ("loading weights", "compiling …", "connecting to …") stands alone;
+        # a bare one (a file's name) is what is being loaded.
+        says_what = stage.split(" ", 1)[0].lower().endswith("ing")
+        prefix = "" if says_what else "loading "
+        self.line.update(Content.assemble((prefix, "$text-muted"), visible_controls(stage)))
 
     def loading_again(self) -> None:
         self.bar.display = True
@@ -65,12 +69,14 @@ class StatusBar(Horizontal):
 class BackendLink:
     """The backend once it is there (`backend`), else why not (`error`); what the app and the chats ask of it."""
 
-    def __init__(self, app: App, factory: BackendFactory) -> None:
+    def __init__(self, app: App, factory: BackendFactory, reconnect_s: float | None = None) -> None:
         self.app = app
         self.factory = factory
+        self.reconnect_s = reconnect_s   # a server that could not be reached is tried again this often
         self.backend: Backend | None = None
         self.error: str | None = None
         self._stop_noted = False      # the backend's failure has been shown
+        self.error_said: str | None = None   # the last failure told in a notice
 
     @property
     def failure(self) -> str | None:
@@ -96,18 +102,31 @@ class BackendLink:
         if (status := self._status()) is None:
             backend.shutdown()
             return False
+        if self.error_said is not None:
+            self.app.notify("Connected again.", timeout=4)
+            self.error_said = None
         self.backend = backend
         status.loaded()
         return True
 
     def failed(self, error: str) -> None:
-        self.error = error.rstrip(".") + "."
+        said, self.error = self.error_said, error.rstrip(".") + "."
         if (status := self._status()) is None:
             return
         status.loaded()
         status.error(self.error)
         self.app.query_one(InspectorView).show_message(self.error)
-        self.app.notify(self.error, severity="error", timeout=15)
+        if self.error != said:   # each retry that fails the same way stays quiet
+            self.app.notify(self.error, severity="error", timeout=15)
+        self.error_said = self.error
+        if self.reconnect_s is not None:
+            # In the background, so that a server that comes back is there for the next message: else the
+            # first Enter after it returned only said the old "Cannot reach" and sent nothing.
+            self.app.set_timer(self.reconnect_s, self._reconnect)
+
+    def _reconnect(self) -> None:
+        if self.backend is None and self.error is not None:
+            self.start()
 
     def show_status(self, generating: int) -> None:
         if self.backend is None or (status := self._status()) is None:
@@ -126,8 +145,8 @@ class BackendLink:
             self.app.notify(f"{self.stopped_text()} Your message is kept in the input.", severity="error", timeout=10)
             return None
         if self.backend is None and self.error:
-            self.app.notify(f"{self.error} Trying again; your message is kept in the input.",
-                            severity="error", timeout=8)
+            self.app.notify(f"Not connected yet (the last try: {self.error.rstrip('.')}). Trying again now; your "
+                            "message is kept in the input.", severity="error", timeout=8)
             self.start()
         elif self.backend is None:
             self.app.notify("The model is still loading; your message is kept in the input.", severity="warning")

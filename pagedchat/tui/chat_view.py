@@ -112,6 +112,10 @@ class ChatView(Vertical):
         """Remove the views of messages from index `count` on."""
         await self.populate()
         doomed = [v for v in self.views if v.index >= count]
+        if self.focused_message in doomed:
+            # Else Textual hands focus to a neighbouring message, and the walk's one-letter keys would act on a
+            # message the user never chose (typing "e" would open the edit dialog).
+            self.prompt.focus()
         if doomed:
             await self.log_view.remove_children(doomed)
 
@@ -268,19 +272,15 @@ class ChatView(Vertical):
             session.pages, session.page_tokens = outcome.pages, outcome.total_tokens
         elif not session.pages:
             session.page_tokens = outcome.total_tokens  # a backend that shows no pages: tokens, for estimates
-        if not outcome.generated_tokens and not ending.content and outcome.finish_reason in ("cancelled", "error"):
-            self._drop(ending.index)  # nothing came: drop the empty reply rather than keep a blank one
-            await self.truncate(ending.index)
-            saved: tuple[int, ...] = ()
-        else:
-            await self._show_ending(ending)
-            saved = (ending.index,)
+        # Kept even when nothing came (Esc before the first token, a server gone): its stats line says so, and
+        # the next message does not follow the question as a second user turn in a row.
+        await self._show_ending(ending)
         # Only now is the chat idle: anything that waits on `busy` sees the finished reply on screen.
         session.reply.end()
         if session is not self.services.active():
             session.unseen = True
         self.services.changed(session)
-        self.save(*saved)
+        self.save(ending.index)
         self.show_fill()
         if outcome.finish_reason == "context_full":
             self.notify(context.CONTEXT_FULL, severity="warning", timeout=10)
@@ -320,14 +320,17 @@ class ChatView(Vertical):
 
     # ---- per-chat actions ------------------------------------------------------------------------------------
     async def act(self, action: str, index: int) -> None:
-        """A key on a focused message."""
+        """A key on a focused message. An action that writes a new reply or opens a new chat ends the walk:
+        the keyboard goes back to an input, so what is typed next is text, not more one-letter actions."""
         if action in ("copy", "copy_code"):
             self.copy_message(index, code=action == "copy_code")
         elif action == "branch":
+            self.prompt.focus()
             await self.branch(index)
         elif action == "edit":
             self.edit_message(index)
         elif action == "regenerate":
+            self.prompt.focus()
             await self.regenerate(index)
 
     async def regenerate(self, index: int | None = None) -> None:
@@ -354,13 +357,22 @@ class ChatView(Vertical):
                         severity="warning")
             return
 
+        edited = messages[index]
+
         async def done(text: str | None) -> None:
+            # The dialog gives focus back to the message it was opened from: the walk ends here either way.
+            self.prompt.focus()
             if text is None or not self.services.is_open(self.chat_id) or self.services.link.ready_or_say() is None:
+                return
+            current = self.session.record.messages
+            if index >= len(current) or current[index] is not edited:   # the chat changed under the dialog
+                self.notify("The chat changed while you edited; nothing was resent. Your text was:\n"
+                            f"{text}", severity="warning", timeout=15)
                 return
             await self.abandon()
             await self.start_reply(keep=index, ask=text)
 
-        self.app.push_screen(EditMessageScreen(messages[index].content), done)
+        self.app.push_screen(EditMessageScreen(edited.content), done)
 
     async def branch(self, index: int | None = None) -> None:
         """A new tab with the messages up to `index` (the focused or last one); a live reply there is forked."""

@@ -63,6 +63,8 @@ def tokens_in_use(session: ChatSession) -> int:
         return session.reply.handle.so_far().prompt_tokens + session.reply.tokens
     for message in reversed(session.record.messages):
         if message.role == "assistant" and message.stats is not None:
+            if not message.stats.counted:   # a server that reports no usage: an estimate from the text
+                return sum(len(m["content"]) for m in session.record.conversation()) // CHARS_PER_TOKEN
             return message.stats.prompt_tokens + message.stats.generated_tokens
     return 0
 

@@ -49,7 +49,22 @@ def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S, *, uri: bo
     # holding the write lock against another instance.
     conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, uri=uri)
     conn.execute("PRAGMA foreign_keys = ON")
+    # No memory-mapped I/O (a build may default to some): a page the file system cannot back reaches the
+    # process as SIGBUS, where plain reads and writes fail with an error the saver reports and retries.
+    conn.execute("PRAGMA mmap_size = 0")
     return conn
+
+
+def use_rollback_journal(conn: sqlite3.Connection) -> None:
+    """A rollback journal, not WAL. WAL maps its -shm index into memory whatever mmap_size says, and a write to
+    that mapping once the file cannot be written (made immutable, a file system gone read-only) kills the
+    process with SIGBUS. A rollback journal is plain file I/O: the same fault is an error, and the saver's notice
+    and retry. Instances still share the file: a writer's lock lasts one short transaction, waited out by the
+    busy timeout. Persistent, so a file an older pagedchat left in WAL mode is switched back here."""
+    try:
+        conn.execute("PRAGMA journal_mode = DELETE")
+    except sqlite3.OperationalError:
+        pass  # another program holds it open in WAL mode: switched at a later start, when none does
 
 
 def decode_message(role, content, stats, message_id) -> ChatMessage:

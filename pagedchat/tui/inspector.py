@@ -169,9 +169,10 @@ def render_sharing(snap, width: int = 80) -> Content:
     c = snap.counters
     saved = snap.pages_saved_by_sharing
     live = len(snap.seqs)
+    shared = len(snap.shared_pages)
     lines = [_heading("Sharing and waste"),
-             _kv("shared", f"{len(snap.shared_pages)} pages", f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})",
-                 width)]
+             _kv("shared", f"{shared} page{'' if shared == 1 else 's'}",
+                 f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})", width)]
     if live:
         slack = sum(len(s.pages) * snap.block_size - s.num_tokens for s in snap.seqs.values() if s.pages)
         live_pages = {p for s in snap.seqs.values() for p in s.pages}

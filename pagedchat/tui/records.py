@@ -10,6 +10,25 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pagedchat.engine.params import SamplingSettings
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def close_fences(text: str) -> str:
+    """text with a code fence left open at its end (a reply stopped mid-block) closed, as a Markdown reader
+    closes it: else everything after it in an export reads as code, and the block is not found to copy."""
+    opened: str | None = None
+    for line in text.splitlines():
+        found = FENCE_LINE.match(line)
+        if found is None:
+            continue
+        marker, rest = found.groups()
+        if opened is None:
+            opened = marker
+        elif marker[0] == opened[0] and len(marker) >= len(opened) and not rest.strip():
+            opened = None
+    if opened is None:
+        return text
+    return text + ("" if text.endswith("\n") else "\n") + opened
 
 
 class ChatSettings(SamplingSettings):
@@ -50,13 +69,14 @@ class ReplyStats:
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    counted: bool = True     # False: the server reported no usage; prompt and cache are unknown, not 0
 
     @classmethod
     def from_outcome(cls, o) -> ReplyStats:
         """From a backend's Outcome (pagedchat.backends.base)."""
         return cls(prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens, generated_tokens=o.generated_tokens,
                    ttft=o.time_to_first_token, tokens_per_s=o.tokens_per_s, finish_reason=o.finish_reason,
-                   error=o.error)
+                   error=o.error, counted=o.counted)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> ReplyStats | None:
@@ -66,13 +86,17 @@ class ReplyStats:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
     def line(self) -> str:
-        parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
-                 f"generated {self.generated_tokens}"]
+        if self.counted:
+            parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
+                     f"generated {self.generated_tokens}"]
+        else:   # the streamed pieces, which servers send one per token, are the only figure left
+            parts = ["tokens not reported", f"{self.generated_tokens} pieces streamed"]
         if self.ttft is not None:
             parts.append(f"TTFT {self.ttft * 1000:.0f} ms" if self.ttft < 1 else f"TTFT {self.ttft:.2f} s")
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
-        ending = {"length": "hit max tokens", "context_full": "context full", "cancelled": "stopped",
+        stopped = "stopped" if self.generated_tokens else "stopped before the first token"
+        ending = {"length": "hit max tokens", "context_full": "context full", "cancelled": stopped,
                   "error": f"error: {self.error}", INTERRUPTED: "interrupted"}
         if self.finish_reason in ending:
             parts.append(ending[self.finish_reason])
@@ -93,7 +117,7 @@ class ChatMessage:
     id: str = field(default_factory=new_message_id)
 
     def code_blocks(self) -> list[str]:
-        return [m.group(2).rstrip("\n") for m in FENCE.finditer(self.content)]
+        return [m.group(2).rstrip("\n") for m in FENCE.finditer(close_fences(self.content))]
 
 
 def new_chat_id() -> str:
@@ -125,7 +149,7 @@ class ChatRecord:
         if self.system_prompt.strip():
             lines += ["> **System:** " + self.system_prompt.strip().replace("\n", "\n> "), ""]
         for m in self.messages:
-            lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", m.content.rstrip(), ""]
+            lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", close_fences(m.content.rstrip()), ""]
             if m.stats is not None:
                 lines += [f"*{m.stats.line()}*", ""]
         return "\n".join(lines)

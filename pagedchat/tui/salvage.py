@@ -3,6 +3,8 @@
 The damaged file (and its -wal/-shm) is renamed aside and only ever opened read-only, so it stays exactly as
 it was for the user or a better tool (`sqlite3 file .recover`). Rows are read one by one by rowid: a damaged
 page loses the rows on it, a row that does not decode loses only itself, and every other chat comes back.
+Then every table leaf page is read straight from the file's bytes (pages.py), which finds the rows SQLite
+cannot reach through a damaged or missing interior page (a file cut short).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from pagedchat.tui.db import connect, decode_message, describe
+from pagedchat.tui import pages
+from pagedchat.tui.db import ROLES, connect, decode_message, describe
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, new_message_id
 
 CHAT_COLUMNS = "id, title, system_prompt, settings, position, is_open, created, updated"
@@ -77,20 +80,53 @@ def move_aside(path: Path) -> Path:
 
 
 def read_damaged(path: Path) -> Salvage:
+    scanned = Scanned.of(pages.read_rows(path))
     try:
         conn = connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     except sqlite3.Error:
-        return Salvage()
+        return _read(None, scanned)
     try:
-        return _read(conn)
+        return _read(conn, scanned)
     finally:
         conn.close()
 
 
-def _read(conn: sqlite3.Connection) -> Salvage:
+@dataclass(frozen=True)
+class Scanned:
+    """The rows found on the file's pages, told apart by their shape (the current schema's columns)."""
+
+    chats: list[tuple[int, tuple]]
+    messages: list[tuple[int, tuple]]
+
+    @classmethod
+    def of(cls, rows: list[pages.Row]) -> Scanned:
+        chats, messages = [], []
+        for row in rows:
+            v = row.values
+            if len(v) == 8 and all(isinstance(x, str) for x in v[:4]) and v[3].startswith("{"):
+                # REAL columns holding whole numbers are stored as integers on disk
+                times = tuple(float(t) if isinstance(t, int) else t for t in v[6:])
+                chats.append((row.rowid, v[:6] + times))
+            elif (len(v) == 7 and v[0] is None and isinstance(v[1], str) and isinstance(v[2], str)
+                  and isinstance(v[3], int) and v[4] in ROLES and isinstance(v[5], str)):
+                chat_id, message_id, idx, role, content, stats = v[1:]
+                messages.append((row.rowid, (chat_id, idx, role, content, stats, message_id)))
+        return cls(chats, messages)
+
+
+def _with_scanned(read: list[tuple[int, tuple]], lost: int,
+                  scanned: list[tuple[int, tuple]]) -> tuple[list[tuple[int, tuple]], int]:
+    """The rows SQLite read, plus those only the page scan found; each one found counts one fewer lost."""
+    have = {rowid for rowid, _ in read}
+    extra = [(rowid, row) for rowid, row in scanned if rowid not in have]
+    return sorted(read + extra, key=lambda r: r[0]), max(0, lost - len(extra))
+
+
+def _read(conn: sqlite3.Connection | None, scanned: Scanned) -> Salvage:
     out = Salvage()
     chats: dict[str, ChatRecord] = {}
-    rows, lost = _rows(conn, "chats", CHAT_COLUMNS)
+    rows, lost = _rows(conn, "chats", CHAT_COLUMNS) if conn is not None else ([], 0)
+    rows, lost = _with_scanned(rows, lost, scanned.chats)
     out.lost_rows += lost
     for _, row in rows:
         chat = _chat(row)
@@ -98,8 +134,12 @@ def _read(conn: sqlite3.Connection) -> Salvage:
             out.lost_rows += 1
         else:
             chats[chat.id] = chat
-    id_column = "id" if "id" in _columns(conn, "messages") else "NULL"
-    rows, lost = _rows(conn, "messages", f"chat_id, idx, role, content, stats, {id_column}")
+    if conn is not None:
+        id_column = "id" if "id" in _columns(conn, "messages") else "NULL"
+        rows, lost = _rows(conn, "messages", f"chat_id, idx, role, content, stats, {id_column}")
+    else:
+        rows, lost = [], 0
+    rows, lost = _with_scanned(rows, lost, scanned.messages)
     out.lost_rows += lost
     placed: dict[str, list[tuple[int, int, ChatMessage]]] = {}
     for rowid, (chat_id, idx, role, content, stats, message_id) in rows:

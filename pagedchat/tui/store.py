@@ -1,8 +1,9 @@
 """Saved chats in SQLite (`chats.db` in the data dir).
 
 Small and synchronous on purpose: a write is one short transaction on the UI thread. The file is shared:
-several pagedchat instances may keep it open at once. WAL mode lets them read while one writes, a busy
-timeout makes a writer wait its turn, and every save upserts single messages by id, so no instance ever
+several pagedchat instances may keep it open at once. A rollback journal (not WAL, whose memory-mapped index
+turns an unwritable file into SIGBUS: db.use_rollback_journal) and a busy timeout make a writer wait its
+turn, and every save upserts single messages by id, so no instance ever
 rewrites (and so deletes) what another wrote. What is refused or salvaged, and why:
 
 - "busy"/"locked", read-only, a missing permission: not damage. The file is left exactly as it is.
@@ -15,17 +16,20 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from pagedchat.tui.db import (BUSY_TIMEOUT_S, DECODE_ERRORS, Damaged, connect, decode_message, describe,
-                               encode_stats, is_damage)
+                               encode_stats, is_damage, use_rollback_journal)
 from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
 
 DB_NAME = "chats.db"
+MEMORY = Path(":memory:")
+EMPTY_GRACE_S = 5.0  # a 0-byte file younger than this is another instance's, created an instant before its tables
 SNIPPET_TOKENS = 12  # words of context FTS5 shows around a match
 
 
@@ -37,6 +41,30 @@ def fts_query(text: str) -> str:
         return ""
     quoted = ['"' + w.replace('"', '""') + '"' for w in words]
     return " ".join(quoted) + "*"
+
+
+def not_a_file(path: Path) -> str | None:
+    """What the path (or what its symlink points at) is, if it exists and is not a regular file: SQLite would
+    open a device or a pipe, and write its journal beside it (a link to /dev/null made /dev/null-journal)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:   # missing (it is created), or unreachable: SQLite's own error says why
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = "a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+        "a pipe or socket"
+    return f"{kind} ({path.resolve()})" if path.is_symlink() else kind
+
+
+def is_left_empty(path: Path) -> bool:
+    """A 0-byte file nobody is creating: SQLite would open it as an empty database, and the chats it once held
+    would vanish without a word."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_GRACE_S
 
 
 class Store:
@@ -56,6 +84,11 @@ class Store:
 
         data_dir.mkdir(parents=True, exist_ok=True)
         path = data_dir / DB_NAME
+        if (kind := not_a_file(path)) is not None:
+            return cls.in_memory(f"Saved chats in {path} cannot be used: it is {kind}, not a file. It is left as it "
+                                 "is; chats in this session will not be kept.")
+        if is_left_empty(path):
+            return salvage.rebuild(cls, path, Damaged("the file is empty, 0 bytes"), busy_timeout_s)
         try:
             return cls.open_file(path, busy_timeout_s)
         except NewerSchema as exc:
@@ -74,13 +107,13 @@ class Store:
     def open_file(cls, path: Path, busy_timeout_s: float) -> Store:
         conn = connect(path, busy_timeout_s)
         try:
-            version = schema_version(conn)  # a read: nothing, not even the WAL switch, touches a newer file
+            version = schema_version(conn)  # a read: nothing, not even the journal switch, touches a newer file
             if version > SCHEMA_VERSION:
                 raise NewerSchema(version)
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise Damaged(f"integrity check failed: {check[0] if check else 'no answer'}")
-            conn.execute("PRAGMA journal_mode = WAL")  # persistent: readers and one writer at once
+            use_rollback_journal(conn)
             migrate(conn)
             store = cls(conn, path)
             store.load_chats()  # reads every row: a bad row shows up now, not mid-session
@@ -100,7 +133,12 @@ class Store:
         """A throwaway store, for when the data dir cannot be used: the app still runs, nothing is kept."""
         conn = connect(":memory:")
         migrate(conn)
-        return cls(conn, Path(":memory:"), notice)
+        return cls(conn, MEMORY, notice)
+
+    @property
+    def keeps_chats(self) -> bool:
+        """False for the throwaway store in memory (Store.in_memory): nothing written to it outlives the process."""
+        return self.path != MEMORY
 
     def close(self) -> None:
         self.conn.close()

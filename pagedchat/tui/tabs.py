@@ -144,7 +144,8 @@ class ChatTabs:
         if session is None:
             return
         session.unseen = False
-        self.refresh_label(session)
+        for each in self.sessions.values():   # the tab left behind may be generating: its mark comes back
+            self.refresh_label(each)
         view = self.view(session)
         if view is not None:
             await view.populate()
@@ -168,8 +169,8 @@ class ChatTabs:
 
     def label(self, session: ChatSession) -> Content:
         parts: list = [("■", self.colour_of(session)), " ", visible_controls(session.record.title)]
-        if session.busy:
-            parts.append((" ●", "$warning"))   # generating: shown in every tab, and visible from the others
+        if session.busy and session is not self.active:
+            parts.append((" ●", "$warning"))   # generating, seen from the other tabs (in view, the reply says so)
         elif session.unseen:
             parts.append((" ●", "$success"))   # a reply finished while the tab was not in view
         return Content.assemble(*parts)

@@ -85,8 +85,10 @@ def from_json(text: str) -> ChatRecord:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise NotAChatExport(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    if isinstance(data, list):   # a bare OpenAI `messages` array
+        data = {"messages": data}
     if not isinstance(data, dict):
-        raise NotAChatExport("expected a JSON object with \"messages\"")
+        raise NotAChatExport("expected a JSON object with \"messages\", or a list of messages")
     messages, leading_system = _messages(data.get("messages"))
     system = data.get("system", leading_system or "")
     title = data.get("title") or (title_from(messages[0].content) if messages else "Imported chat")

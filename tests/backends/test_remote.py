@@ -189,7 +189,8 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
             await wait_for(pilot, lambda: any("could not be reached" in n for n in app.notices),
                            "the retry to fail", timeout=60)
             await wait_for(pilot, lambda: not session.busy, "the chat idle again")
-            assert session.record.messages[-1].role == "user"  # the empty reply is dropped, the question kept
+            failed = session.record.messages[-1]   # kept, marked: the next message is not a second question in a row
+            assert failed.role == "assistant" and not failed.content and failed.stats.finish_reason == "error"
 
             # The server back on the same address: regenerate works again.
             with running_server(model, tmp_path, port):
@@ -201,7 +202,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
                 assert stats.finish_reason == "length" and stats.generated_tokens == 6
 
 
-async def test_server_down_at_start_is_a_status_line_and_send_retries(tmp_path):
+async def test_server_down_at_start_is_a_status_line_and_send_retries(model, tmp_path):
     port = free_port()
     app = PagedChatApp(make_config(tmp_path, server=f"http://127.0.0.1:{port}/v1"))
     async with app.run_test(size=SIZE) as pilot:
@@ -213,6 +214,15 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(tmp_path):
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
         assert any("Trying again" in n for n in app.notices)
         await wait_for(pilot, lambda: app.backend_error, "the retry to fail again")
+        # The server comes up: the app connects in the background, and the next Enter sends (it used to show
+        # the stale "Cannot reach" and send nothing).
+        with running_server(model, tmp_path, port):
+            await wait_for(pilot, lambda: app.backend is not None, "the reconnect", timeout=120)
+            said = len(app.notices)
+            session = await send(pilot, "hello", max_tokens=4)
+            assert [m.role for m in session.record.messages[:1]] == ["user"]
+            assert not any("Cannot reach" in n for n in app.notices[said:])
+            await wait_for(pilot, lambda: not session.busy, "the reply", timeout=120)
 
 
 def test_server_continues_a_final_assistant_message_when_asked(server):

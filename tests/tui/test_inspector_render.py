@@ -83,6 +83,8 @@ def test_sharing_reports_savings_slack_and_counters():
     assert f"slack       {3 * 16 - 40 + 3 * 16 - 36} slots" in text
     assert "recent 50% · 4/10" in text and "out 1 · in 0" in text and "CoW 3" in text
     assert "no live requests" in render_sharing(snap(seqs={}, shared_pages={}, ref_counts={})).plain
+    one = render_sharing(snap(shared_pages={0: ["req-a", "req-b"]}, ref_counts={0: 2, 1: 1, 2: 1, 3: 1})).plain
+    assert "shared      1 page  saves 1" in one   # not "1 pages"
 
 
 def test_block_table_rows_map_blocks_to_pages_with_fill_and_ref():

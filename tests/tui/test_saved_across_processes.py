@@ -3,14 +3,18 @@ two instances on one database. What they saved is read from the database; the re
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
+import time
 
 import pytest
 
 from pty_app import AppProcess, saved, wait_until
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord
-from pagedchat.tui.store import Store
+from pagedchat.tui.store import DB_NAME, Store
 from tiny_models import make_tiny_model
 from tui_support import make_config, screen_text, wait_for
 
@@ -114,3 +118,43 @@ def test_two_instances_on_one_chat_keep_both_turns(launch, config):
     assert users == ["from the first window", "from the second window", "hi"]
     assert [m.content for m in messages[:2]] == ["hi", "hey"]
     assert len(messages) == 6 and all(m.content for m in messages)
+
+
+def set_immutable(on: bool, paths) -> bool:
+    """chattr ±i: what a file system gone read-only does to SQLite's writes (needs root, and ext4 or the like)."""
+    done = subprocess.run(["chattr", "+i" if on else "-i", *map(str, paths)], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("frozen", ["shm", "all"])
+def test_an_unwritable_database_mid_reply_is_survived_and_the_reply_is_kept(launch, config, frozen):
+    """"shm": SQLite's memory-mapped WAL index made immutable mid-reply, as the issue did: in WAL mode the next
+    commit wrote to the mapping and the app died with SIGBUS (exit 135), its reply kept only to its last save.
+    The store keeps no such file now, so nothing may kill it. "all": the database, its side files and its
+    folder: every save fails, with the notice, and the retries write the reply once they can."""
+    app = launch(LONG)
+    app.send("tell me a long story")
+    wait_until(lambda: partial_reply(config.data_dir), "a partial reply saved")
+    shm = list(config.data_dir.glob(DB_NAME + "-shm"))
+    paths = shm if frozen == "shm" else [config.data_dir, *config.data_dir.glob(DB_NAME + "*")]
+    if shutil.which("chattr") is None or not set_immutable(True, [config.data_dir]) \
+            or not set_immutable(False, [config.data_dir]):
+        pytest.skip("chattr +i is not available here (it needs root and a file system that has it)")
+    stuck = partial_reply(config.data_dir)
+    try:
+        assert not paths or set_immutable(True, paths)
+        if frozen == "all":
+            wait_until(lambda: "Could not save chats" in app.output.decode(errors="replace"), "the notice")
+        time.sleep(1.5)   # several saves (twice a second) meanwhile
+        assert os.waitpid(app.pid, os.WNOHANG) == (0, 0), app.screen_tail()   # still running
+        if frozen == "all":
+            assert partial_reply(config.data_dir) == stuck   # nothing was written: the file really was unwritable
+    finally:
+        if paths:
+            set_immutable(False, paths)
+    # The reply finishes, whole, on disk (after the retries, where saves failed).
+    finished = wait_until(lambda: [m for m in saved(config.data_dir) if m.role == "assistant"
+                                   and m.finish_reason == "length"], "the whole reply saved")
+    assert finished[0].content.startswith(stuck.content) and len(finished[0].content) > len(stuck.content)
+    app.type("\x11")  # ctrl+q
+    assert app.wait() == 0, app.screen_tail()

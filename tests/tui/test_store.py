@@ -1,11 +1,13 @@
 """The SQLite store: round trips, per-message saves shared by two instances, locks, a full disk, migrations,
 a newer file refused untouched, and damaged files salvaged row by row."""
 
+import os
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,8 +79,7 @@ def test_a_read_only_store_reads_a_live_file_and_never_writes_it(tmp_path):
     chat = _chat()
     writer.save_chat(chat)
     path = tmp_path / DB_NAME
-    files = (path, path.with_name(DB_NAME + "-wal"))  # the writer is still open: its rows may be in the WAL
-    before = [f.read_bytes() for f in files]
+    before = path.read_bytes()
     reader = Store.read_only(path)
     try:
         [seen] = reader.load_chats()
@@ -87,7 +88,7 @@ def test_a_read_only_store_reads_a_live_file_and_never_writes_it(tmp_path):
             reader.save_chat(_chat())
     finally:
         reader.close()
-    assert [f.read_bytes() for f in files] == before
+    assert path.read_bytes() == before and not list(tmp_path.glob(DB_NAME + "-*"))
     writer.close()
 
 
@@ -101,9 +102,16 @@ def test_a_read_only_store_before_the_tables_exist_raises_operational_error(tmp_
         reader.close()
 
 
-def test_wal_mode_and_busy_timeout(tmp_path):
+def test_rollback_journal_no_mmap_and_busy_timeout(tmp_path):
+    # A file an older pagedchat left in WAL mode comes back to a rollback journal: no memory-mapped -shm.
+    old = sqlite3.connect(tmp_path / DB_NAME)
+    old.execute("PRAGMA journal_mode = WAL")
+    old.close()
     store = Store.open(tmp_path, busy_timeout_s=1.5)
-    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert store.conn.execute("PRAGMA mmap_size").fetchone()[0] == 0
+    store.save_chat(_chat("a"))
+    assert not (tmp_path / (DB_NAME + "-shm")).exists()
     assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 1500
     assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
@@ -332,6 +340,85 @@ def test_a_damaged_page_loses_only_its_rows(tmp_path):
     assert found == every - {m.decode() for m in lost} and len(lost) == 1
     [moved] = _aside(tmp_path)
     assert (tmp_path / moved).read_bytes() == damaged
+
+
+def _many_chats(store, chats=12, messages=40):
+    """480 messages; every fifth long enough to run onto overflow pages."""
+    made = []
+    for n in range(chats):
+        chat = ChatRecord(title=f"chat {n}", messages=[
+            ChatMessage("user" if k % 2 == 0 else "assistant", f"M-{n}-{k}|" + ("word " * (2000 if k % 5 == 0 else 60)))
+            for k in range(messages)])
+        store.save_chat(chat)
+        made.append(chat)
+    return made
+
+
+def test_a_file_cut_in_half_gives_back_the_rows_on_its_pages(tmp_path):
+    """SQLite reaches no row past the missing interior pages (the row-by-row read alone recovered 0 of 480);
+    every leaf page still in the file gives its rows back, exactly as written and in order."""
+    store = Store.open(tmp_path)
+    made = {c.id: c for c in _many_chats(store)}
+    store.close()
+    path = tmp_path / DB_NAME
+    os.truncate(path, path.stat().st_size // 2)
+    cut = path.read_bytes()
+    store = Store.open(tmp_path)
+    recovered = store.load_chats()
+    found = sum(len(c.messages) for c in recovered)
+    assert found >= 160 and f"({found} messages)" in store.notice, store.notice
+    for chat in recovered:
+        original = made[chat.id]
+        assert chat.title == original.title
+        by_id = {m.id: m for m in original.messages}
+        assert all(by_id[m.id].content == m.content and by_id[m.id].role == m.role for m in chat.messages)
+        order = [original.messages.index(by_id[m.id]) for m in chat.messages]
+        assert order == sorted(order)
+    [moved] = _aside(tmp_path)
+    assert (tmp_path / moved).read_bytes() == cut
+
+
+def test_deleted_chats_stay_deleted_through_a_salvage(tmp_path):
+    store = Store.open(tmp_path)
+    doomed, kept = _many_chats(store, chats=2)
+    store.delete_chat(doomed.id)   # its pages go on the free list, their old rows still in them
+    store.close()
+    path = tmp_path / DB_NAME
+    os.truncate(path, path.stat().st_size * 3 // 4)
+    store = Store.open(tmp_path)
+    assert store.notice is not None
+    recovered = store.load_chats()
+    assert recovered and all(c.id == kept.id for c in recovered)
+    assert all(not m.content.startswith("M-0-") for c in recovered for m in c.messages)
+
+
+def test_an_empty_file_is_kept_aside_with_a_notice(tmp_path):
+    path = tmp_path / DB_NAME
+    path.write_bytes(b"")
+    os.utime(path, (time.time() - 60, time.time() - 60))   # not one another instance is creating right now
+    store = Store.open(tmp_path)
+    assert "the file is empty, 0 bytes" in store.notice and "Recovered 0 chats" in store.notice, store.notice
+    [moved] = _aside(tmp_path)
+    assert (tmp_path / moved).read_bytes() == b""
+    store.save_chat(_chat())
+    assert len(Store.open(tmp_path).load_chats()) == 1
+
+
+def test_a_file_another_instance_just_created_is_not_moved(tmp_path):
+    (tmp_path / DB_NAME).write_bytes(b"")
+    store = Store.open(tmp_path)
+    assert store.notice is None and not _aside(tmp_path)
+
+
+def test_a_database_linked_to_a_device_is_refused(tmp_path):
+    journal_existed = os.path.exists("/dev/null-journal")
+    (tmp_path / DB_NAME).symlink_to("/dev/null")
+    store = Store.open(tmp_path)
+    assert store.path == Path(":memory:")
+    assert "is a device (/dev/null), not a file" in store.notice, store.notice
+    store.save_chat(_chat())   # the session still works, in memory
+    assert os.path.exists("/dev/null-journal") == journal_existed
+    assert (tmp_path / DB_NAME).is_symlink()
 
 
 def test_interrupted_replies_say_so():

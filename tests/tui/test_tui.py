@@ -135,6 +135,7 @@ async def test_two_tabs_generate_at_once(config):
         await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
+        assert "●" not in label(second)   # the one in view shows its reply being written instead
         await pilot.press("escape")  # stops the chat in view only
         await wait_for(pilot, lambda: not second.busy, "the second chat to stop")
         assert first.busy
@@ -415,6 +416,26 @@ async def test_keys_remap_and_every_action_is_in_the_palette(config):
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen", "help")
         assert "f9" in screen_text(app) and "toggle_inspector" in screen_text(app)
         await pilot.press("escape")
+
+
+async def test_a_load_stage_is_not_said_twice(tmp_path):
+    import threading
+
+    stages, shown = ["loading weights", "SmolLM2-135M-Instruct.Q4_1.gguf"], threading.Event()
+
+    def factory(progress):
+        for stage in stages:
+            progress(stage, None)
+            shown.clear()
+            shown.wait(10)   # the test has read the status line
+        raise RuntimeError("no model in this test")
+
+    app = PagedChatApp(make_config(tmp_path), backend_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        for expected in ("loading weights", "loading SmolLM2-135M-Instruct.Q4_1.gguf"):
+            await wait_for(pilot, lambda: static_text(app, "#status") == expected, repr(expected))
+            shown.set()
+        await wait_for(pilot, lambda: app.backend_error, "the failure")
 
 
 async def test_model_pull_progress_shows_in_the_app(tmp_path):

@@ -28,7 +28,7 @@ async def test_a_lock_held_past_the_timeout_is_a_notice_and_a_retry(config):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         holder = sqlite3.connect(config.data_dir / DB_NAME, isolation_level=None)
-        holder.execute("BEGIN EXCLUSIVE")  # another program writing, and not letting go
+        holder.execute("BEGIN IMMEDIATE")  # another program writing, and not letting go
         session = await send(pilot, "saved later", max_tokens=8)
         await replied(pilot, session)
         await wait_for(pilot, lambda: any("Could not save chats" in n and "locked" in n for n in notes(app)),

@@ -24,7 +24,10 @@ def unless_unchanged(edited: str, original: str) -> str:
 
 
 class Dialog(ModalScreen):
-    """A modal dialog under a heading (plain text); Esc or a Cancel button dismisses it with None."""
+    """A modal dialog under a heading (plain text); Esc or a Cancel button dismisses it with None. It opens
+    with its first field focused (not the scrolling frame around the fields), so typing goes straight in."""
+
+    AUTO_FOCUS = "TextArea, Input, OptionList, Button"
 
     def __init__(self, heading: str = "") -> None:
         super().__init__()
