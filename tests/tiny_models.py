@@ -60,13 +60,10 @@ def _family_config(arch: str, common: dict, rope: dict | None, window: int | Non
         return SmolLM3Config(**common, rope_parameters=rope or {"rope_type": "default", "rope_theta": 2000000.0})
     if arch == "mistral":
         return MistralConfig(**common, rope_parameters=rope or default, sliding_window=window)
-    if arch == "gemma3":
-        n = common["num_hidden_layers"]
-        # Global every third layer (real models: every sixth), each kind with its own base.
-        types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)]
+    if arch == "gemma3":  # every sixth layer global (the real pattern, which llama.cpp assumes), each kind its base
         ropes = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": rope or {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
-        return Gemma3TextConfig(**common, rope_parameters=ropes, sliding_window=window or 4096, layer_types=types,
+        return Gemma3TextConfig(**common, rope_parameters=ropes, sliding_window=window or 4096,
                                 query_pre_attn_scalar=common["head_dim"])
     if arch == "phi3":
         rotary = int(common["head_dim"] * 0.75)  # Phi-4-mini's partial rotary

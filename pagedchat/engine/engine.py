@@ -135,7 +135,7 @@ class Engine:
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")
             try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt))
+                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role)
             except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
                 raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
         else:

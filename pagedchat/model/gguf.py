@@ -248,6 +248,18 @@ def gguf_tensors(reader, cfg: dict, path: Path) -> dict[str, GGUFTensor]:
     return out
 
 
+def _gguf_tokenizer(gguf_path: Path):
+    """transformers' tokenizer of a GGUF. AutoTokenizer reads the architectures transformers has a GGUF model
+    reader for; the plain fast tokenizer, built from the same tokenizer.ggml.* fields, serves the others
+    (SmolLM3)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError:
+        return PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
     """Tokenizer files via transformers' GGUF tokenizer support, checked to keep the eos token and template, and
     recorded for starts without transformers (see tokenizer.py)."""
@@ -257,7 +269,7 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its GGUF path logs informational noise we do not want in a TUI
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = _gguf_tokenizer(gguf_path)
         if chat_template and not tok.chat_template:
             tok.chat_template = chat_template
         tok.model_max_length = cfg["max_position_embeddings"]  # GGUF sets none, which saves as a 1e30 sentinel

@@ -4,20 +4,27 @@ against transformers' own rope functions."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
-from transformers import LlamaConfig, Phi3Config
+from kquants import quantize
+from parity import NEAR_TIE, NEAR_TIE_PACKED, assert_same_greedy
+from safetensors.torch import load_file
+from tiny_gguf import gguf_name, write_tiny_gguf
+from transformers import AutoTokenizer, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagedchat import Engine, SamplingParams
+from pagedchat.bench.memory import parameter_count
 from pagedchat.engine.chat import chat_prompt_ids
 from pagedchat.model import families
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.gguf import convert_gguf
+from pagedchat.model.loader import load_tokenizer, load_weights
 from pagedchat.model.family import Rope, base_rope
 from pagedchat.model.llama import rms_norm_unit_offset
-from parity import assert_same_greedy
-from tiny_models import hf_greedy, load_reference, make_tiny_model
+from tiny_models import config_of, hf_greedy, load_reference, make_tiny_model
 
 NO_EOS = [10**9]
 WINDOW = 24  # shorter than every conversation below but the first, so windows are crossed by several pages
@@ -27,7 +34,7 @@ FAMILIES = {
     "qwen3-tied-mqa": dict(arch="qwen3", tie=True, kv_heads=1),
     "smollm3-nope-every-4th": dict(arch="smollm3", layers=4),
     "mistral-window": dict(arch="mistral", window=WINDOW, tie=False),
-    "gemma3-local-global": dict(arch="gemma3", layers=4, window=WINDOW),
+    "gemma3-local-global": dict(arch="gemma3", layers=6, window=WINDOW),
     "phi3-longrope-partial": dict(arch="phi3", tie=False, window=WINDOW),
 }
 
@@ -48,6 +55,11 @@ def test_every_family_is_registered_once():
     assert len(set(archs)) == len(archs)
     assert {"Qwen3ForCausalLM", "SmolLM3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
             "Phi3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
+
+
+def test_parameter_count_follows_the_recipe(family_model):
+    folder, ref = family_model
+    assert parameter_count(ModelConfig.from_folder(folder)) == sum(p.numel() for p in ref.parameters())
 
 
 def test_greedy_matches_transformers(family_model):
@@ -133,3 +145,70 @@ def test_unit_offset_norm_equals_gemma3s_bit_for_bit():
         ref = ref.to(dtype)
         x = torch.randn(7, 64).to(dtype) * 3
         assert torch.equal(rms_norm_unit_offset(x, ref.weight.float() + 1.0, 1e-6), ref(x))
+
+
+# ---- GGUF files of each family that has one, as llama.cpp writes them ----------------------------------------
+GGUF_FAMILIES = ["qwen3-untied", "smollm3-nope-every-4th", "gemma3-local-global"]  # Mistral's are Llama files
+# llama.cpp's Q4_K_M on rows a whole number of 256-wide super-blocks: Q4_K, with v, down and the head in Q6_K.
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q8_0", "*": "Q4_K"}
+
+
+def gguf_of(src, out, types: dict[str, str]):
+    """src written as a GGUF with every matrix quantized (types by GGUF piece, "*" for the rest), converted; and
+    transformers' model of src with those matrices replaced by the file's numbers (gguf's d*q+m)."""
+    family = families.of_config(config_of(src))
+    matrices = [n for n, t in load_file(src / "model.safetensors").items() if t.dim() == 2]
+    qtype = {piece: gguf.GGMLQuantizationType[kind] for piece, kind in types.items()}
+    path = write_tiny_gguf(src, out / "tiny.gguf", quantized=tuple(gguf_name(n, family.gguf.layer_names)
+                                                                   for n in matrices),
+                           qtype=qtype, blocks=lambda gname, arr: quantize(arr, qtype.get(
+                               gname.split(".")[-2], qtype["*"]).name))
+    folder = convert_gguf(path, out / "converted")
+    ref = load_reference(src)
+    weights = load_weights(folder, torch.float32, "cpu")
+    ref.load_state_dict({n: weights[n].dense(torch.float32) for n in matrices if n in weights}, strict=False)
+    return folder, path, ref
+
+
+@pytest.mark.parametrize("types", [{"*": "Q8_0"}, Q4_K_M], ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_a_gguf_of_the_family_loads_packed_and_matches_transformers(name, types, tmp_path, monkeypatch, kernels):
+    """The file's config is the folder's; its matrices run packed on pagedchat's kernels (transformers' tokens up
+    to int8 activations' near-ties), and dequantized in float32 with the kernels off (bit for bit)."""
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    wide = dict(heads=4, head_dim=64) if types is Q4_K_M else {}  # K types need rows of whole 256-blocks
+    src = make_tiny_model(tmp_path / "src", **{**FAMILIES[name], **wide})
+    folder, path, ref = gguf_of(src, tmp_path, types)
+    assert ModelConfig.from_folder(folder) == ModelConfig.from_folder(src)
+    prompts = [prompt_of(load_tokenizer(folder), n, salt=n) for n in (9, 40)]
+    expected = [hf_greedy(ref, p, 30, NO_EOS) for p in prompts]
+    for kernel, near_tie in (("packed", NEAR_TIE_PACKED), ("off", NEAR_TIE)):
+        if kernel == "off":
+            kernels("off")
+        engine = Engine(str(folder), kv_cache_memory="4MiB", dtype="float32")
+        packed = "packed" in engine.model.weight_precision
+        assert packed == (kernel == "packed"), engine.model.weight_precision
+        outs = engine.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.shutdown()
+        for prompt, out, want in zip(prompts, outs, expected):
+            assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=near_tie)
+
+
+# Gemma 2's template: it refuses a system turn outright (Gemma 3's folds it into the first user turn itself).
+NO_SYSTEM_ROLE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_family_without_a_system_role_gets_it_in_the_first_user_turn(tmp_path):
+    folder = make_tiny_model(tmp_path, "gemma3", layers=2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = NO_SYSTEM_ROLE
+    tok.save_pretrained(folder)
+    engine = Engine(str(folder), kv_cache_memory="1MiB", autostart=False)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello fox"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    text = engine.tokenizer.decode(engine.encode_prompt(chat))
+    assert text.startswith("<|im_start|>user\nbe brief\n\nhello fox<|im_end|>\n<|im_start|>assistant\nhi")
+    engine.shutdown()
