@@ -82,7 +82,11 @@ def write_tiny_gguf(folder: Path, out: Path, *, quantized=QUANTIZED,
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, the pretraining context in rope.*
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
         _add_tokenizer(w, folder)

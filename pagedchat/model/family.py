@@ -81,7 +81,7 @@ class Rope:
             beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
             mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)), attention_factor=params.get("attention_factor"),
-            short_factor=tuple(params.get("short_factor") or ()), long_factor=tuple(params.get("long_factor") or ()))
+            short_factor=_float32s(params.get("short_factor")), long_factor=_float32s(params.get("long_factor")))
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial)
@@ -93,6 +93,12 @@ class Rope:
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         base = 1.0 / (self.theta ** exponents)
         return _INV_FREQ[self.kind](self, base, exponents, dim, max_positions, long)
+
+
+def _float32s(values) -> tuple[float, ...]:
+    """Factors as the float32 numbers the rotary math uses: a config's 1.2000000000000002 and a GGUF's
+    1.2000000476837158 are the same factor."""
+    return tuple(torch.tensor(values or [], dtype=torch.float32).tolist())
 
 
 def _default(rope: Rope, base, exponents, dim, max_positions, long):
@@ -198,12 +204,15 @@ GGUF_LAYER = (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_lay
 class Gguf:
     """How llama.cpp writes a family: its architecture name, tensor names (GGUF piece, HF piece) per layer,
     whether q/k rows are in llama.cpp's rotary order (its Llama converter's `permute`), and the config fields
-    its metadata gives beyond the common shape (`extra(field) -> dict`, field reading `{arch}.key`)."""
+    its file gives beyond the common shape: `extra(field, tensor) -> dict`, field reading metadata `{arch}.key`,
+    tensor reading one of config_tensors (tensors that hold settings, not weights: Phi-3's rope factors) as a
+    list, or None where the file has none."""
 
     arch: str
     layer_names: tuple[tuple[str, str], ...] = GGUF_LAYER
     permuted_qk: bool = False
-    extra: Callable[[Callable], dict] = lambda field: {}  # noqa: E731
+    extra: Callable[[Callable, Callable], dict] = lambda field, tensor: {}  # noqa: E731
+    config_tensors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

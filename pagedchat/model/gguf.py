@@ -87,15 +87,21 @@ def _f32(value) -> float:
     return float(f"{float(value):.7g}")
 
 
+def _setting_tensor(tensors: dict, name: str) -> list[float] | None:
+    """A small float tensor that holds a setting (see family.Gguf.config_tensors), as a list; None if absent."""
+    t = tensors.get(name)
+    return None if t is None else np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+
+
 def _gguf_config(reader, path: Path) -> dict:
     """config.json contents for a GGUF of a registered family, from its metadata and tensor list."""
     arch = _field(reader, "general.architecture")
     family = families.of_gguf(arch, path.name)
     key = lambda name: f"{arch}.{name}"  # noqa: E731 - metadata keys are prefixed with the architecture
-    extra = family.gguf.extra(lambda name: _field(reader, key(name)))
+    tensors = {t.name: t for t in reader.tensors}
+    extra = family.gguf.extra(lambda name: _field(reader, key(name)), lambda name: _setting_tensor(tensors, name))
     if (_field(reader, key("rope.scaling.type")) or "none") != "none" and "rope_parameters" not in extra:
         raise ModelError(f"{path.name}: rope scaling {_field(reader, key('rope.scaling.type'))!r} is not supported")
-    tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         # Llama 3.1-style scaling is stored as a frequency table whose parameters a HF config cannot be rebuilt from.
         raise ModelError(f"{path.name}: Llama 3.1-style rope frequency scaling in GGUF is not supported")
@@ -166,11 +172,12 @@ def _expected_shapes(cfg: dict, tensors: dict) -> dict[str, tuple[tuple[int, ...
             if biased and gname in _BIASED:
                 out[f"model.layers.{n}.{hf}.bias"] = ((getattr(dims, _BIASED[gname]),), f"blk.{n}.{gname}.bias")
     wanted = {g for _, g in out.values()}
+    settings = set(family.gguf.config_tensors)
     missing = sorted(wanted - set(tensors))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(f"GGUF is missing tensor {missing[0]}{more}")
-    extra = sorted(set(tensors) - wanted)
+    extra = sorted(set(tensors) - wanted - settings)
     if extra:
         raise ModelError(f"GGUF has tensor {extra[0]} that a plain {cfg['model_type']} model does not use")
     return out

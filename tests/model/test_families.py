@@ -148,7 +148,8 @@ def test_unit_offset_norm_equals_gemma3s_bit_for_bit():
 
 
 # ---- GGUF files of each family that has one, as llama.cpp writes them ----------------------------------------
-GGUF_FAMILIES = ["qwen3-untied", "smollm3-nope-every-4th", "gemma3-local-global"]  # Mistral's are Llama files
+# Mistral's GGUF files are Llama files (see families/mistral.py)
+GGUF_FAMILIES = ["qwen3-untied", "smollm3-nope-every-4th", "gemma3-local-global", "phi3-longrope-partial"]
 # llama.cpp's Q4_K_M on rows a whole number of 256-wide super-blocks: Q4_K, with v, down and the head in Q6_K.
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q8_0", "*": "Q4_K"}
 

@@ -40,7 +40,7 @@ def _refuse(cfg: dict) -> str | None:
     return None
 
 
-def _gguf_extra(field) -> dict:
+def _gguf_extra(field, tensor) -> dict:
     """llama.cpp keeps the global layers' base and scaling in rope.*, and fixes the local base at 10000 and
     the query scale at 1/sqrt(head_dim) (all but 27B's)."""
     full = {"rope_type": "default", "rope_theta": float(field("rope.freq_base") or 1_000_000.0)}
