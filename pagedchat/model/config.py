@@ -22,7 +22,6 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -44,7 +43,6 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        ropes = [spec.rope for spec in layers if spec.rope is not None]
         return cls(
             architecture=family.architecture,
             vocab_size=cfg["vocab_size"],
@@ -55,7 +53,6 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=ropes[-1].theta if ropes else 0.0,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias(cfg),
