@@ -4,6 +4,8 @@ against transformers' own rope functions."""
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import pytest
 import torch
@@ -17,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.bench.memory import parameter_count
+from pagedchat.errors import ModelError
 from pagedchat.model import families
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.gguf import convert_gguf
@@ -212,3 +215,22 @@ def test_a_family_without_a_system_role_gets_it_in_the_first_user_turn(tmp_path)
     text = engine.tokenizer.decode(engine.encode_prompt(chat))
     assert text.startswith("<|im_start|>user\nbe brief\n\nhello fox<|im_end|>\n<|im_start|>assistant\nhi")
     engine.shutdown()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "unsupported rope scaling 'dynamic': pagedchat implements default, linear, llama3, yarn, longrope"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "final_logit_softcapping": 30.0},
+     "unsupported Gemma3ForCausalLM: final_logit_softcapping is set"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture 'Gemma2ForCausalLM': pagedchat runs Llama"),
+])
+def test_what_no_family_runs_is_refused_in_one_line(tmp_path, change, message):
+    cfg = {**config_of(make_tiny_model(tmp_path, "llama", layers=1)), **change}
+    with pytest.raises(ModelError, match=re.escape(message)):
+        ModelConfig.from_dict(cfg)
+
+
+def test_the_gguf_reader_names_the_families_it_reads():
+    with pytest.raises(ModelError, match="unsupported GGUF architecture 'gpt2': pagedchat converts llama, qwen2, "
+                                         "qwen3, smollm3, gemma3, phi3"):
+        families.of_gguf("gpt2", "x.gguf")
