@@ -38,12 +38,14 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a varlen query batch over K/V stored in pages.
 
     Sequence b owns queries `q[query_start_loc[b]:query_start_loc[b+1]]` and `context_lens[b]` cached
     tokens, the last `qlen` of which are this step's own tokens. Query j sits at position
-    `context_len - qlen + j` and sees keys `0..position`. max_query_len / max_context_len are only
+    `context_len - qlen + j` and sees keys `0..position`, or with a window > 0 the last `window` of them
+    (`position - window + 1..position`, a sliding-window layer). max_query_len / max_context_len are only
     launch hints for the kernels; the reference ignores them.
     """
     del max_query_len, max_context_len
@@ -67,6 +69,8 @@ def paged_attention(
         q_pos = torch.arange(ctx - qlen, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [qlen, ctx]
+        if window > 0:
+            causal &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -30,7 +30,7 @@ INTERPRETED = interpret_env()
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    scale_log2e, pages_per_split, num_splits,
+    scale_log2e, pages_per_split, num_splits, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -69,6 +69,8 @@ def _attn_kernel(
     kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * TOKENS)
     kv_end = tl.where(q_tile * TOKENS < q_len, kv_end, 0)
     page_lo = 0
+    if window > 0:  # pages wholly before the window of the tile's first query hold nothing it sees
+        page_lo = tl.maximum(ctx - q_len + q_tile * TOKENS - window + 1, 0) // BLOCK_SIZE
     page_hi = tl.cdiv(kv_end, BLOCK_SIZE)
     if SPLIT:
         page_lo = split * pages_per_split
@@ -91,7 +93,8 @@ def _attn_kernel(
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e  # log2 units for exp2
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & row_ok[:, None], s, float("-inf"))
+        seen = (pos[None, :] <= q_pos[:, None]) & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
+        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row can be fully masked in this page (padding rows, early tokens): keep exp2 NaN-free.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -165,6 +168,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int = 0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -215,7 +219,7 @@ def paged_attention(
     _attn_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, dst, m, l,
         block_tables, context_lens, query_start_loc,
-        scale * LOG2E, pages_per_split, num_splits,
+        scale * LOG2E, pages_per_split, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

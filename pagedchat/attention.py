@@ -31,8 +31,8 @@ class AttentionMetadata:
     context_lens_host: list[int]
     max_query_len: int
     max_context_len: int
-    # Per-step values the torch decode path would otherwise rebuild in every layer.
-    _decode_plan: _DecodePlan | None = field(default=None, repr=False)
+    # Per-step values the torch decode path would otherwise rebuild in every layer (one per window size).
+    _decode_plans: dict[int | None, _DecodePlan] = field(default_factory=dict, repr=False)
     _mixed_plan: _MixedPlan | None = field(default=None, repr=False)
 
     @property
@@ -63,16 +63,18 @@ def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, use_triton: bool) 
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, use_triton: bool) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads, head_dim], causal over each sequence's cached context."""
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, use_triton: bool,
+                    window: int | None = None) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim], causal over each sequence's cached context; with a
+    window, a query at position p sees the keys at p - window + 1 .. p only (transformers' sliding window)."""
     if use_triton:
         from pagedchat.kernels import paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-                                scale, meta.max_query_len, meta.max_context_len)
+                                scale, meta.max_query_len, meta.max_context_len, window or 0)
     if meta.decode_only:
-        return _decode_torch(q, k_cache, v_cache, meta, scale)
-    return _varlen_torch(q, k_cache, v_cache, meta, scale)
+        return _decode_torch(q, k_cache, v_cache, meta, scale, window)
+    return _varlen_torch(q, k_cache, v_cache, meta, scale, window)
 
 
 def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int, dtype,
@@ -141,34 +143,39 @@ def _buffers(pages: int, cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch
     return raw, raw if dtype == cache.dtype else torch.empty(shape, dtype=dtype, device=cache.device)
 
 
-def _decode_plan(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype) -> _DecodePlan:
-    if meta._decode_plan is None:
+def _decode_plan(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype, window: int | None) -> _DecodePlan:
+    if window not in meta._decode_plans:
         block_size = cache.shape[1]
-        shared = _shared_pages(meta, block_size)
-        start = shared * block_size
+        # A window reads from the first page any sequence's window reaches, and no pages are read once for all.
+        shared = 0 if window else _shared_pages(meta, block_size)
+        first = max(0, min(meta.context_lens_host) - window) // block_size if window else shared
+        start = first * block_size
         length = meta.max_context_len - start
-        tables = meta.block_tables[:, shared : shared + -(-length // block_size)]
+        tables = meta.block_tables[:, first : first + -(-length // block_size)]
         positions = torch.arange(start, meta.max_context_len, device=cache.device)
-        beyond = positions[None, :] >= meta.context_lens[:, None].to(positions.dtype)
-        mask = torch.zeros(beyond.shape, dtype=dtype, device=cache.device).masked_fill_(beyond, float("-inf"))
+        ctx = meta.context_lens[:, None].to(positions.dtype)
+        hidden = positions[None, :] >= ctx
+        if window:
+            hidden |= positions[None, :] < ctx - window
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=cache.device).masked_fill_(hidden, float("-inf"))
         plan = _DecodePlan(tables.reshape(-1), length, mask[:, None, None, :],
                            _buffers(tables.numel(), cache, dtype), _buffers(tables.numel(), cache, dtype))
         if shared:
             plan.prefix_tables = meta.block_tables[0, :shared]
             plan.prefix_len = start
             plan.prefix_k, plan.prefix_v = _buffers(shared, cache, dtype), _buffers(shared, cache, dtype)
-        meta._decode_plan = plan
-    return meta._decode_plan
+        meta._decode_plans[window] = plan
+    return meta._decode_plans[window]
 
 
-def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """All sequences at once: one query each, keys padded to the longest context and masked.
 
     Grouped-query heads that share a KV head become that head's query rows ([B, kv_heads, group, D]), so
     no K/V is repeated and one attention call serves the group. Pages that every sequence shares are
     attended once for all of them (see _with_shared_prefix)."""
     dtype, (b, heads, d) = _math_dtype(q), q.shape
-    plan = _decode_plan(meta, k_cache, dtype)
+    plan = _decode_plan(meta, k_cache, dtype, window)
     k = _gather(k_cache, plan.tables, b, plan.length, dtype, plan.k)
     v = _gather(v_cache, plan.tables, b, plan.length, dtype, plan.v)
     kv_heads = k.shape[1]
@@ -209,6 +216,16 @@ class _Chunk:
     length: int
     context: int
     mask: torch.Tensor | None  # [length, context], True where a query sees a key; None when causal from 0
+    windowed: torch.Tensor | None = None  # the mask of a sliding-window layer (built on first use)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        if not window:
+            return self.mask
+        if self.windowed is None:
+            rows = torch.arange(self.context - self.length, self.context, device=device)[:, None]
+            keys = torch.arange(self.context, device=device)[None, :]
+            self.windowed = (keys <= rows) & (keys > rows - window)
+        return self.windowed
 
 
 @dataclass
@@ -252,12 +269,12 @@ def _chunk(seq: int, start: int, qlen: int, ctx: int, device: torch.device) -> _
     return _Chunk(seq, start, qlen, ctx, torch.arange(ctx, device=device)[None, :] <= rows)
 
 
-def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """Chunk by chunk: causal inside the chunk, full over the cached prefix; decodes batched (see _MixedPlan)."""
     out = torch.empty_like(q)
     plan = _mixed_plan(meta, q.device)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale)
+        out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale, window)
     block_size = k_cache.shape[1]
     dtype = _math_dtype(q)
     for chunk in plan.chunks:
@@ -266,7 +283,8 @@ def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
         v = _gather(v_cache, table, 1, chunk.context, dtype)
         rows = slice(chunk.start, chunk.start + chunk.length)
         qb = q[rows].transpose(0, 1).unsqueeze(0).to(dtype)  # [1, heads, qlen, head_dim]
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+        mask = chunk.mask_for(window, q.device)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=qb.shape[1] != k.shape[1])
         out[rows] = o[0].transpose(0, 1)
     return out

@@ -14,8 +14,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # atol = rtol
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2):
-    """The torch path's output, the reference's, and the step's plan (decode or mixed)."""
+def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None):
+    """The torch path's output, the reference's, and the step's plan (decode or mixed); window: a sliding
+    window layer's."""
     batch = make_batch(seqs, heads, kv_heads, 64, 16, dtype, share_pages=share_pages)
     # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the same
     # with the NaN that make_batch leaves there.
@@ -29,10 +30,11 @@ def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2):
         slot_mapping=torch.tensor(slots), query_start_loc=batch.query_start_loc,
         context_lens=batch.context_lens, block_tables=batch.block_tables, query_lens=qlens,
         context_lens_host=ctx, max_query_len=max(qlens), max_context_len=max(ctx))
-    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, use_triton=False)
-    want = reference.paged_attention(*batch.args())
+    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, use_triton=False,
+                                    window=window)
+    want = reference.paged_attention(*batch.args(), window or 0)
     assert got.dtype == dtype and got.shape == batch.q.shape
-    return got, want, meta._decode_plan or meta._mixed_plan
+    return got, want, meta._decode_plans.get(window) or meta._mixed_plan
 
 
 def _assert_close(got, want):
@@ -80,4 +82,17 @@ def test_shared_prefix_only_where_it_saves_enough():
     many = [(60 + i, 1) for i in range(40)]  # 39 x 48 keys saved
     got, want, plan = _run(many, torch.float32, share_pages=3)
     assert plan.prefix_len == 48
+    _assert_close(got, want)
+
+
+@DTYPES
+@pytest.mark.parametrize("window", [1, 20, 48])
+def test_sliding_window_decode_and_chunks(monkeypatch, dtype, window):
+    """A windowed layer sees the last `window` keys only, in decodes (reading from the first page any window
+    reaches, never the shared-prefix split) and in prefill chunks beside them."""
+    monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
+    got, want, plan = _run([(100, 1), (70, 1), (90, 1), (50, 1)], dtype, share_pages=3, window=window)
+    assert plan.prefix_tables is None and plan.length == 100 - (50 - window) // 16 * 16
+    _assert_close(got, want)
+    got, want, _ = _run([(90, 23), (70, 1), (40, 40), (16, 1), (5, 5)], dtype, window=window)
     _assert_close(got, want)

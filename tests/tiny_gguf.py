@@ -1,5 +1,6 @@
-"""Tiny GGUF files written the way llama.cpp's converter writes them (its tensor names, its q/k row order), from
-the tiny HF models of tiny_models.py: what the GGUF loading, quantized-weight and llama.cpp tests read."""
+"""Tiny GGUF files written the way llama.cpp's converter writes them (its architecture and tensor names, its q/k
+row order, Gemma's norms stored as 1 + w), from the tiny HF models of tiny_models.py of any family that has a
+GGUF form: what the GGUF loading, quantized-weight and llama.cpp tests read."""
 
 from __future__ import annotations
 
@@ -12,24 +13,20 @@ from safetensors.torch import load_file
 from tiny_models import config_of
 from transformers import AutoTokenizer
 
+from pagedchat.model import families
+from pagedchat.model.family import GGUF_GLOBAL, GGUF_LAYER, NormStyle
 
-# Hugging Face name pieces -> GGUF names, the inverse of what the converter does.
-_HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+
 QUANTIZED = ("blk.0.ffn_up.weight", "blk.1.attn_k.weight")  # one plain, one permuted: both pass through Q8_0
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, layer_names=GGUF_LAYER) -> str:
+    """The GGUF name of a Hugging Face tensor, layer_names being a family's (GGUF piece, HF piece) pairs."""
     if hf_name.startswith("model.layers."):
         _, _, n, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{n}.{_HF_TO_GGUF[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf_name]
+        return f"blk.{n}.{next(g for g, hf in layer_names if hf == module)}.{kind}"
+    return {f"{hf}.weight": f"{g}.weight" for g, hf in GGUF_GLOBAL}[hf_name]
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -54,34 +51,51 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     writer.add_bos_token_id(tok.bos_token_id)
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_unk_token_id(tok.unk_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
 
 
-def write_tiny_gguf(folder: Path, out: Path, *, arch: str = "llama", quantized=QUANTIZED,
+def write_tiny_gguf(folder: Path, out: Path, *, quantized=QUANTIZED,
                     tokenizer: bool = True, qtype=gguf.GGMLQuantizationType.Q8_0, blocks=None) -> Path:
     """A GGUF of the tiny HF model in folder, laid out the way llama.cpp's converter writes it: the tensors
     named in quantized as qtype (or {"attn_v": type, "*": type}: by kind), by gguf's quantizer or, given, by
     blocks(name, array) -> raw blocks."""
     cfg = config_of(folder)
+    family = families.of_config(cfg)
     weights = load_file(folder / "model.safetensors")
-    w = gguf.GGUFWriter(out, arch)
+    w = gguf.GGUFWriter(out, family.gguf.arch)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters", {})
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' table; llama.cpp fixes the local one
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, the pretraining context in rope.*
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
         _add_tokenizer(w, folder)
     for name, t in weights.items():
         arr = t.float().numpy()
-        gname = gguf_name(name)
-        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+        gname = gguf_name(name, family.gguf.layer_names)
+        if family.norm is NormStyle.UNIT_OFFSET and name.endswith("norm.weight"):
+            arr = arr + 1.0  # llama.cpp's Gemma converter stores 1 + w
+        if family.gguf.permuted_qk and gname.split(".")[-2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if ".attn_q." in gname else cfg["num_key_value_heads"]
             arr = llama_cpp_permute(arr, heads)
         if gname in quantized:

@@ -1,4 +1,5 @@
-"""Tiny random Llama/Qwen2 models with a real byte-level tokenizer and a ChatML template, built in seconds."""
+"""Tiny random models of every family pagedchat runs, from transformers' own configs, with a real byte-level
+tokenizer and a ChatML template, built in seconds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, SmolLM3Config)
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -45,10 +47,40 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+def _family_config(arch: str, common: dict, rope: dict | None, window: int | None):
+    """transformers' own config of that family, over the common shape."""
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    if arch == "llama":
+        return LlamaConfig(**common, rope_parameters=rope or default)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "qwen3":
+        return Qwen3Config(**common, rope_parameters=rope or {"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "smollm3":  # layers 4, 8, ... rotate nothing
+        return SmolLM3Config(**common, rope_parameters=rope or {"rope_type": "default", "rope_theta": 2000000.0})
+    if arch == "mistral":
+        return MistralConfig(**common, rope_parameters=rope or default, sliding_window=window)
+    if arch == "gemma3":  # every sixth layer global (the real pattern, which llama.cpp assumes), each kind its base
+        ropes = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                 "full_attention": rope or {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+        return Gemma3TextConfig(**common, rope_parameters=ropes, sliding_window=window or 4096,
+                                query_pre_attn_scalar=common["head_dim"])
+    if arch == "phi3":
+        rotary = int(common["head_dim"] * 0.75)  # Phi-4-mini's partial rotary
+        longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0 + 0.1 * i for i in range(rotary // 2)],
+                    "long_factor": [1.0 + 2.0 * i for i in range(rotary // 2)]}
+        return Phi3Config(**common, rope_parameters=rope or longrope, sliding_window=window,
+                          original_max_position_embeddings=common["max_position_embeddings"] // 4)
+    raise ValueError(arch)
+
+
 def make_tiny_model(folder: Path, arch: str = "llama", *, tie: bool = True, layers: int = 3, heads: int = 4,
                     kv_heads: int = 2, head_dim: int = 16, seed: int = 0, max_positions: int = 512,
-                    rope_scaling: dict | None = None) -> Path:
-    """Write a random model folder (config.json, model.safetensors, tokenizer) and return it."""
+                    rope_scaling: dict | None = None, window: int | None = None) -> Path:
+    """Write a random model folder (config.json, model.safetensors, tokenizer) and return it. arch: llama,
+    qwen2, qwen3, smollm3, mistral, gemma3, phi3; rope_scaling: the (global) layers' rope_parameters;
+    window: the sliding window of the layers that have one."""
     folder = Path(folder)
     tok = make_tokenizer()
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=heads * head_dim, intermediate_size=3 * heads * head_dim,
@@ -56,13 +88,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", *, tie: bool = True, laye
                   head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=tie,
                   rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id)
-    if arch == "llama":
-        rope = {"rope_type": "default", "rope_theta": 10000.0} if rope_scaling is None else rope_scaling
-        config = LlamaConfig(**common, rope_parameters=rope)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    else:
-        raise ValueError(arch)
+    config = _family_config(arch, common, rope_scaling, window)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger-than-default weights make the logits spread out, so greedy ties are rare and tests meaningful.

@@ -25,6 +25,7 @@ from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.config import AppConfig, load_config
 from pagedchat.tui.records import ChatSettings
 from pagedchat.errors import PagedChatError
+from pagedchat.model import families
 
 WAIT_S = 30.0
 
@@ -171,7 +172,7 @@ class ScriptedEngine:
     model_path = "scripted-model"
     device = "cpu"
     dtype = "float32"
-    config = SimpleNamespace(max_position_embeddings=2048)
+    config = SimpleNamespace(max_position_embeddings=2048, family=families.of_architecture("LlamaForCausalLM"))
     cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024)
     model = SimpleNamespace(weight_precision="float32")
 

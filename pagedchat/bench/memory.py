@@ -139,11 +139,15 @@ class Sharing:
 
 
 def parameter_count(config) -> int:
-    """Weights of a Llama-shaped model, counted from its shape (packing changes their bytes, not their number)."""
+    """Weights of a decoder, counted from its shape and its family's layer recipe (its norms; packing changes the
+    weights' bytes, not their number)."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    names = config.family.weights
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if config.qkv_bias else 0)
-    layer = attn + 3 * h * i + 2 * h
+    norms = sum(n is not None for n in (names.attn_norm, names.attn_out_norm, names.mlp_norm, names.mlp_out_norm))
+    head_norms = sum(n is not None for n in (names.q_norm, names.k_norm)) * config.head_dim
+    layer = attn + 3 * h * i + norms * h + head_norms
     return v * h * (1 if config.tie_word_embeddings else 2) + config.num_layers * layer + h
 
 

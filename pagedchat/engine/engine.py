@@ -36,7 +36,7 @@ from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.gguf import gguf_weights
-from pagedchat.model.llama import LlamaModel
+from pagedchat.model.llama import DecoderModel
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
 log = logging.getLogger("pagedchat.engine")
@@ -118,7 +118,7 @@ class Engine:
         self._looping = False
         self._blameless_faults = 0              # failed steps in a row that failed no request
 
-    def _load_model(self, folder) -> LlamaModel:
+    def _load_model(self, folder) -> DecoderModel:
         return packed_cache.load_model(folder, self.config, self.device, self.dtype, self.quantize, load_weights)
 
     @property
@@ -135,7 +135,7 @@ class Engine:
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")
             try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt))
+                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role)
             except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
                 raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
         else:

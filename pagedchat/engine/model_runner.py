@@ -10,7 +10,7 @@ import torch
 from pagedchat.attention import AttentionMetadata
 from pagedchat.engine.block_manager import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
-from pagedchat.model.llama import LlamaModel
+from pagedchat.model.llama import DecoderModel
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,7 +24,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_pages: int, num_cpu_pages: int, block_size: int):
+    def __init__(self, model: DecoderModel, num_pages: int, num_cpu_pages: int, block_size: int):
         cfg = model.config
         self.model = model
         self.device = model.device

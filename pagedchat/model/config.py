@@ -1,4 +1,4 @@
-"""The decoder's shape, read from a Hugging Face config.json."""
+"""The decoder's shape, read from a Hugging Face config.json by its family (pagedchat/model/families/)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedchat.errors import ModelError
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from pagedchat.model import families
+from pagedchat.model.family import Family, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -22,37 +22,29 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    layers: tuple[LayerSpec, ...] = ()     # each layer's rotary table and window (see model/family.py)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+
+    @property
+    def family(self) -> Family:
+        return families.of_architecture(self.architecture)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-            cfg.get("model_type", ""), str(cfg.get("model_type")))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(
-                f"unsupported architecture {arch!r}: pagedchat runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        # transformers 5 nests rope settings under rope_parameters; older configs keep them flat.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("default", "llama3"):
-                raise ModelError(f"unsupported rope scaling {kind!r}: pagedchat implements default and llama3")
-            if kind == "default":
-                scaling = None
+        family = families.of_config(cfg)
+        refused = family.refuse(cfg)
+        if refused:
+            raise ModelError(f"unsupported {family.architecture}: {refused}")
+        layers = family.layers(cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        is_qwen = arch == "Qwen2ForCausalLM"
         return cls(
-            architecture=arch,
+            architecture=family.architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -61,12 +53,12 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen or bool(cfg.get("attention_bias", False)),
-            rope_scaling=scaling,
+            qkv_bias=family.qkv_bias(cfg),
             eos_token_ids=eos_ids,
+            layers=layers,
+            attention_scale=family.attention_scale(cfg),
         )
 
     @classmethod

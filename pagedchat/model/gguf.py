@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from pagedchat.errors import ModelError, first_line
-from pagedchat.model import qmm, quant, tokenizer
+from pagedchat.model import families, qmm, quant, tokenizer
 from pagedchat.model.blocks import Blocks
+from pagedchat.model.family import GGUF_GLOBAL
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -31,16 +32,25 @@ COMPLETE_MARKER = ".pagedchat-complete"
 # In a converted folder: which GGUF holds the weights. Folders converted before it held float32 safetensors.
 GGUF_POINTER = "gguf.json"
 
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# GGUF tensor name -> Hugging Face name; "{}" is the layer number.
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+# The shape of each Hugging Face tensor piece (see family.LayerWeights), from the config; norms are (hidden,).
+_SHAPES = {
+    "self_attn.q_proj": lambda c: (c.q, c.h), "self_attn.k_proj": lambda c: (c.kv, c.h),
+    "self_attn.v_proj": lambda c: (c.kv, c.h), "self_attn.qkv_proj": lambda c: (c.q + 2 * c.kv, c.h),
+    "self_attn.o_proj": lambda c: (c.h, c.q), "mlp.gate_proj": lambda c: (c.inter, c.h),
+    "mlp.up_proj": lambda c: (c.inter, c.h), "mlp.gate_up_proj": lambda c: (2 * c.inter, c.h),
+    "mlp.down_proj": lambda c: (c.h, c.inter), "self_attn.q_norm": lambda c: (c.d,),
+    "self_attn.k_norm": lambda c: (c.d,),
 }
+_BIASED = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv"}  # GGUF pieces that carry a bias where the config says
+
+
+@dataclass(frozen=True)
+class _Dims:
+    h: int
+    inter: int
+    d: int
+    q: int
+    kv: int
 
 
 def report(progress: Progress | None, message: str, fraction: float | None = None) -> None:
@@ -77,15 +87,21 @@ def _f32(value) -> float:
     return float(f"{float(value):.7g}")
 
 
+def _setting_tensor(tensors: dict, name: str) -> list[float] | None:
+    """A small float tensor that holds a setting (see family.Gguf.config_tensors), as a list; None if absent."""
+    t = tensors.get(name)
+    return None if t is None else np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+
+
 def _gguf_config(reader, path: Path) -> dict:
-    """config.json contents for a llama or qwen2 GGUF, from its metadata and tensor list."""
+    """config.json contents for a GGUF of a registered family, from its metadata and tensor list."""
     arch = _field(reader, "general.architecture")
-    if arch not in _HF_ARCH:
-        raise ModelError(f"{path.name}: unsupported GGUF architecture {arch!r}: pagedchat converts llama and qwen2")
+    family = families.of_gguf(arch, path.name)
     key = lambda name: f"{arch}.{name}"  # noqa: E731 - metadata keys are prefixed with the architecture
-    if (_field(reader, key("rope.scaling.type")) or "none") != "none":
-        raise ModelError(f"{path.name}: rope scaling {_field(reader, key('rope.scaling.type'))!r} is not supported")
     tensors = {t.name: t for t in reader.tensors}
+    extra = family.gguf.extra(lambda name: _field(reader, key(name)), lambda name: _setting_tensor(tensors, name))
+    if (_field(reader, key("rope.scaling.type")) or "none") != "none" and "rope_parameters" not in extra:
+        raise ModelError(f"{path.name}: rope scaling {_field(reader, key('rope.scaling.type'))!r} is not supported")
     if "rope_freqs.weight" in tensors:
         # Llama 3.1-style scaling is stored as a frequency table whose parameters a HF config cannot be rebuilt from.
         raise ModelError(f"{path.name}: Llama 3.1-style rope frequency scaling in GGUF is not supported")
@@ -112,8 +128,8 @@ def _gguf_config(reader, path: Path) -> dict:
     eos_ids = [i for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
     eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))
     cfg.update({
-        "architectures": [_HF_ARCH[arch]],
-        "model_type": arch,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": vocab,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -124,44 +140,44 @@ def _gguf_config(reader, path: Path) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "max_position_embeddings": int(_field(reader, key("context_length"), 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        # Qwen2 always has q/k/v biases (a file without them is then reported as missing tensors).
-        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        # A family with q/k/v biases always (Qwen2) has them whatever this says: a file without them is then
+        # reported as missing tensors.
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "pad_token_id": None if pad is None else int(pad),
         "torch_dtype": "float32",
     })
-    if arch == "llama":
-        cfg["mlp_bias"] = False
-    else:
-        cfg["use_sliding_window"] = False
+    cfg.update(extra)
     return cfg
 
 
 def _expected_shapes(cfg: dict, tensors: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF name -> (torch shape, GGUF name) for every tensor the model needs, in file order."""
-    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {"token_embd": (cfg["vocab_size"], h), "output_norm": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["output"] = (cfg["vocab_size"], h)
-    layer = {"attn_norm": (h,), "ffn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h),
-             "attn_output": (h, q), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    family = families.of_config(cfg)
+    d = cfg["head_dim"]
+    dims = _Dims(cfg["hidden_size"], cfg["intermediate_size"], d, cfg["num_attention_heads"] * d,
+                 cfg["num_key_value_heads"] * d)
     out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for gname, shape in shapes.items():
-        out[_GLOBAL_NAMES[gname] + ".weight"] = (shape, gname + ".weight")
+    for gname, hf in GGUF_GLOBAL:
+        if gname == "output" and cfg["tie_word_embeddings"]:
+            continue
+        shape = (cfg["vocab_size"], dims.h) if gname != "output_norm" else (dims.h,)
+        out[hf + ".weight"] = (shape, gname + ".weight")
+    biased = family.qkv_bias(cfg)
     for n in range(cfg["num_hidden_layers"]):
-        for gname, shape in layer.items():
-            out[f"model.layers.{n}.{_LAYER_NAMES[gname]}.weight"] = (shape, f"blk.{n}.{gname}.weight")
-        if cfg["attention_bias"]:
-            for gname, size in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-                out[f"model.layers.{n}.{_LAYER_NAMES[gname]}.bias"] = ((size,), f"blk.{n}.{gname}.bias")
+        for gname, hf in family.gguf.layer_names:
+            shape = _SHAPES.get(hf, lambda c: (c.h,))(dims)
+            out[f"model.layers.{n}.{hf}.weight"] = (shape, f"blk.{n}.{gname}.weight")
+            if biased and gname in _BIASED:
+                out[f"model.layers.{n}.{hf}.bias"] = ((getattr(dims, _BIASED[gname]),), f"blk.{n}.{gname}.bias")
     wanted = {g for _, g in out.values()}
+    settings = set(family.gguf.config_tensors)
     missing = sorted(wanted - set(tensors))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(f"GGUF is missing tensor {missing[0]}{more}")
-    extra = sorted(set(tensors) - wanted)
+    extra = sorted(set(tensors) - wanted - settings)
     if extra:
         raise ModelError(f"GGUF has tensor {extra[0]} that a plain {cfg['model_type']} model does not use")
     return out
@@ -185,7 +201,7 @@ class GGUFTensor:
     kind: str                # the GGML type name: F32, Q4_1, Q8_0, Q6_K...
     shape: tuple[int, ...]   # torch order
     data: np.ndarray         # the raw blocks as gguf's reader maps them
-    heads: int = 0           # llama q/k: undo llama.cpp's rotary row order over this many heads
+    heads: int = 0           # q/k of a family llama.cpp permutes: undo its rotary row order over this many heads
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized by gguf's own code (what transformers' GGUF loader runs), d*q+m in float32, then dtype."""
@@ -233,10 +249,22 @@ def gguf_tensors(reader, cfg: dict, path: Path) -> dict[str, GGUFTensor]:
         if found != shape:
             raise ModelError(f"{path.name}: tensor {gname} has shape {found}, but the GGUF metadata implies {shape}")
         heads = 0
-        if cfg["model_type"] == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+        if families.of_config(cfg).gguf.permuted_qk and gname.split(".")[-2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if gname.split(".")[-2] == "attn_q" else cfg["num_key_value_heads"]
         out[name] = GGUFTensor(gname, t.tensor_type.name, shape, t.data, heads)
     return out
+
+
+def _gguf_tokenizer(gguf_path: Path):
+    """transformers' tokenizer of a GGUF. AutoTokenizer reads the architectures transformers has a GGUF model
+    reader for; the plain fast tokenizer, built from the same tokenizer.ggml.* fields, serves the others
+    (SmolLM3)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError:
+        return PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template: str | None) -> None:
@@ -248,7 +276,7 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path, cfg: dict, chat_template:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its GGUF path logs informational noise we do not want in a TUI
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = _gguf_tokenizer(gguf_path)
         if chat_template and not tok.chat_template:
             tok.chat_template = chat_template
         tok.model_max_length = cfg["max_position_embeddings"]  # GGUF sets none, which saves as a 1e30 sentinel

@@ -142,8 +142,14 @@ class Placement:
         t = w if isinstance(w, torch.Tensor) else w.dense(self.dtype)
         return t.to(device=self.device, dtype=self.dtype)
 
+    def unit_offset(self, w) -> torch.Tensor:
+        """A (1 + w) norm weight in float32, as Gemma's RMSNorm computes it. llama.cpp's converter stores such a
+        family's norms as the sum already (see families/gemma3.py), so a GGUF tensor is read as it is."""
+        t = w.float() + 1.0 if isinstance(w, torch.Tensor) else w.dense(torch.float32)
+        return t.to(self.device)
+
     def label(self, w, packed: Blocks | quant.Int4Groups | None) -> str:
-        """What w is and how it runs, for LlamaModel.weight_precision: "Q4_1 packed", "Q8_0 as 2×int4",
+        """What w is and how it runs, for DecoderModel.weight_precision: "Q4_1 packed", "Q8_0 as 2×int4",
         "Q6_K as bfloat16"."""
         if isinstance(packed, Blocks):
             return f"{packed.kind} packed" + (" (quantized at load)" if isinstance(w, torch.Tensor) else "")
@@ -171,6 +177,15 @@ class Builder:
 
     def dense(self, key: str, w) -> torch.Tensor:
         t = self.cached[key] if self.cached is not None else self.placement.dense(w)
+        self.tensors[key] = t
+        self.forms[key] = "dense"
+        return t
+
+    def norm(self, key: str, w, unit_offset: bool) -> torch.Tensor:
+        """A norm's weight: dense in dtype, or (unit_offset) as 1 + w in float32 (NormStyle.UNIT_OFFSET)."""
+        if not unit_offset:
+            return self.dense(key, w)
+        t = self.cached[key] if self.cached is not None else self.placement.unit_offset(w)
         self.tensors[key] = t
         self.forms[key] = "dense"
         return t

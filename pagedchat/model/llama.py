@@ -1,14 +1,14 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Qwen2) over a flat token batch and a paged KV cache.
+"""The decoder every registered family runs (pagedchat/model/families/), over a flat token batch and a paged
+KV cache.
 
 Tokens of all scheduled sequences are packed into one [T, hidden] batch with no padding; positions say where
-each sits in its own sequence, and the attention metadata says which pages hold its context. The math follows
-transformers' LlamaForCausalLM exactly (float32 RMSNorm, rotate-half rotary embeddings, the llama3 frequency
-scaling), so greedy tokens match it.
+each sits in its own sequence, and the attention metadata says which pages hold its context. A family's
+recipe (model/family.py) says which norms sit where, which activation, which rotary table and window each layer
+has. The math follows transformers' modeling code of each family exactly (float32 RMSNorm, rotate-half rotary
+embeddings, its rope scaling), so greedy tokens match it.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -17,26 +17,25 @@ from pagedchat.attention import AttentionMetadata, backend, paged_attention, wri
 from pagedchat.errors import ModelError
 from pagedchat.model import int4_kernel, qmm
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
 from pagedchat.model.linear import Builder, Placement, nbytes
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    # Llama 3.1's rule: stretch low frequencies by `factor`, keep high ones, blend the band between.
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+def rope_table(rope: Rope, head_dim: int, positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, rotary_dim] for a rotary table, sin's first half negated (see apply_rope).
+
+    LongRoPE switches to its long factors past the original context: here by position (a token at or past it
+    turns with the long table), where transformers switches a whole forward pass by its longest position."""
+    inv_freq, scale = rope.inv_freq(head_dim, positions)
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    if rope.kind is RopeKind.LONGROPE and rope.original_max_positions < positions:
+        long, _ = rope.inv_freq(head_dim, positions, long=True)
+        past = torch.arange(rope.original_max_positions, positions, dtype=torch.float32)[:, None]
+        freqs[rope.original_max_positions:] = past * long[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    sin[:, : inv_freq.shape[0]].neg_()
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,32 +45,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scale by (1 + w) in fp32, then round; weight is 1 + w, already in fp32."""
+    return (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * weight).to(x.dtype)
+
+
+NORMS = {NormStyle.LLAMA: rms_norm, NormStyle.UNIT_OFFSET: rms_norm_unit_offset}
+ACTIVATIONS = {Activation.SILU: lambda x: F.silu(x, inplace=True),  # in place: one new tensor, not two
+               Activation.GELU_TANH: lambda x: F.gelu(x, approximate="tanh")}
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim], sin's first half negated (see LlamaModel.__init__).
+    """x [T, heads, head_dim]; cos/sin [T, 1, rotary_dim], sin's first half negated (see rope_table).
 
     transformers' x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): carrying the sign in sin
-    saves a negation per call and rounds the same (a sign flip is exact)."""
-    half = x.shape[-1] // 2
+    saves a negation per call and rounds the same (a sign flip is exact). A rotary_dim short of head_dim turns
+    the leading dims only, as partial rotary (Phi-4-mini) does."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Layer:
-    def __init__(self, w: dict, prefix: str, config: ModelConfig, build: Builder):
-        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+    def __init__(self, w: dict, prefix: str, config: ModelConfig, build: Builder, spec: LayerSpec):
+        names = config.family.weights
+        unit_offset = config.family.norm is NormStyle.UNIT_OFFSET
         get = (lambda name: None) if build.cached is not None else w.__getitem__  # noqa: E731 - a cache needs none
         qkv_bias = None
         if config.qkv_bias and build.cached is None:
-            qkv_bias = torch.cat([build.placement.dense(get(f"{attn}.{p}_proj.bias")) for p in "qkv"])
+            qkv_bias = torch.cat([build.placement.dense(get(f"{prefix}.{p}.bias")) for p in names.qkv])
         # One matmul for q, k and v, and one for gate and up: fewer, larger GEMMs per layer.
-        self.qkv = build.projection(f"{prefix}.qkv", [get(f"{attn}.{p}_proj.weight") for p in "qkv"], qkv_bias)
-        self.o = build.projection(f"{prefix}.o", [get(f"{attn}.o_proj.weight")])
-        self.gate_up = build.projection(f"{prefix}.gate_up", [get(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])
-        self.down = build.projection(f"{prefix}.down", [get(f"{mlp}.down_proj.weight")])
-        self.input_norm = build.dense(f"{prefix}.input_norm", get(f"{prefix}.input_layernorm.weight"))
-        self.post_norm = build.dense(f"{prefix}.post_norm", get(f"{prefix}.post_attention_layernorm.weight"))
+        self.qkv = build.projection(f"{prefix}.qkv", [get(f"{prefix}.{p}.weight") for p in names.qkv], qkv_bias)
+        self.o = build.projection(f"{prefix}.o", [get(f"{prefix}.{names.o}.weight")])
+        self.gate_up = build.projection(f"{prefix}.gate_up", [get(f"{prefix}.{p}.weight") for p in names.gate_up])
+        self.down = build.projection(f"{prefix}.down", [get(f"{prefix}.{names.down}.weight")])
+
+        def norm(key: str, name: str | None) -> torch.Tensor | None:
+            return None if name is None else build.norm(f"{prefix}.{key}", get(f"{prefix}.{name}.weight"), unit_offset)
+
+        self.input_norm = norm("input_norm", names.attn_norm)
+        self.post_norm = norm("post_norm", names.mlp_norm)
+        self.attn_out_norm = norm("attn_out_norm", names.attn_out_norm)
+        self.mlp_out_norm = norm("mlp_out_norm", names.mlp_out_norm)
+        q_norm, k_norm = norm("q_norm", names.q_norm), norm("k_norm", names.k_norm)
+        # One weight over q's and k's heads side by side: both normed in one call, as they turn in one.
+        self.qk_norm = None if q_norm is None else torch.cat(
+            (q_norm.expand(config.num_heads, -1), k_norm.expand(config.num_kv_heads, -1)))
+        self.spec = spec
+
+    def norms(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_norm, self.post_norm, self.attn_out_norm, self.mlp_out_norm, self.qk_norm)
+                if t is not None]
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict | None, device: torch.device, dtype: torch.dtype,
                  quantize: str | None = None, cached: "PackedWeights | None" = None):
         """weights: torch tensors (a safetensors model) or loader.GGUFTensors; quantize: "int4"/"int8" packs
@@ -80,14 +109,16 @@ class LlamaModel:
         self.config = config
         self.device = device
         self.dtype = dtype
+        family = config.family
         placement = Placement.choose(dtype, device, quantize)
         build = Builder(placement, *(cached.tensors, cached.forms) if cached else ())
         get = (lambda name: None) if cached else weights.__getitem__  # noqa: E731
         try:
             tied = config.tie_word_embeddings
-            self.layers = [Layer(weights, f"model.layers.{i}", config, build) for i in range(config.num_layers)]
+            self.layers = [Layer(weights, f"model.layers.{i}", config, build, spec)
+                           for i, spec in enumerate(config.layers)]
             self.lm_head = build.projection("lm_head", [get("model.embed_tokens.weight" if tied else "lm_head.weight")])
-            self.norm = build.dense("norm", get("model.norm.weight"))
+            self.norm = build.norm("norm", get("model.norm.weight"), family.norm is NormStyle.UNIT_OFFSET)
             self.embed = self._embedding(get("model.embed_tokens.weight"), tied, build)
         except KeyError as exc:
             raise ModelError(
@@ -98,17 +129,17 @@ class LlamaModel:
         if self.runs_int4:
             int4_kernel.ensure(wait=False)  # batched int4 steps switch to it once it is loaded
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
+        self.norm_fn = NORMS[family.norm]
+        self.act = ACTIVATIONS[family.activation]
+        # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as transformers rounds it.
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(dtype) if family.embed_scale else None
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qk_size = q_size + kv_size
-        self.scale = config.head_dim ** -0.5
-        inv_freq = rope_inv_freq(config)
-        freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        sin = emb.sin()
-        sin[:, : config.head_dim // 2].neg_()
-        self.sin = sin.to(device=device, dtype=dtype)
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        tables = {spec.rope: rope_table(spec.rope, config.head_dim, config.max_position_embeddings, device, dtype)
+                  for spec in config.layers if spec.rope is not None}
+        self.rope_tables = [tables.get(spec.rope) for spec in config.layers]
         self.use_triton = backend(device) == "triton"
         self._views_of: torch.Tensor | None = None
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -145,12 +176,14 @@ class LlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
-            return F.embedding(input_ids, self.embed)
-        return self.embed.rows(input_ids).to(self.dtype)
+            x = F.embedding(input_ids, self.embed)
+        else:
+            x = self.embed.rows(input_ids).to(self.dtype)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _held(self) -> list[torch.Tensor]:
         projections = [self.lm_head] + [p for l in self.layers for p in (l.qkv, l.o, l.gate_up, l.down)]
-        tensors = [self.norm] + [t for l in self.layers for t in (l.input_norm, l.post_norm)]
+        tensors = [self.norm] + [t for l in self.layers for t in l.norms()]
         tensors += [self.embed] if isinstance(self.embed, torch.Tensor) else self.embed.tensors()
         return tensors + [t for p in projections for t in p.tensors()]
 
@@ -165,25 +198,33 @@ class LlamaModel:
         """input_ids/positions [T] -> logits [len(logits_rows), vocab] (float32) for the rows asked for.
 
         kv_cache is [layers, 2, pages, block_size, kv_heads, head_dim]."""
-        cfg = self.config
+        cfg, norm = self.config, self.norm_fn
+        eps = cfg.rms_norm_eps
         t = input_ids.shape[0]
         x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, self._cache_views(kv_cache)):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        turns = {}  # rotary table -> (cos, sin) at this step's positions, looked up once per table
+        for layer, table, (k_cache, v_cache) in zip(self.layers, self.rope_tables, self._cache_views(kv_cache)):
+            h = norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
-            # q and k sit side by side in qkv: one rotary call turns both.
-            qk = apply_rope(qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            # q and k sit side by side in qkv: one norm call and one rotary call treat both.
+            qk = qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.qk_norm is not None:
+                qk = norm(qk, layer.qk_norm, eps)
+            if table is not None:
+                if id(table) not in turns:
+                    turns[id(table)] = (table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1))
+                qk = apply_rope(qk, *turns[id(table)])
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton)
-            x.add_(layer.o(attn.reshape(t, -1)))
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton, layer.spec.window)
+            out = layer.o(attn.reshape(t, -1))
+            x.add_(out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
+            h = norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x.add_(layer.down(F.silu(gate, inplace=True).mul(up)))  # SiLU in place: one new tensor, not two
-        x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
+            out = layer.down(self.act(gate).mul(up))
+            x.add_(out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, eps))
+        x = norm(x[logits_rows], self.norm, eps)
         return self.lm_head(x).float()
 
     def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -25,7 +25,7 @@ from pagedchat.errors import ModelError
 from pagedchat.model import int4_kernel, qmm, quant
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder
-from pagedchat.model.llama import LlamaModel
+from pagedchat.model.llama import DecoderModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def read(path: Path) -> PackedWeights | None:
         return None
 
 
-def write(path: Path, model: LlamaModel, built: Builder) -> None:
+def write(path: Path, model: DecoderModel, built: Builder) -> None:
     """Save the model's built tensors atomically (temporary file, then rename): a crash leaves no half entry."""
     from safetensors.torch import save_file
 
@@ -82,7 +82,7 @@ def write(path: Path, model: LlamaModel, built: Builder) -> None:
 
 
 def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, quantize: str | None,
-               read_weights: Callable) -> LlamaModel:
+               read_weights: Callable) -> DecoderModel:
     """The model from its packed-weights cache where one is valid, else from its weights (saving a cache)."""
     if device.type == "cpu":
         qmm.ensure()  # the cache's layout depends on whether the kernels run
@@ -90,12 +90,12 @@ def load_model(folder: Path, config: ModelConfig, device: torch.device, dtype: t
     cached = read(path) if device.type == "cpu" else None
     if cached is not None:
         try:
-            model = LlamaModel(config, None, device, dtype, quantize, cached)
+            model = DecoderModel(config, None, device, dtype, quantize, cached)
             model.built = None  # its record holds plain copies of weights oneDNN packed: let them go
             return model
         except (ModelError, KeyError, ValueError, RuntimeError) as exc:  # written by another version, say
             log.warning("rebuilding the packed-weights cache %s: %s", path, exc)
-    model = LlamaModel(config, read_weights(folder, dtype, device), device, dtype, quantize)
+    model = DecoderModel(config, read_weights(folder, dtype, device), device, dtype, quantize)
     built, model.built = model.built, None
     if built.packs:
         write(path, model, built)

@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 def config(context: int = 512) -> ModelConfig:
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=192,
                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                       rope_theta=10000.0, max_position_embeddings=context, tie_word_embeddings=True,
+                       max_position_embeddings=context, tie_word_embeddings=True,
                        qkv_bias=False)
 
 

@@ -83,6 +83,23 @@ def test_reference_matches_dense_causal_sdpa(block_size, heads, kv_heads):
         torch.testing.assert_close(out[start:start + qlen], dense[ctx - qlen:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 20, 64])
+def test_reference_window_matches_dense_sliding_sdpa(window):
+    """With a window, query at position p sees keys p - window + 1 .. p: dense SDPA under that band mask."""
+    seqs = [(300, 40), (17, 17), (70, 1)]
+    batch = make_batch(seqs, 4, 2, 32, 16, share_pages=1)
+    out = reference.paged_attention(*batch.args(), window)
+    for b, (ctx, qlen) in enumerate(seqs):
+        start = batch.query_start_loc[b].item()
+        rows = torch.arange(ctx - qlen, ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        band = (keys <= rows) & (keys > rows - window)
+        dense = F.scaled_dot_product_attention(
+            batch.q[start:start + qlen].transpose(0, 1), batch.keys[b].transpose(0, 1),
+            batch.values[b].transpose(0, 1), attn_mask=band, scale=batch.scale, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + qlen], dense, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_write_kv():
     k_cache = torch.zeros(4, 16, 2, 8)
     v_cache = torch.zeros(4, 16, 2, 8)
@@ -133,6 +150,18 @@ def test_decode_split_k(tk, cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_prefill_with_cached_prefix(tk, cfg):
     _check_attention(tk, cfg, PREFILL, num_splits=1)
+
+
+@pytest.mark.parametrize("seqs,splits", [(DECODE, 1), (DECODE, 3), (PREFILL, 1), ([(100, 9), (40, 5)], 2)],
+                         ids=["decode", "decode-split-k", "prefill", "prefill-split-k"])
+def test_sliding_window(tk, seqs, splits):
+    """A sliding-window layer's attention: the kernel skips the pages before a tile's window and masks the
+    rest, as the reference does."""
+    block_size, head_dim, heads, kv_heads, dtype = CONFIGS[0]
+    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, share_pages=1)
+    for window in (1, 24, 100):
+        want = reference.paged_attention(*batch.args(), window)
+        assert_close(tk.attn.paged_attention(*batch.args(), window, num_splits=splits), want)
 
 
 def test_prefill_split_k(tk):

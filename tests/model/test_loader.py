@@ -45,7 +45,7 @@ def test_gguf_round_trip_matches_original_logits(tmp_path, arch, tie):
     """The folder holds the config and tokenizer, no weights; its weights, read from the GGUF and dequantized
     in float32, are the original's (Q8_0 ones as quantized) element for element, and give its logits."""
     src = make_tiny_model(tmp_path / "src", arch, tie=tie)
-    gguf_path = write_tiny_gguf(src, tmp_path / "tiny.gguf", arch=arch)
+    gguf_path = write_tiny_gguf(src, tmp_path / "tiny.gguf")
     progress = []
     out = convert_gguf(gguf_path, tmp_path / "out", lambda m, f: progress.append((m, f)))
 
