@@ -309,7 +309,8 @@ class Engine:
         if logits is None:
             return []
         sampling = [s.seq for s in plan.scheduled if s.samples]
-        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                              lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
         self.core.fault(Phase.SAMPLE)
         return tokens
 
