@@ -70,7 +70,9 @@ class FastTokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id = meta.bos_token_id, meta.eos_token_id, meta.pad_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call, for one text: it releases the interpreter lock while it runs (encode holds it), so a long
+        # prompt tokenized on a worker thread does not stop the server's event loop.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
         # A record is saved only where transformers' decode cleans up no spaces (the probes check it): BPE in
