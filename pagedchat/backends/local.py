@@ -86,7 +86,7 @@ class LocalBackend:
         # Chat ids are not checked here: the app compares their count with the context itself, and submit checks.
         try:
             return chat_prompt_ids(self.engine.tokenizer, prompt, list(previous.token_ids) if previous else None,
-                                   continue_final)
+                                   continue_final, max_length=self.engine.token_count_limit + 1)
         except Exception as exc:  # a template problem (no chat template, a role it refuses)
             raise PagedChatError(f"Cannot build the prompt: {exc}") from exc
 

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedchat.backends.base import Outcome, TokenBackend
+from pagedchat.engine.chat import prompt_size
 from pagedchat.engine.params import SamplingParams
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
@@ -170,7 +171,8 @@ class Server:
         info = backend.info
         context = info.context_length
         if len(ids) >= context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {context}",
+            raise ApiError(400, f"the prompt has {prompt_size(len(ids), context)} tokens but the model's context "
+                                f"holds {context}",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is None:

@@ -83,6 +83,17 @@ def test_any_text_encodes_and_decodes_as_transformers_does(tiny_folders, text, s
         assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
+@settings(max_examples=60, deadline=None)
+@given(text=st.lists(st.sampled_from(list("ab xy\n\t.é日🙂") + ["<|im_end|>", "fox", "  "]), max_size=400).map("".join),
+       max_length=st.integers(1, 120), special=st.booleans())
+def test_a_truncating_encode_keeps_transformers_first_ids(tiny_folders, text, max_length, special):
+    """Past a short prefix the record tokenizes only a head of the text (a megabyte prompt stays cheap to
+    refuse); its first max_length ids are still transformers' own."""
+    hf, ours = _pair(tiny_folders["safetensors"])
+    want = hf.encode(text, add_special_tokens=special)[:max_length]
+    assert ours.encode(text, add_special_tokens=special, truncation=True, max_length=max_length) == want
+
+
 @functools.lru_cache(maxsize=None)
 def _pair(folder):
     """transformers' tokenizer and the record made from it, once per folder (hypothesis calls many times)."""
