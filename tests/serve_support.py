@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,3 +77,30 @@ def start_server(folder: Path, log: Path, *extra: str, env: dict | None = None) 
         time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"pagedchat serve not ready after {STARTUP_S}s:\n{log.read_text()}")
+
+
+class HealthWatch:
+    """/health polled every 50 ms on a thread, each answer's latency kept."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.latencies: list[float] = []
+        self.codes: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                self.codes.add(http.get(f"{self.url}/health").status_code)
+                self.latencies.append(time.perf_counter() - started)
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

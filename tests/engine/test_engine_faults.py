@@ -289,3 +289,19 @@ def test_hostile_sampling_settings_never_change_or_fail_an_innocent_request(shar
         assert handle.result(timeout=0).finish_reason in ("stop", "length"), handle.result().error
     assert all_pages_free(engine)
 
+
+
+def test_a_cancel_during_a_long_prefill_frees_its_pages_before_the_next_chunk(tiny_llama):
+    """A 300-token prompt prefills in chunks of 64 tokens, one a step. Cancelled after its first chunk, it ends
+    at the next step, before any other chunk is computed, and its pages are free."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", max_tokens_per_step=64, autostart=False)
+    handle = engine.submit(list(range(5, 305)), PARAMS)
+    engine.step()
+    assert engine.sequence(handle.request_id).num_computed == 64
+    handle.cancel()
+    steps = engine.steps
+    engine.step()
+    done = handle.result(timeout=0)
+    assert done.finish_reason == "cancelled" and done.token_ids == []
+    assert engine.steps == steps, "no chunk was computed after the cancel"
+    assert all_pages_free(engine) and not engine.has_work()

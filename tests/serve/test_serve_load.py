@@ -4,7 +4,6 @@ streaming everyone else's tokens."""
 
 from __future__ import annotations
 
-import json
 import resource
 import socket
 import statistics
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_support import AUTH, start_server
+from serve_support import AUTH, HealthWatch, start_server
 from tiny_models import make_tiny_model
 
 HEAD_DEADLINE_S = 2      # --timeout-keep-alive: a connection's time to send a whole request head
@@ -62,33 +61,6 @@ def closed_by_server(s: socket.socket, timeout: float) -> bool:
         return False
     except ConnectionResetError:
         return True
-
-
-class HealthWatch:
-    """/health polled every 50 ms on a thread, each answer's latency kept."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.latencies: list[float] = []
-        self.codes: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as http:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                self.codes.add(http.get(f"{self.url}/health").status_code)
-                self.latencies.append(time.perf_counter() - started)
-                self._stop.wait(0.05)
-
-    def __enter__(self) -> "HealthWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def big_prompts(http: httpx.Client, until: float) -> list[httpx.Response]:
