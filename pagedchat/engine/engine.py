@@ -125,22 +125,19 @@ class Engine:
     def steps(self) -> int:
         return self.core.steps
 
-    @property
-    def token_count_limit(self) -> int:
-        """Prompts are tokenized up to this many tokens, plus one to tell one longer (chat.py)."""
-        return count_limit(self.config.max_position_embeddings)
-
     # ---- public API --------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids, checked against the context and the vocabulary; chat messages go through the
-        model's chat template (engine/chat.py, the one path every prompt is built on)."""
+        model's chat template (engine/chat.py, the one path every prompt is built on). A text is tokenized only
+        as far as tells it too long (chat.count_limit)."""
+        counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, truncation=True, max_length=self.token_count_limit + 1)
+            ids = self.tokenizer.encode(prompt, truncation=True, max_length=counted)
         elif prompt and all(isinstance(m, dict) for m in prompt):
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")
             try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt), max_length=self.token_count_limit + 1)
+                ids = chat_prompt_ids(self.tokenizer, list(prompt), max_length=counted)
             except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
                 raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
         else:
