@@ -23,10 +23,15 @@ def render_chat(tokenizer, messages: list[dict], continue_final: bool = False) -
                                          continue_final_message=continue_final, tokenize=False)
 
 
-def _encode(tokenizer, text: str, max_length: int | None) -> list[int]:
+def encode_up_to(tokenizer, text: str, max_length: int | None, add_special_tokens: bool = True) -> list[int]:
+    """text's first max_length ids (all of them for None). pagedchat's own tokenizer (model/tokenizer.py) builds
+    no more; transformers' builds them all (its truncation setting is shared state, unsafe across threads)."""
     if max_length is None:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text, add_special_tokens=False, truncation=True, max_length=max(max_length, 1))
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    head = getattr(tokenizer, "encode_head", None)
+    if head is not None:
+        return head(text, max(max_length, 1), add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max(max_length, 1)]
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None,
@@ -43,5 +48,5 @@ def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | N
         before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if text.startswith(before):
             rest = None if max_length is None else max_length - len(previous_ids)
-            return list(previous_ids) + _encode(tokenizer, text[len(before):], rest)
-    return _encode(tokenizer, text, max_length)
+            return list(previous_ids) + encode_up_to(tokenizer, text[len(before):], rest, add_special_tokens=False)
+    return encode_up_to(tokenizer, text, max_length, add_special_tokens=False)

@@ -24,7 +24,7 @@ from pagedchat.engine.compute_thread import ComputeThread
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.handle import RequestHandle
-from pagedchat.engine.chat import chat_prompt_ids, count_limit, prompt_size
+from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, prompt_size
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
@@ -132,7 +132,7 @@ class Engine:
         as far as tells it too long (chat.count_limit)."""
         counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, truncation=True, max_length=counted)
+            ids = encode_up_to(self.tokenizer, prompt, counted)
         elif prompt and all(isinstance(m, dict) for m in prompt):
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")

@@ -56,7 +56,7 @@ class TokenizerMeta:
     split_special_tokens: bool
 
 
-# A truncating encode first tokenizes a prefix of this many characters per token wanted, and a few tokens more.
+# encode_head first tokenizes a prefix of this many characters per token wanted, and a few tokens more.
 _HEAD_CHARS_PER_TOKEN = 16
 _PAST_THE_CUT = 16
 
@@ -74,19 +74,20 @@ class FastTokenizer:
         self.chat_template = meta.chat_template
         self.bos_token_id, self.eos_token_id, self.pad_token_id = meta.bos_token_id, meta.eos_token_id, meta.pad_token_id
 
-    def encode(self, text: str, add_special_tokens: bool = True, truncation: bool = False,
-               max_length: int | None = None) -> list[int]:
-        """transformers' encode; truncation with max_length keeps the first max_length ids."""
-        if truncation and max_length is not None:
-            # A text of megabytes is millions of ids, whose list and encoding are built and freed holding the
-            # interpreter lock. A prefix holding well over max_length tokens gives the same first ids: the
-            # pre-tokenizer splits words where they stand, so only the last few differ at its cut.
-            head_chars = _HEAD_CHARS_PER_TOKEN * (max_length + _PAST_THE_CUT)
-            head = self._ids(text[:head_chars], add_special_tokens)
-            if len(text) <= head_chars or len(head) > max_length + _PAST_THE_CUT:
-                return head[:max_length]
-            return self._ids(text, add_special_tokens)[:max_length]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._ids(text, add_special_tokens)
+
+    def encode_head(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(text)[:max_length], without building all of a long text's ids.
+
+        A text of megabytes is millions of ids, whose list and encoding are built and freed holding the
+        interpreter lock. A prefix holding well over max_length tokens gives the same first ids: the
+        pre-tokenizer splits words where they stand, so only the last few differ at its cut."""
+        head_chars = _HEAD_CHARS_PER_TOKEN * (max_length + _PAST_THE_CUT)
+        head = self._ids(text[:head_chars], add_special_tokens)
+        if len(text) <= head_chars or len(head) > max_length + _PAST_THE_CUT:
+            return head[:max_length]
+        return self._ids(text, add_special_tokens)[:max_length]
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         # The batch call, for one text: it releases the interpreter lock while it runs (encode holds it), so a long
