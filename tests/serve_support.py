@@ -1,4 +1,4 @@
-"""A real `pagedchat serve` subprocess on 127.0.0.1 over a tiny model, for the tests in tests/serve."""
+"""A real `pagedchat serve` subprocess on 127.0.0.1 for the serve tests: started, waited for, stopped."""
 
 from __future__ import annotations
 
