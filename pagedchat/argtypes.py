@@ -34,11 +34,14 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 def size_bytes(value: str) -> int:
-    """argparse type for sizes: 4MiB, 1.5GB, 4096."""
+    """argparse type for sizes: 4MiB, 1.5GB, 4096; at least a byte."""
     try:
-        return parse_bytes(value)
+        size = parse_bytes(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1 byte")
+    return size
 
 
 def _seconds(value: str, least: float, strictly: bool) -> float:

@@ -330,6 +330,18 @@ def test_binding_beyond_loopback_without_a_key_warns(tmp_path, caplog):
     assert warning.startswith("listening on 0.0.0.0 with no API key")
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-body-size", "0", "must be at least 1 byte"), ("--max-body-size", "4xb", "cannot read '4xb' as a size"),
+    ("--timeout-keep-alive", "0", "must be more than 0"), ("--drain-timeout", "-1", "must be at least 0"),
+    ("--limit-concurrency", "0", "must be at least 1")])
+def test_the_serve_limits_refuse_values_that_bound_nothing(flag, value, message, capsys):
+    from pagedchat.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", flag, value, "--port", str(free_port())])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host,exposed", [("127.0.0.1", False), ("127.5.0.1", False), ("::1", False),
                                           ("localhost", False), ("0.0.0.0", True), ("::", True),
                                           ("192.168.1.4", True), ("gpu-box", True)])
