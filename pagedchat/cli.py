@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedchat.argtypes import positive_int
+from pagedchat.argtypes import non_negative_float, positive_float, positive_int, size_bytes
 from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
 
@@ -96,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--api-key", metavar="KEY",
                        help="require Authorization: Bearer KEY on /v1 paths (default: $PAGEDCHAT_API_KEY, else none)")
+    serve.add_argument("--max-body-size", metavar="SIZE", type=size_bytes,
+                       help="refuse larger request bodies with 413, e.g. 4MiB (default: 32 bytes per token of the "
+                       "model's context, at least 1MiB)")
+    serve.add_argument("--limit-concurrency", type=positive_int, default=1024, metavar="N",
+                       help="connections and requests at once; more are answered 503 (default: 1024)")
+    serve.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
+                       help="close a connection that sends no whole request head for this long, new or idle "
+                       "(default: 5)")
+    serve.add_argument("--drain-timeout", type=non_negative_float, default=3.0, metavar="SECONDS",
+                       help="on SIGTERM, let open replies run this long, then end them with finish_reason "
+                       "\"abort\" (default: 3)")
     _add_engine_flags(serve)
     return parser
 
@@ -287,7 +298,9 @@ def cmd_serve(args) -> int:
                              "pip install 'pagedchat[serve]'") from None
     return serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                               kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
-                              dtype=args.dtype, threads=args.threads))
+                              dtype=args.dtype, threads=args.threads, max_body_size=args.max_body_size,
+                              limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+                              drain_seconds=args.drain_timeout))
 
 
 COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, "import": cmd_import, None: cmd_app}

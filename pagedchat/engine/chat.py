@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+# Prompts are tokenized up to this many contexts' worth of tokens: past it a prompt is only "more than" that. A
+# text of megabytes would otherwise become a list of millions of ids, built holding the interpreter lock.
+COUNTED_CONTEXTS = 4
+
+
+def count_limit(context: int) -> int:
+    return COUNTED_CONTEXTS * context
+
+
+def prompt_size(count: int, context: int) -> str:
+    """A prompt's token count as a message says it: tokenized at most count_limit + 1, so past it "more than"."""
+    return f"more than {count_limit(context)}" if count > count_limit(context) else str(count)
+
 
 def fold_system(messages: list[dict]) -> list[dict]:
     """The messages for a template with no system role (a family's quirk, model/family.py): the system prompt
@@ -23,17 +36,31 @@ def render_chat(tokenizer, messages: list[dict], continue_final: bool = False, s
                                          continue_final_message=continue_final, tokenize=False)
 
 
+def encode_up_to(tokenizer, text: str, max_length: int | None, add_special_tokens: bool = True) -> list[int]:
+    """text's first max_length ids (all of them for None). pagedchat's own tokenizer (model/tokenizer.py) builds
+    no more; transformers' builds them all (its truncation setting is shared state, unsafe across threads)."""
+    if max_length is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    head = getattr(tokenizer, "encode_head", None)
+    if head is not None:
+        return head(text, max(max_length, 1), add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max(max_length, 1)]
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None,
-                    continue_final: bool = False, system_role: bool = True) -> list[int]:
+                    continue_final: bool = False, system_role: bool = True,
+                    max_length: int | None = None) -> list[int]:
     """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated).
 
     Re-tokenising a reply's text need not give back the ids the model generated, and then nothing after the
     first difference hits the cache. So when the template renders the earlier ids' text unchanged as a
-    prefix, those exact ids are kept and only the new text is tokenised.
+    prefix, those exact ids are kept and only the new text is tokenised. max_length: at most this many ids (a
+    caller that refuses longer prompts anyway need not build a list of millions).
     """
     text = render_chat(tokenizer, messages, continue_final, system_role)
     if previous_ids:
         before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if text.startswith(before):
-            return list(previous_ids) + tokenizer.encode(text[len(before):], add_special_tokens=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+            rest = None if max_length is None else max_length - len(previous_ids)
+            return list(previous_ids) + encode_up_to(tokenizer, text[len(before):], rest, add_special_tokens=False)
+    return encode_up_to(tokenizer, text, max_length, add_special_tokens=False)

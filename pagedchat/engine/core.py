@@ -5,8 +5,8 @@ FakeEngine wraps it with a fake forward pass, so both run the same rules for num
 stops, frees, forks and faults. The caller holds the engine's lock around every call.
 
 A fault in a phase that serves the whole batch (planning, page copies, forward, sampling) fails the requests
-of that step and those whose pages its copies were moving; a fault in a phase of one request (detokenizing,
-its bookkeeping) fails that request. Every other request carries on (abort_step).
+of that step and those whose pages its copies were moving; a fault in a phase of one request (sampling its row,
+detokenizing, its bookkeeping) fails that request. Every other request carries on (abort_step).
 """
 
 from __future__ import annotations
@@ -130,15 +130,19 @@ class EngineCore:
         if self.fault_hook is not None:
             self.fault_hook(phase, request_id)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int], now: float) -> list[Output]:
+    def postprocess(self, plan: StepPlan, tokens: list[int | Exception], now: float) -> list[Output]:
         """After the forward pass: count what each chunk computed, append the sampled tokens, and stream,
-        stop or finish each request. A fault here fails only the request it concerns."""
+        stop or finish each request. A fault here, or in sampling a row (its exception in place of its token),
+        fails only the request it concerns."""
         self.phase = Phase.BOOKKEEPING
         self._outputs = out = []
         token_iter = iter(tokens)
         for item in plan.scheduled:
             seq = item.seq
             token = next(token_iter) if item.samples else None
+            if isinstance(token, Exception):
+                out.append(self.fail(seq, f"{Phase.SAMPLE.value} failed: {type(token).__name__}: {token}"))
+                continue
             try:
                 output = self._advance(seq, item.num_tokens, token, now)
             except Exception as exc:

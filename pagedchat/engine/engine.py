@@ -24,7 +24,7 @@ from pagedchat.engine.compute_thread import ComputeThread
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.handle import RequestHandle
-from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, prompt_size
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
@@ -128,14 +128,17 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids, checked against the context and the vocabulary; chat messages go through the
-        model's chat template (engine/chat.py, the one path every prompt is built on)."""
+        model's chat template (engine/chat.py, the one path every prompt is built on). A text is tokenized only
+        as far as tells it too long (chat.count_limit)."""
+        counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = encode_up_to(self.tokenizer, prompt, counted)
         elif prompt and all(isinstance(m, dict) for m in prompt):
             if not self.tokenizer.chat_template:
                 raise RequestError("this model has no chat template: pass the prompt as plain text")
             try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role)
+                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
+                                      max_length=counted)
             except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
                 raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
         else:
@@ -234,8 +237,8 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= ctx:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context holds {ctx}: "
-                               "shorten it or start a new chat")
+            raise RequestError(f"the prompt has {prompt_size(len(ids), ctx)} tokens but the model's context holds "
+                               f"{ctx}: shorten it or start a new chat")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
@@ -309,7 +312,8 @@ class Engine:
         if logits is None:
             return []
         sampling = [s.seq for s in plan.scheduled if s.samples]
-        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                              lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
         self.core.fault(Phase.SAMPLE)
         return tokens
 

@@ -11,6 +11,8 @@ from pagedchat.errors import RequestError
 # Below this, logits / temperature overflows or rounds every probability but one to zero; vLLM clamps at the
 # same floor. 0 itself means greedy.
 MIN_TEMPERATURE = 0.01
+# The seeds torch's generator takes: any whole number that fits in 64 bits, signed or unsigned.
+SEED_RANGE = range(-2**63, 2**64)
 
 
 def _is_int(value) -> bool:
@@ -77,6 +79,6 @@ def sampling_problem(max_tokens, temperature, top_p, top_k, seed=None) -> str | 
         return f"top_p must be in (0, 1] (got {top_p!r})"
     if not _is_int(top_k) or top_k < 0:
         return f"top_k must be a whole number >= 0, 0 turns it off (got {top_k!r})"
-    if seed is not None and not _is_int(seed):
-        return f"seed must be a whole number (got {seed!r})"
+    if seed is not None and (not _is_int(seed) or seed not in SEED_RANGE):
+        return f"seed must be a whole number that fits in 64 bits, from -2**63 to 2**64 - 1 (got {seed!r})"
     return None

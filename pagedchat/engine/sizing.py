@@ -8,27 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedchat.argtypes import parse_bytes  # noqa: F401 (the engine reads sizes from here)
 from pagedchat.model.config import ModelConfig
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DEFAULT_CPU_SHARE = 0.10       # of available memory, for the KV pool when no size is given
 DEFAULT_CPU_CAP = 2 * 2**30
 DEFAULT_GPU_SHARE = 0.60       # of free GPU memory after the weights
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """256MiB, 1.5GB, 4096 -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size: write bytes or a number with a unit like 256MiB or 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -56,6 +56,11 @@ class TokenizerMeta:
     split_special_tokens: bool
 
 
+# encode_head first tokenizes a prefix of this many characters per token wanted, and a few tokens more.
+_HEAD_CHARS_PER_TOKEN = 16
+_PAST_THE_CUT = 16
+
+
 class FastTokenizer:
     """The part of transformers' tokenizer API pagedchat uses, with the same ids, text and rendered chats."""
 
@@ -70,7 +75,24 @@ class FastTokenizer:
         self.bos_token_id, self.eos_token_id, self.pad_token_id = meta.bos_token_id, meta.eos_token_id, meta.pad_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._ids(text, add_special_tokens)
+
+    def encode_head(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(text)[:max_length], without building all of a long text's ids.
+
+        A text of megabytes is millions of ids, whose list and encoding are built and freed holding the
+        interpreter lock. A prefix holding well over max_length tokens gives the same first ids: the
+        pre-tokenizer splits words where they stand, so only the last few differ at its cut."""
+        head_chars = _HEAD_CHARS_PER_TOKEN * (max_length + _PAST_THE_CUT)
+        head = self._ids(text[:head_chars], add_special_tokens)
+        if len(text) <= head_chars or len(head) > max_length + _PAST_THE_CUT:
+            return head[:max_length]
+        return self._ids(text, add_special_tokens)[:max_length]
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The batch call, for one text: it releases the interpreter lock while it runs (encode holds it), so a long
+        # prompt tokenized on a worker thread does not stop the server's event loop.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
         # A record is saved only where transformers' decode cleans up no spaces (the probes check it): BPE in

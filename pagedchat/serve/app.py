@@ -9,6 +9,7 @@ one at a time.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -26,8 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedchat.backends.base import Outcome, TokenBackend
+from pagedchat.engine.chat import prompt_size
 from pagedchat.engine.params import SamplingParams
 from pagedchat.errors import PagedChatError
+from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -52,16 +55,17 @@ class EventStream(StreamingResponse):
 
 
 class BearerAuth:
-    """ASGI middleware: /v1 paths need `Authorization: Bearer KEY`; /health and /metrics stay open, as in vLLM."""
+    """ASGI middleware: /v1 paths need `Authorization: Bearer KEY`; /health and /metrics stay open, as in vLLM.
+    The scheme's name is case-insensitive (RFC 7235), so `bearer KEY` passes too."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), self.key)):
                 error = ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                                  code="invalid_api_key")
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
@@ -73,16 +77,18 @@ class Server:
     """The state behind the routes: the backend once loaded, the exchange memory, the metrics."""
 
     def __init__(self, load_backend: Callable[[], TokenBackend], model_name: str,
-                 on_load_failure: Callable[[BaseException], None] | None = None):
+                 on_load_failure: Callable[[BaseException], None] | None = None, max_body_size: int | None = None):
         self.load_backend = load_backend
         self.model_name = model_name
         self.on_load_failure = on_load_failure
+        self.max_body_size = max_body_size
         self.backend: TokenBackend | None = None
         self.load_error: str | None = None
         self.created = int(time.time())
         self.exchanges = ExchangeMemory()
         self.metrics = ServeMetrics(model_name, lambda: self.backend.memory() if self.backend else None)
         self._tokenizing: anyio.CapacityLimiter | None = None
+        self._open: dict[str, ReplyStream] = {}   # replies not finished yet, by id: what a shutdown ends
 
     # ---- life cycle: listen first, load the model on a thread, so /health can say "loading" ---------------
     def _load(self) -> None:
@@ -95,8 +101,20 @@ class Server:
             if self.on_load_failure:
                 self.on_load_failure(exc)
 
+    def body_limit(self) -> int:
+        """--max-body-size, else a few times the model's context in bytes (a floor until the model is loaded)."""
+        if self.max_body_size is not None:
+            return self.max_body_size
+        return default_body_limit(self.backend.info.context_length) if self.backend else MIN_BODY_BYTES
+
+    def end_replies(self) -> None:
+        """End every open reply now, as cancelled: each stream still sends its final chunk and [DONE]."""
+        for stream in list(self._open.values()):
+            stream.end()
+
     @asynccontextmanager
     async def lifespan(self, app):
+        asyncio.get_running_loop().set_exception_handler(LogOnce())
         threading.Thread(target=self._load, name="pagedchat-load", daemon=True).start()
         yield
         if self.backend is not None:
@@ -153,7 +171,8 @@ class Server:
         info = backend.info
         context = info.context_length
         if len(ids) >= context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {context}",
+            raise ApiError(400, f"the prompt has {prompt_size(len(ids), context)} tokens but the model's context "
+                                f"holds {context}",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
@@ -174,6 +193,7 @@ class Server:
         started = time.perf_counter()
 
         def finished(done: Outcome) -> None:
+            self._open.pop(reply.id, None)
             self.metrics.observe(done, len(ids), time.perf_counter() - started)
             if done.finish_reason != "error":
                 on_done(done)
@@ -182,6 +202,7 @@ class Server:
             stream = ReplyStream(backend, ids, params, reply.id, finished)
         except PagedChatError as exc:  # e.g. max_tokens more than the cache can ever hold
             raise ApiError(400, str(exc), param="max_tokens") from None
+        self._open[reply.id] = stream   # finished() runs on this loop, so never before this line
         if req.stream:
             return EventStream(self._events(reply, stream, len(ids), req.include_usage), stream)
         try:
@@ -253,8 +274,10 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api_key: str | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
-    server = Server(load_backend, model_name, on_load_failure)
+               on_load_failure: Callable[[BaseException], None] | None = None,
+               max_body_size: int | None = None) -> Starlette:
+    """The app; app.state.server is its Server (the CLI ends its replies on shutdown)."""
+    server = Server(load_backend, model_name, on_load_failure, max_body_size)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -263,7 +286,9 @@ def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
+    # The key is checked before the body is counted: a client without it is refused before it sends much.
     middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    middleware.append(Middleware(BodyLimit, limit=server.body_limit))
     app = Starlette(routes=routes, middleware=middleware, lifespan=server.lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, 500: _server_error})
     app.state.server = server

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.params import SEED_RANGE, SamplingParams
 
 
 class ApiError(Exception):
@@ -62,7 +62,7 @@ class _Request(_Body):
     temperature: float = Field(1.0, ge=0)       # OpenAI's default: sampling, not greedy
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)                # vLLM's extra field; -1 and 0 both turn it off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE.start, lt=SEED_RANGE.stop)   # what torch's generator takes
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 
@@ -12,9 +15,39 @@ from pagedchat.backends.base import TokenBackend
 from pagedchat.config import API_KEY_ENV
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.app import create_app
+from pagedchat.serve.limits import DeadlineH11Protocol
 
-# On SIGTERM, in-flight replies get this long to finish; then they are cancelled and their pages freed.
-GRACEFUL_SECONDS = 3
+log = logging.getLogger("pagedchat.serve")
+
+# After the drain time, the ended replies' final chunks get this long to reach their clients.
+FLUSH_SECONDS = 2.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives open replies the drain time to finish, then ends each one with a
+    final chunk (finish_reason "abort") and [DONE]: uvicorn alone would cut their streams off mid-body."""
+
+    def __init__(self, config: uvicorn.Config, end_replies: Callable[[], None], drain_seconds: float):
+        super().__init__(config)
+        self.end_replies = end_replies
+        self.drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets=None) -> None:
+        ending = asyncio.get_running_loop().call_later(self.drain_seconds, self.end_replies)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+
+def exposed(host: str) -> bool:
+    """Whether host is reachable from other machines: anything but a loopback address (a name may resolve to any)."""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -28,6 +61,10 @@ class ServeOptions:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
+    max_body_size: int | None = None      # bytes; None: a few times the model's context (limits.py)
+    limit_concurrency: int = 1024         # connections and requests at once; more are answered 503
+    timeout_keep_alive: float = 5.0       # seconds a connection may wait without sending a whole request head
+    drain_seconds: float = 3.0            # on SIGTERM, how long open replies may go on before they are ended
 
     @property
     def model_name(self) -> str:
@@ -51,15 +88,21 @@ def serve(options: ServeOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     failure: list[BaseException] = []
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and exposed(options.host):
+        log.warning("listening on %s with no API key: anyone who can reach this port can use the model "
+                    "(set --api-key or %s)", options.host, API_KEY_ENV)
 
     def on_load_failure(exc: BaseException) -> None:
         failure.append(exc)
         server.should_exit = True
 
-    app = create_app(options.load_backend, options.model_name, api_key=api_key, on_load_failure=on_load_failure)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SECONDS, lifespan="on")
-    server = uvicorn.Server(config)
+    app = create_app(options.load_backend, options.model_name, api_key=api_key, on_load_failure=on_load_failure,
+                     max_body_size=options.max_body_size)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info", lifespan="on",
+                            http=DeadlineH11Protocol, limit_concurrency=options.limit_concurrency,
+                            timeout_keep_alive=options.timeout_keep_alive,
+                            timeout_graceful_shutdown=options.drain_seconds + FLUSH_SECONDS)
+    server = DrainingServer(config, app.state.server.end_replies, options.drain_seconds)
     server.run()
     if failure:
         exc = failure[0]

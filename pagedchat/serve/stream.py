@@ -48,6 +48,11 @@ class ReplyStream:
                 return update.outcome
         raise RuntimeError("the stream ended without an outcome")
 
+    def end(self) -> None:
+        """Cancel the reply and let its reader go on to the final update, whose finish reason says cancelled."""
+        if not self._finished:
+            self.reply.cancel()
+
     def close(self) -> None:
         """Cancel the reply unless it finished: the engine frees its pages at its next step."""
         if not self._finished:

@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.core import Phase
@@ -32,11 +34,15 @@ class Once:
                 raise self.error(f"boom in {phase.value}")
 
 
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=20, seed=1234)
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_llama) -> dict[tuple, list[int]]:
-    """Each prompt's tokens run alone on a healthy engine."""
+    """Each prompt's tokens run alone on a healthy engine: A and B greedy, and B seeded-sampled (key "B seeded")."""
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB")
     runs = {tuple(p): engine.generate([p], PARAMS)[0].token_ids for p in (A, B)}
+    runs["B seeded"] = engine.generate([B], SEEDED)[0].token_ids
     engine.shutdown()
     return runs
 
@@ -74,9 +80,9 @@ def test_a_batch_phase_fault_fails_only_that_steps_requests(tiny_llama, alone, p
     assert again.result(timeout=0).token_ids == alone[tuple(A)]
 
 
-@pytest.mark.parametrize("phase", [Phase.DETOKENIZE, Phase.BOOKKEEPING])
+@pytest.mark.parametrize("phase", [Phase.SAMPLE, Phase.DETOKENIZE, Phase.BOOKKEEPING])
 def test_a_fault_in_one_requests_phase_fails_that_request_only(tiny_llama, alone, phase):
-    """A and B decode together; a detokenizer or bookkeeping fault in A's step fails A alone."""
+    """A and B decode together; a fault in sampling A's row, detokenizing or bookkeeping A fails A alone."""
     hook = Once(phase, request_id="a", at=4)
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False, fault_hook=hook)
     a, b = engine.submit(A, PARAMS, request_id="a"), engine.submit(B, PARAMS, request_id="b")
@@ -235,6 +241,8 @@ def test_a_reply_that_fills_the_context_ends_as_context_full(tiny_llama):
     (dict(max_tokens=0), "max_tokens must be a whole number of at least 1"),
     (dict(max_tokens=True), "max_tokens must be a whole number"),
     (dict(seed=1.5), "seed must be a whole number"),
+    (dict(seed=2**64), "seed must be a whole number that fits in 64 bits"),
+    (dict(seed=-2**63 - 1), "seed must be a whole number that fits in 64 bits"),
     (dict(stop=[""]), "stop strings must be non-empty text"),
 ])
 def test_sampling_params_refuse_what_cannot_be_sampled(fields, message):
@@ -245,3 +253,55 @@ def test_sampling_params_refuse_what_cannot_be_sampled(fields, message):
 def test_sampling_params_accept_the_edges():
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=0.01).greedy
     assert SamplingParams(temperature=2, top_p=1, top_k=0, max_tokens=1, seed=0).temperature == 2
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+
+
+# Settings a client may send that sit at the edges of what float32 holds: a top_p that rounds to 0 or to 1, a
+# temperature from the floor to beyond float32's largest number, a top_k larger than any vocabulary, any seed.
+HOSTILE = st.builds(
+    SamplingParams, max_tokens=st.integers(1, 12), ignore_eos=st.booleans(),
+    temperature=st.one_of(st.just(0.0), st.floats(0.01, 1e308), st.sampled_from([0.01, 3.5e38, 1e308])),
+    top_p=st.one_of(st.floats(5e-324, 1.0, exclude_min=False), st.sampled_from([5e-324, 7e-46, 1e-38, 1 - 1e-9])),
+    top_k=st.one_of(st.integers(0, 300), st.just(2**70)),
+    seed=st.one_of(st.none(), st.integers(-2**63, 2**64 - 1)))
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_llama):
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False)
+    yield engine
+    engine.shutdown()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hostile=st.lists(st.tuples(HOSTILE, st.lists(st.integers(1, 255), min_size=1, max_size=40)),
+                        min_size=1, max_size=4))
+def test_hostile_sampling_settings_never_change_or_fail_an_innocent_request(shared_engine, alone, hostile):
+    """Hostile requests run in the same steps as a greedy and a seeded innocent one: each hostile one ends on
+    its own terms, and the innocent ones finish with the tokens they have alone."""
+    engine = shared_engine
+    greedy, seeded = engine.submit(A, PARAMS), engine.submit(B, SEEDED)
+    others = [engine.submit(prompt, params) for params, prompt in hostile]
+    drain(engine)
+    assert greedy.result(timeout=0).token_ids == alone[tuple(A)]
+    assert seeded.result(timeout=0).token_ids == alone["B seeded"]
+    for handle in others:
+        assert handle.result(timeout=0).finish_reason in ("stop", "length"), handle.result().error
+    assert all_pages_free(engine)
+
+
+
+def test_a_cancel_during_a_long_prefill_frees_its_pages_before_the_next_chunk(tiny_llama):
+    """A 300-token prompt prefills in chunks of 64 tokens, one a step. Cancelled after its first chunk, it ends
+    at the next step, before any other chunk is computed, and its pages are free."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", max_tokens_per_step=64, autostart=False)
+    handle = engine.submit(list(range(5, 305)), PARAMS)
+    engine.step()
+    assert engine.sequence(handle.request_id).num_computed == 64
+    handle.cancel()
+    steps = engine.steps
+    engine.step()
+    done = handle.result(timeout=0)
+    assert done.finish_reason == "cancelled" and done.token_ids == []
+    assert engine.steps == steps, "no chunk was computed after the cancel"
+    assert all_pages_free(engine) and not engine.has_work()

@@ -57,3 +57,22 @@ def test_a_seeded_generator_repeats_and_another_seed_differs():
     params = SamplingParams(temperature=1.5)
     assert draws(params, 40, seed=7) == draws(params, 40, seed=7)
     assert draws(params, 40, seed=7) != draws(params, 40, seed=8)
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_best_token():
+    """7e-46 rounds to 0 in float32, where every token's preceding mass "reaches" it: the best token stays."""
+    assert set(draws(SamplingParams(temperature=1.0, top_p=7e-46), 20)) == {1}
+    assert set(draws(SamplingParams(temperature=0.01, top_p=5e-324, top_k=2**70), 20)) == {1}
+
+
+def test_a_row_whose_sampling_raises_gets_its_exception_and_the_others_their_tokens():
+    def second_row_breaks(row: int) -> None:
+        if row == 1:
+            raise RuntimeError("row 1 broke")
+
+    hot = SamplingParams(temperature=1.0, top_k=1)
+    rows = Sampler()(torch.stack([LOGITS, LOGITS, LOGITS]), [SamplingParams(), hot, hot],
+                     [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)],
+                     after_row=second_row_breaks)
+    assert rows[0] == 1 and rows[2] == 1
+    assert isinstance(rows[1], RuntimeError) and str(rows[1]) == "row 1 broke"

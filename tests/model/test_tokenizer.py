@@ -14,7 +14,7 @@ from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
-from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.chat import chat_prompt_ids, encode_up_to
 from pagedchat.model.gguf import convert_gguf
 from pagedchat.model.loader import load_tokenizer
 from pagedchat.model.tokenizer import FastTokenizer, from_transformers, record_dir
@@ -81,6 +81,19 @@ def test_any_text_encodes_and_decodes_as_transformers_does(tiny_folders, text, s
     assert ours.encode(text, add_special_tokens=special) == ids
     for skip in (False, True):
         assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.lists(st.sampled_from(list("ab xy\n\t.é日🙂") + ["<|im_end|>", "fox", "  "]), max_size=400).map("".join),
+       max_length=st.integers(1, 120), special=st.booleans())
+def test_encode_head_keeps_transformers_first_ids(tiny_folders, text, max_length, special):
+    """Past a short prefix the record tokenizes only a head of the text (a megabyte prompt stays cheap to
+    refuse); its first max_length ids are still transformers' own."""
+    hf, ours = _pair(tiny_folders["safetensors"])
+    want = hf.encode(text, add_special_tokens=special)[:max_length]
+    assert ours.encode_head(text, max_length, add_special_tokens=special) == want
+    for tokenizer in (hf, ours):   # transformers' has no encode_head: all its ids, cut
+        assert encode_up_to(tokenizer, text, max_length, add_special_tokens=special) == want
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import logging
 import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,72 +16,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from serve_support import AUTH, CACHE, CONTEXT, KEY, free_port, start_server
 from tiny_models import make_tiny_model
 
-CONTEXT = 2048
-# 1 MiB holds 85 pages of this model (1360 tokens): less than the context, so "too big for the cache" exists.
-CACHE = "1MiB"
-STARTUP_S = 120
-KEY = "sesame"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@dataclass
-class RunningServer:
-    proc: subprocess.Popen
-    url: str
-    model: str
-    health_codes: list[int]   # /health answers seen while starting, in order
-    log: Path
-    http: httpx.Client        # sends the API key
-
-    def client(self, api_key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def memory(self) -> dict:
-        return self.http.get("/v1/memory").json()
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(folder: Path, log: Path, *extra: str, env: dict | None = None) -> RunningServer:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagedchat.cli", "serve", "--model", str(folder), "--port", str(port),
-           "--kv-cache-memory", CACHE, "--dtype", "float32", "--threads", "1", *extra]
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    server = RunningServer(proc, url, str(folder), [], log, httpx.Client(base_url=url, headers=AUTH, timeout=30))
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedchat serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            code = httpx.get(f"{server.url}/health", timeout=2).status_code
-        except httpx.TransportError:
-            time.sleep(0.05)
-            continue
-        server.health_codes.append(code)
-        if code == 200:
-            return server
-        time.sleep(0.05)
-    server.stop()
-    raise RuntimeError(f"pagedchat serve not ready after {STARTUP_S}s:\n{log.read_text()}")
-
+DRAIN_S = 0.3   # the module server's --drain-timeout: shorter than the SIGTERM test's streams take
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
@@ -95,7 +29,7 @@ def model_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_folder, tmp_path_factory):
     running = start_server(model_folder, tmp_path_factory.mktemp("serve-log") / "server.log",
-                           env={"PAGEDCHAT_API_KEY": KEY})
+                           "--drain-timeout", str(DRAIN_S), env={"PAGEDCHAT_API_KEY": KEY})
     yield running
     running.stop()
 
@@ -240,6 +174,8 @@ BAD = [
     ({"messages": CHAT, "stop": [""]}, "stop"),
     ({"messages": CHAT, "max_tokens": 1500}, "max_tokens"),                               # more than the cache holds
     ({"messages": [{"role": "user", "content": "fox " * CONTEXT}]}, "messages"),          # longer than the context
+    ({"messages": CHAT, "seed": 2**64}, "seed"),                                          # beyond 64 bits
+    ({"messages": CHAT, "seed": -2**63 - 1}, "seed"),
 ]
 
 
@@ -251,6 +187,46 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert "code" in error
     ok = server.client().chat.completions.create(model=server.model, messages=CHAT, max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_a_top_p_below_float32s_smallest_number_fails_no_one(server):
+    """7e-46 rounds to 0 in float32: the sampler once found no token to keep, and every stream in that step
+    failed. Now the hostile request gets its reply and the stream beside it the tokens it has alone."""
+    body = {"model": server.model, "prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    alone = server.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as http:
+            innocent = http.post("/v1/completions", json=body)
+            hostile = [http.post("/v1/completions", json={**body, "prompt": f"{i} jumps", "temperature": 1.0,
+                                                          "top_p": top_p, "max_tokens": 30})
+                       for i, top_p in enumerate((7e-46, 5e-324, 1e-45, 1e-38))]
+            return await asyncio.gather(innocent, *hostile)
+
+    innocent, *hostile = asyncio.run(main())
+    assert innocent.status_code == 200 and innocent.json()["choices"][0]["text"] == alone
+    for response in hostile:
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(server):
+    """The default limit on a 2048-token model is its floor, 1 MiB: refused by Content-Length, or, for a chunked
+    body that names no length, once the bytes read pass the limit."""
+    big = json.dumps({"model": server.model, "prompt": "fox " * (300 * 1024)}).encode()   # 1.2 MB
+    response = server.http.post("/v1/completions", content=big)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "body_too_large" and "1048576" in response.json()["error"]["message"]
+
+    def chunks():
+        for i in range(0, len(big), 64 * 1024):
+            yield big[i:i + 64 * 1024]
+
+    chunked = server.http.post("/v1/completions", content=chunks())
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "body_too_large"
+    ok = server.client().completions.create(model=server.model, prompt="The quick", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
 
 
@@ -302,6 +278,9 @@ def test_metrics_parse_with_prometheus_client(server):
 
 def test_the_api_key_guards_v1_but_not_health(server):
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    for scheme in ("bearer", "BEARER", "Bearer "):   # RFC 7235: the scheme's name is case-insensitive
+        assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
     response = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
@@ -311,31 +290,65 @@ def test_the_api_key_guards_v1_but_not_health(server):
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
-def test_sigterm_stops_the_server_within_seconds(server):
-    """Last: it stops the module's server."""
-    body = {"prompt": "The quick brown fox", "max_tokens": 1200, "temperature": 0, "ignore_eos": True,
+def test_sigterm_ends_each_open_stream_with_a_final_chunk_and_done(server):
+    """Last: it stops the module's server. Two streams that would run for long get the drain time, then each its
+    final chunk (finish_reason "abort", vLLM's word for a stopped request) and [DONE]; the process exits."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with server.http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
+    with server.http.stream("POST", "/v1/completions", json=body) as first, \
+            server.http.stream("POST", "/v1/chat/completions", json={**body, "messages": CHAT}) as second:
+        streams = [first.iter_lines(), second.iter_lines()]
+        for lines in streams:
+            next(line for line in lines if line.startswith("data: "))
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
+        tails = [[line for line in lines if line] for lines in streams]
         server.proc.wait(10)
         stopped = time.monotonic() - started
-        try:
-            list(lines)   # the stream ends rather than hanging
-        except httpx.RemoteProtocolError:
-            pass          # or is cut off by the exit
+    for tail in tails:
+        assert tail[-1] == "data: [DONE]"
+        assert json.loads(tail[-2][6:])["choices"][0]["finish_reason"] == "abort"
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
-    assert server.proc.returncode in (0, -signal.SIGTERM) and stopped < 6
+    assert server.proc.returncode in (0, -signal.SIGTERM) and DRAIN_S <= stopped < DRAIN_S + 3
     assert "Application shutdown complete" in server.log.read_text()
 
 
-def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path, capsys):
+def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path, capsys, caplog):
     from pagedchat.cli import main
 
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(_free_port())]) == 1
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())]) == 1
     assert "no such model" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "API key" in r.getMessage()]
+
+
+def test_binding_beyond_loopback_without_a_key_warns(tmp_path, caplog):
+    """Bound on every address for the moment the missing model takes to fail; nothing is sent to it."""
+    from pagedchat.cli import main
+
+    main(["serve", "--model", str(tmp_path / "missing"), "--host", "0.0.0.0", "--port", str(free_port())])
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "API key" in r.getMessage()]
+    assert warning.startswith("listening on 0.0.0.0 with no API key")
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-body-size", "0", "must be at least 1 byte"), ("--max-body-size", "4xb", "cannot read '4xb' as a size"),
+    ("--timeout-keep-alive", "0", "must be more than 0"), ("--drain-timeout", "-1", "must be at least 0"),
+    ("--limit-concurrency", "0", "must be at least 1")])
+def test_the_serve_limits_refuse_values_that_bound_nothing(flag, value, message, capsys):
+    from pagedchat.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", flag, value, "--port", str(free_port())])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host,exposed", [("127.0.0.1", False), ("127.5.0.1", False), ("::1", False),
+                                          ("localhost", False), ("0.0.0.0", True), ("::", True),
+                                          ("192.168.1.4", True), ("gpu-box", True)])
+def test_which_hosts_are_beyond_loopback(host, exposed):
+    from pagedchat.serve.server import exposed as is_exposed
+
+    assert is_exposed(host) is exposed
 
 
 def test_the_end_of_the_context_is_length_with_vllms_stop_reason(tmp_path):
