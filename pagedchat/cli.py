@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import sys
 import time
@@ -34,18 +33,40 @@ settings: config.toml in the user config dir (see README); flags override it.
 """
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--kv-cache-memory", metavar="SIZE",
+ASK_MAX_TOKENS = 512
+ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "threads", "quantize")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
+    """The engine's flags (EngineOptions), and --config whose file they override. A subcommand's copies default to
+    SUPPRESS, so a flag written before the subcommand (`pagedchat --model X ask`) is not reset by them."""
+    p.add_argument("--config", metavar="FILE", default=default,
+                   help="read this config.toml instead of the default one")
+    p.add_argument("--model", "-m", default=default,
+                   help="model folder, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-cache-memory", metavar="SIZE", default=default,
                    help="KV cache budget, e.g. 512MiB or 2GB (default: sized from free memory)")
-    p.add_argument("--swap-space", metavar="SIZE", help="CPU tier for offloaded and swapped pages")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
+    p.add_argument("--swap-space", metavar="SIZE", default=default, help="CPU tier for offloaded and swapped pages")
+    p.add_argument("--device", default=default, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=default,
+                   help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
-    p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads on the CPU (default: one per core)")
-    p.add_argument("--quantize", choices=("int4", "int8"),
+    p.add_argument("--threads", type=positive_int, metavar="N", default=default,
+                   help="torch threads on the CPU (default: one per core)")
+    p.add_argument("--quantize", choices=("int4", "int8"), default=default,
                    help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
                    "files keep their own quantization without it")
+
+
+def _engine_flags(args) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+
+
+def _config(args, **overrides):
+    """config.toml (or --config), then the engine's flags and the given overrides: what every command starts from."""
+    from pagedchat.config import load_config
+
+    return load_config(args.config, **_engine_flags(args), **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedchat", description="A terminal chat app on its own paged KV-cache LLM engine.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_engine_flags(parser)
-    parser.add_argument("--config", metavar="FILE", help="read this config.toml instead of the default one")
     parser.add_argument("--system", metavar="TEXT", help="system prompt for new chats")
     parser.add_argument("--theme", help="colour theme (pick others with ctrl+p in the app)")
     parser.add_argument("--max-tokens", type=int, help="reply length limit for new chats")
@@ -72,16 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the question; text piped into stdin comes before it, as the material it asks about")
     ask.add_argument("--json", action="store_true",
                      help="print the whole completion (text, token counts, timings, finish reason) as one JSON object")
-    ask.add_argument("--system", metavar="TEXT", help="system prompt")
-    ask.add_argument("--max-tokens", type=int, default=512)
-    ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ask.add_argument("--system", metavar="TEXT", default=argparse.SUPPRESS, help="system prompt")
+    ask.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS, help=f"default: {ASK_MAX_TOKENS}")
+    ask.add_argument("--temperature", type=float, default=argparse.SUPPRESS, help="0 = greedy (default)")
     ask.add_argument("--top-p", type=float, default=1.0)
     ask.add_argument("--top-k", type=int, default=0)
     ask.add_argument("--seed", type=int)
-    ask.add_argument("--server", metavar="URL", help="ask an OpenAI-compatible server instead of the engine "
-                     "in-process, e.g. http://127.0.0.1:8000/v1 (--model then picks one of its models)")
-    ask.add_argument("--api-key", metavar="KEY", help="the server's API key (default: $PAGEDCHAT_API_KEY)")
-    _add_engine_flags(ask)
+    ask.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
+                     help="ask an OpenAI-compatible server instead of the engine in-process, e.g. "
+                     "http://127.0.0.1:8000/v1 (--model then picks one of its models)")
+    ask.add_argument("--api-key", metavar="KEY", default=argparse.SUPPRESS,
+                     help="the server's API key (default: $PAGEDCHAT_API_KEY)")
+    _add_engine_flags(ask, default=argparse.SUPPRESS)
 
     imp = sub.add_parser("import", help="bring a JSON chat export back as a new chat")
     imp.add_argument("file", metavar="FILE.json", help='{"title", "system", "messages": [{"role", "content"}], '
@@ -107,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=non_negative_float, default=3.0, metavar="SECONDS",
                        help="on SIGTERM, let open replies run this long, then end them with finish_reason "
                        "\"abort\" (default: 3)")
-    _add_engine_flags(serve)
+    _add_engine_flags(serve, default=argparse.SUPPRESS)
     return parser
 
 
@@ -215,17 +237,14 @@ def _answer(backend, messages: list[dict], params, echo: bool):
 
 def cmd_ask(args) -> int:
     from pagedchat.backends.open import open_backend
-    from pagedchat.config import API_KEY_ENV, AppConfig
     from pagedchat.engine.params import SamplingParams
 
     # All before the model loads, so a missing question or a bad setting is said at once.
     question = ask_message(args.question, sys.stdin)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
-    config = AppConfig().with_overrides(
-        model=args.model, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
-        dtype=args.dtype, threads=args.threads, quantize=args.quantize, server=args.server,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    # ask answers greedily and briefly unless told otherwise: config.toml's [sampling] is for the app's chats.
+    params = SamplingParams(max_tokens=ASK_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
+                            temperature=args.temperature or 0.0, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    config = _config(args, server=args.server, api_key=args.api_key)
     progress = _Progress()
     backend = open_backend(config, progress)
     progress.done()
@@ -244,21 +263,15 @@ def cmd_ask(args) -> int:
 
 
 def cmd_app(args) -> int:
-    from pagedchat.config import load_config
     from pagedchat.tui.app import run_app
 
-    config = load_config(args.config, model=args.model, kv_cache_memory=args.kv_cache_memory,
-                         swap_space=args.swap_space, device=args.device, dtype=args.dtype, threads=args.threads,
-                         quantize=args.quantize, system_prompt=args.system, theme=args.theme,
-                         max_tokens=args.max_tokens, temperature=args.temperature, server=args.server,
-                         api_key=args.api_key)
+    config = _config(args, system_prompt=args.system, theme=args.theme, max_tokens=args.max_tokens,
+                     temperature=args.temperature, server=args.server, api_key=args.api_key)
     run_app(config)
     return 0
 
 
 def cmd_import(args) -> int:
-    from pathlib import Path
-
     from pagedchat.config import load_config
     from pagedchat.tui.chat_ops import save_imported
     from pagedchat.tui.store import Store
@@ -296,9 +309,9 @@ def cmd_serve(args) -> int:
     except ImportError as exc:
         raise PagedChatError(f"pagedchat serve needs its extra ({exc.name} is missing): "
                              "pip install 'pagedchat[serve]'") from None
-    return serve(ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                              kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space, device=args.device,
-                              dtype=args.dtype, threads=args.threads, max_body_size=args.max_body_size,
+    # The engine's settings come from config.toml, then the flags; the key only from --api-key or the environment.
+    return serve(ServeOptions(engine=_config(args).engine, host=args.host, port=args.port, api_key=args.api_key,
+                              max_body_size=args.max_body_size,
                               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
                               drain_seconds=args.drain_timeout))
 

@@ -57,8 +57,9 @@ SamplingDefaults = SamplingSettings
 
 
 @dataclass(frozen=True)
-class AppConfig:
-    """Everything the app needs to start. Build it with load_config(); the CLI passes its flags as overrides."""
+class EngineOptions:
+    """How to build the engine: the one record that the app (and its engine process), `ask` and `serve` hand to
+    Engine(), filled from config.toml, then the flags (load_config; AppConfig.engine)."""
 
     model: str | None = None                 # None: the default model, pulled on first use
     kv_cache_memory: int | str | None = None
@@ -68,6 +69,20 @@ class AppConfig:
     dtype: str | None = None
     threads: int | None = None               # torch threads on the CPU; None: one per core
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
+
+    def kwargs(self) -> dict:
+        """Engine's keyword arguments (plain values: they also cross to the engine process)."""
+        return dataclasses.asdict(self)
+
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineOptions))
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything the app needs to start. Build it with load_config(); the CLI passes its flags as overrides."""
+
+    engine: EngineOptions = field(default_factory=EngineOptions)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     theme: str | None = None                 # None: the theme last picked in the app, else DEFAULT_THEME
     server: str | None = None                # an OpenAI-compatible server's URL: replies come from there
@@ -83,12 +98,16 @@ class AppConfig:
         return self.config_dir / "themes"
 
     def with_overrides(self, **overrides) -> AppConfig:
-        """A copy with the given fields replaced; None values are ignored so unset CLI flags change nothing."""
-        fields = {f.name for f in dataclasses.fields(self)} | set(SamplingDefaults.__dataclass_fields__)
+        """A copy with the given fields replaced; None values are ignored so unset CLI flags change nothing. The
+        engine's and sampling's fields are named flat, as config.toml and the flags name them."""
+        fields = {f.name for f in dataclasses.fields(self)} | ENGINE_FIELDS | set(SamplingDefaults.__dataclass_fields__)
         unknown = set(overrides) - fields
         if unknown:
             raise TypeError(f"unknown config fields: {', '.join(sorted(unknown))}")
         given = {k: v for k, v in overrides.items() if v is not None}
+        engine = {k: given.pop(k) for k in list(given) if k in ENGINE_FIELDS}
+        if engine:
+            given["engine"] = dataclasses.replace(self.engine, **engine)
         sampling = {k: given.pop(k) for k in list(given) if k in SamplingDefaults.__dataclass_fields__}
         if sampling:
             try:

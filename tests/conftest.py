@@ -25,6 +25,14 @@ def _float32_by_default():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_user_config(tmp_path_factory):
+    """The commands read config.toml: the developer's own (a model, a server) must not steer the tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _kernels_loaded():
     """pagedchat's kernels loaded (built first if this machine has none: `pagedchat pull` builds them in CI)
     before any engine starts: an engine in a test's own cache folder would otherwise compile them there (the

@@ -237,3 +237,49 @@ def test_every_subcommand_has_its_handler():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(COMMANDS) == set(sub.choices) | {None}
+
+
+def engine_options(monkeypatch, replies=("Yes.",)) -> list[dict]:
+    """The keyword arguments each Engine the command builds is given (a scripted engine answers)."""
+    from pagedchat.engine import engine as engine_module
+
+    seen: list[dict] = []
+
+    def build(*args, **kwargs):
+        seen.append(kwargs)
+        return ScriptedEngine(list(replies))
+
+    monkeypatch.setattr(engine_module, "Engine", build)
+    return seen
+
+
+@pytest.mark.parametrize("argv", [["--model", "m1", "--dtype", "float32", "ask", "q"],
+                                  ["ask", "q", "--model", "m1", "--dtype", "float32"]])
+def test_engine_flags_count_before_and_after_the_subcommand(monkeypatch, tmp_path, argv):
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
+    seen = engine_options(monkeypatch)
+    assert main(argv) == 0
+    assert seen[-1]["model"] == "m1" and seen[-1]["dtype"] == "float32"
+
+
+def test_ask_reads_config_toml_and_its_flags_win(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "config.toml").write_text('model = "from-file"\nthreads = 2\nkv_cache_memory = "8MiB"\n')
+    seen = engine_options(monkeypatch)
+    assert main(["ask", "q", "--kv-cache-memory", "4MiB"]) == 0
+    assert (seen[-1]["model"], seen[-1]["threads"], seen[-1]["kv_cache_memory"]) == ("from-file", 2, "4MiB")
+    assert main(["--config", str(tmp_path / "missing.toml"), "ask", "q"]) == 1
+    assert "missing.toml" in capsys.readouterr().err
+
+
+def test_serve_builds_its_engine_from_config_toml_and_its_flags(monkeypatch, tmp_path):
+    from pagedchat.serve import server
+
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "config.toml").write_text('model = "from-file"\ndtype = "float32"\n')
+    served = []
+    monkeypatch.setattr(server, "serve", lambda options: served.append(options) or 0)
+    assert main(["serve", "--quantize", "int4", "--port", "8001"]) == 0
+    [options] = served
+    assert options.port == 8001 and options.model_name == "from-file"
+    assert (options.engine.model, options.engine.dtype, options.engine.quantize) == ("from-file", "float32", "int4")

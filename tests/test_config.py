@@ -11,7 +11,7 @@ def test_defaults_without_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "cfg"))
     monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
     config = load_config()
-    assert config.model is None and config.theme is None and config.config_file is None
+    assert config.engine.model is None and config.theme is None and config.config_file is None
     assert config.config_dir == tmp_path / "cfg" and config.data_dir == tmp_path / "data"
     assert config.user_theme_dir == tmp_path / "cfg" / "themes"
 
@@ -23,9 +23,9 @@ def test_file_then_cli_overrides(tmp_path, monkeypatch):
         'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
         '[keys]\nnew_chat = "ctrl+t"\n')
     config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
-    assert config.model == "other/model"                 # the flag wins
-    assert config.kv_cache_memory == "2GiB"               # None flags change nothing
-    assert config.threads == 3
+    assert config.engine.model == "other/model"          # the flag wins
+    assert config.engine.kv_cache_memory == "2GiB"        # None flags change nothing
+    assert config.engine.threads == 3
     assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
     assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
     assert isinstance(config.sampling.temperature, float)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pagedchat.backends.base import Backend, Progress
 from pagedchat.config import AppConfig
 from pagedchat.errors import PagedChatError
 
 ENGINE_LOG = "engine.log"  # in the data folder: what the engine process printed, a crash's trace included
-
-
-def engine_options(config: AppConfig) -> dict[str, Any]:
-    """The Engine keyword arguments a config sets."""
-    return dict(model=config.model, kv_cache_memory=config.kv_cache_memory, block_size=config.block_size,
-                device=config.device, dtype=config.dtype, swap_space=config.swap_space, threads=config.threads,
-                quantize=config.quantize)
 
 
 def open_backend(config: AppConfig, progress: Progress, *, own_process: bool = False) -> Backend:
@@ -26,18 +17,18 @@ def open_backend(config: AppConfig, progress: Progress, *, own_process: bool = F
         from pagedchat.backends.remote import RemoteBackend
 
         progress(f"connecting to {config.server}", None)
-        return RemoteBackend(config.server, config.api_key, config.model, progress)
+        return RemoteBackend(config.server, config.api_key, config.engine.model, progress)
 
     if own_process:
         from pagedchat.backends.process import ProcessBackend
 
-        return ProcessBackend(engine_options(config), progress, log_path=config.data_dir / ENGINE_LOG)
+        return ProcessBackend(config.engine.kwargs(), progress, log_path=config.data_dir / ENGINE_LOG)
 
     from pagedchat.backends.local import LocalBackend
     from pagedchat.engine.engine import Engine  # torch loads here
 
     try:
-        engine = Engine(**engine_options(config), progress=progress)
+        engine = Engine(**config.engine.kwargs(), progress=progress)
     except Exception as exc:
         raise PagedChatError(f"The model could not be loaded: {exc}") from exc
     return LocalBackend(engine)

@@ -6,13 +6,13 @@ import asyncio
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import uvicorn
 
 from pagedchat.backends.base import TokenBackend
-from pagedchat.config import API_KEY_ENV
+from pagedchat.config import API_KEY_ENV, EngineOptions
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.app import create_app
 from pagedchat.serve.limits import DeadlineH11Protocol
@@ -52,15 +52,10 @@ def exposed(host: str) -> bool:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model: str | None = None
+    engine: EngineOptions = field(default_factory=EngineOptions)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    kv_cache_memory: str | None = None
-    swap_space: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    threads: int | None = None
     max_body_size: int | None = None      # bytes; None: a few times the model's context (limits.py)
     limit_concurrency: int = 1024         # connections and requests at once; more are answered 503
     timeout_keep_alive: float = 5.0       # seconds a connection may wait without sending a whole request head
@@ -69,8 +64,8 @@ class ServeOptions:
     @property
     def model_name(self) -> str:
         """The name clients send as `model`: what --model said, else the default model's name."""
-        if self.model is not None:
-            return self.model
+        if self.engine.model is not None:
+            return self.engine.model
         from pagedchat.model.pull import MODEL_NAME
 
         return MODEL_NAME
@@ -79,8 +74,7 @@ class ServeOptions:
         from pagedchat.backends.local import LocalBackend
         from pagedchat.engine.engine import Engine  # torch loads here, on the loading thread
 
-        return LocalBackend(Engine(self.model, kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space,
-                                   device=self.device, dtype=self.dtype, threads=self.threads))
+        return LocalBackend(Engine(**self.engine.kwargs()))
 
 
 def serve(options: ServeOptions) -> int:

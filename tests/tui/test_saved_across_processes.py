@@ -37,7 +37,7 @@ def launch(config, tmp_path):
     started: list[AppProcess] = []
 
     def start(max_tokens: int) -> AppProcess:
-        app = AppProcess(config.model, config.data_dir, config.config_dir, max_tokens=max_tokens, cwd=tmp_path)
+        app = AppProcess(config.engine.model, config.data_dir, config.config_dir, max_tokens=max_tokens, cwd=tmp_path)
         started.append(app)
         return app
 
