@@ -118,8 +118,8 @@ def test_client_names_a_server_that_is_not_there():
 
 async def ready(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the server", timeout=120)
-    assert app.backend is not None, app.backend_error
+    await wait_for(pilot, lambda: app.backend is not None or app.link.error, "the server", timeout=120)
+    assert app.backend is not None, app.link.error
     return app
 
 
@@ -134,7 +134,7 @@ async def test_app_over_the_server(server, tmp_path):
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=LONG)
         # Both generate at once, on the server, each owning its pages there under the app's request ids.
-        await wait_for(pilot, lambda: first.received_tokens > 3 and second.received_tokens > 3, "both streaming",
+        await wait_for(pilot, lambda: first.reply.tokens > 3 and second.reply.tokens > 3, "both streaming",
                        timeout=120)
         assert len(server_seqs(server)) == 2
         await wait_for(pilot, lambda: first.pages and second.pages, "each chat's pages from /v1/memory", timeout=60)
@@ -152,7 +152,7 @@ async def test_app_over_the_server(server, tmp_path):
         await pilot.press("escape")  # stops the chat in view: the stream closes and the server cancels it
         await wait_for(pilot, lambda: not second.busy, "the stop", timeout=60)
         assert second.record.messages[-1].stats.finish_reason == "cancelled" and first.busy
-        first.handle.cancel()
+        first.reply.handle.cancel()
         await wait_for(pilot, lambda: not first.busy, "the first chat to stop", timeout=60)
         await wait_for(pilot, lambda: not server_seqs(server), "the server to free both", timeout=60)
 
@@ -172,7 +172,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             session = await send(pilot, "tell me a long story", max_tokens=LONG)
-            await wait_for(pilot, lambda: session.received_tokens > 3, "the first tokens", timeout=120)
+            await wait_for(pilot, lambda: session.reply.tokens > 3, "the first tokens", timeout=120)
             server.kill()
             await wait_for(pilot, lambda: not session.busy, "the reply to end", timeout=60)
             reply = session.record.messages[-1]
@@ -206,14 +206,14 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(model, tmp
     port = free_port()
     app = PagedChatApp(make_config(tmp_path, server=f"http://127.0.0.1:{port}/v1"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend_error, "the connection error")
+        await wait_for(pilot, lambda: app.link.error, "the connection error")
         assert f"Cannot reach the server at http://127.0.0.1:{port}/v1" in static_text(app, "#status")
         prompt = app.chat_view(app.active_session).prompt
         prompt.text = "hello"
         await pilot.press("enter")
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
         assert any("Trying again" in n for n in app.notices)
-        await wait_for(pilot, lambda: app.backend_error, "the retry to fail again")
+        await wait_for(pilot, lambda: app.link.error, "the retry to fail again")
         # The server comes up: the app connects in the background, and the next Enter sends (it used to show
         # the stale "Cannot reach" and send nothing).
         with running_server(model, tmp_path, port):

@@ -67,7 +67,7 @@ async def test_hiding_the_inspector_gives_focus_back_and_esc_stops_the_reply(tmp
         prompt.text = "tell me a story"
         await pilot.press("enter")
         session = app.active_session
-        await wait_for(pilot, lambda: session.received_tokens > 0, "the reply to stream")
+        await wait_for(pilot, lambda: session.reply.tokens > 0, "the reply to stream")
         await pilot.press("f2")
         inspector = app.query_one(InspectorView)
         assert inspector.display and app.focused is prompt

@@ -47,8 +47,8 @@ def config(tmp_path, tui_model):
 
 async def ready(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the model to load")
-    assert app.backend is not None, app.backend_error
+    await wait_for(pilot, lambda: app.backend is not None or app.link.error, "the model to load")
+    assert app.backend is not None, app.link.error
     return app
 
 
@@ -113,7 +113,7 @@ async def test_escape_stops_the_reply(config):
         await ready(pilot)
         hold = EngineHold(app)  # else the reply may end before the key
         session = await send(pilot, "tell me a long story", max_tokens=LONG)
-        await wait_for(pilot, lambda: session.received_tokens > 0, "the first tokens")
+        await wait_for(pilot, lambda: session.reply.tokens > 0, "the first tokens")
         await pilot.press("escape")
         hold.release()  # it reads the cancel first
         await wait_for(pilot, lambda: not session.busy, "the stop")
@@ -132,7 +132,7 @@ async def test_two_tabs_generate_at_once(config):
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=VERY_LONG)
         await wait_for(pilot, lambda: len(app.backend.memory().seqs) == 2, "both requests in the engine")
-        await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
+        await wait_for(pilot, lambda: first.reply.tokens > 10 and second.reply.tokens > 10, "both streaming")
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
         assert "●" not in label(second)   # the one in view shows its reply being written instead
@@ -199,7 +199,7 @@ async def test_branch_shares_pages(config):
         await ready(pilot)
         await pilot.press("f2")
         parent = await send(pilot, "branch me", max_tokens=VERY_LONG)
-        await wait_for(pilot, lambda: parent.received_tokens > 40, "some of the reply")
+        await wait_for(pilot, lambda: parent.reply.tokens > 40, "some of the reply")
         await pilot.press("ctrl+b")  # on a live reply: the engine forks it, sharing its pages copy-on-write
         await wait_for(pilot, lambda: app.active_session is not parent, "the branch tab")
         branch = app.active_session
@@ -336,14 +336,14 @@ async def test_chats_are_restored_after_restart(config):
         await pilot.pause()
         EngineHold(app)  # else the reply may end before the quit (released as the app shuts the engine down)
         long = await send(pilot, "still running at quit")
-        await wait_for(pilot, lambda: long.received_tokens > 0, "tokens")
+        await wait_for(pilot, lambda: long.reply.tokens > 0, "tokens")
         await pilot.press("ctrl+q")
     assert app.return_code == 0
 
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: len(app.sessions) == 2, "the restored tabs")
-        restored = app.ordered_sessions()
+        restored = app.chats.ordered()
         assert [s.record.title for s in restored] == ["remember me", "Second"]
         chat = restored[0]
         assert app.active_session is chat and app.theme == "pagedchat-light"
@@ -389,7 +389,7 @@ async def test_broken_theme_is_reported_and_skipped(config):
 async def test_bad_model_is_reported_in_the_app(tmp_path):
     app = PagedChatApp(make_config(tmp_path, tmp_path / "no-such-model"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend_error, "the load error")
+        await wait_for(pilot, lambda: app.link.error, "the load error")
         assert "could not be loaded" in static_text(app, "#status")
         app.chat_view(app.active_session).prompt.text = "hello"
         await pilot.press("enter")
@@ -435,7 +435,7 @@ async def test_a_load_stage_is_not_said_twice(tmp_path):
         for expected in ("loading weights", "loading SmolLM2-135M-Instruct.Q4_1.gguf"):
             await wait_for(pilot, lambda: static_text(app, "#status") == expected, repr(expected))
             shown.set()
-        await wait_for(pilot, lambda: app.backend_error, "the failure")
+        await wait_for(pilot, lambda: app.link.error, "the failure")
 
 
 async def test_model_pull_progress_shows_in_the_app(tmp_path):
@@ -457,7 +457,7 @@ async def test_model_pull_progress_shows_in_the_app(tmp_path):
         await wait_for(pilot, lambda: bar.percentage == 0.5, "the progress fraction")
         assert "converting SmolLM2" in static_text(app, "#status") and bar.display
         release.set()
-        await wait_for(pilot, lambda: app.backend_error, "the failure")
+        await wait_for(pilot, lambda: app.link.error, "the failure")
         assert "no network in this test" in static_text(app, "#status") and not bar.display
 
 
@@ -477,7 +477,7 @@ async def test_closed_chat_can_be_reopened(config):
         assert len(reopen) == 1
         await reopen[0].run()
         await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
-        assert [s.record.title for s in app.ordered_sessions()][-1] == "Keep me"
+        assert [s.record.title for s in app.chats.ordered()][-1] == "Keep me"
 
 
 async def test_the_palette_offers_the_chat_commands(config):
