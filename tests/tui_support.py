@@ -58,6 +58,12 @@ async def wait_for(pilot, condition, what: str = "condition", timeout: float = W
         await pilot.pause(0.01)
 
 
+def notices(app) -> list[str]:
+    """The notifications the app has up now, oldest first, as their text. Read from Textual's own record: it
+    has no public accessor, and the toasts are not drawn under run_test unless asked for."""
+    return [n.message for n in app._notifications]
+
+
 async def send(pilot, text: str, max_tokens: int | None = None):
     """Type into the active chat's input and press Enter; returns the chat's session."""
     app = pilot.app
@@ -67,10 +73,10 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
-    said = len(app.notices)
+    said = len(notices(app))
     await pilot.press("enter")
     # Handled: the input is cleared once the reply has started, or a notice says why it did not.
-    await wait_for(pilot, lambda: not prompt.text or len(app.notices) > said, "the message to be handled")
+    await wait_for(pilot, lambda: not prompt.text or len(notices(app)) > said, "the message to be handled")
     return session
 
 

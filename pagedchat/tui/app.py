@@ -121,11 +121,6 @@ class PagedChatApp(App):
         if quit_keys:
             self.notify(f"Press {quit_keys[0]} to quit the app.", title="Do you want to quit?")
 
-    @property
-    def notices(self) -> list[str]:
-        """The notifications on screen now, oldest first."""
-        return [n.message for n in self._notifications]
-
     # ---- what the palette, the chat operations and the screens see ----------------------------------------
     @property
     def backend(self) -> Backend | None:

@@ -25,7 +25,7 @@ from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.store import Store
 from remote_support import free_port, running_server
 from tiny_models import make_tiny_model
-from tui_support import make_config, send, static_text, wait_for
+from tui_support import make_config, notices, send, static_text, wait_for
 
 SIZE = (100, 32)
 LONG = 2000   # tokens: long enough to be stopped, forked or killed mid-way; the tests end them
@@ -178,7 +178,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
             reply = session.record.messages[-1]
             assert reply.role == "assistant" and reply.content and reply.stats.finish_reason == "error"
             assert "went away mid-reply" in reply.stats.error
-            notices = app.notices
+            notices = notices(app)
             assert any("went away mid-reply" in n and "text so far is kept" in n for n in notices), notices
             [saved] = Store.open(app.config.data_dir).load_chats()
             assert saved.messages[-1].content == reply.content  # the partial reply is on disk
@@ -186,7 +186,7 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
 
             # Asked again with the server still down: a clear error, the chat as it was.
             await pilot.press("ctrl+r")  # (refused at once: too quick to see the chat busy)
-            await wait_for(pilot, lambda: any("could not be reached" in n for n in app.notices),
+            await wait_for(pilot, lambda: any("could not be reached" in n for n in notices(app)),
                            "the retry to fail", timeout=60)
             await wait_for(pilot, lambda: not session.busy, "the chat idle again")
             failed = session.record.messages[-1]   # kept, marked: the next message is not a second question in a row
@@ -212,16 +212,16 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(model, tmp
         prompt.text = "hello"
         await pilot.press("enter")
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
-        assert any("Trying again" in n for n in app.notices)
+        assert any("Trying again" in n for n in notices(app))
         await wait_for(pilot, lambda: app.link.error, "the retry to fail again")
         # The server comes up: the app connects in the background, and the next Enter sends (it used to show
         # the stale "Cannot reach" and send nothing).
         with running_server(model, tmp_path, port):
             await wait_for(pilot, lambda: app.backend is not None, "the reconnect", timeout=120)
-            said = len(app.notices)
+            said = len(notices(app))
             session = await send(pilot, "hello", max_tokens=4)
             assert [m.role for m in session.record.messages[:1]] == ["user"]
-            assert not any("Cannot reach" in n for n in app.notices[said:])
+            assert not any("Cannot reach" in n for n in notices(app)[said:])
             await wait_for(pilot, lambda: not session.busy, "the reply", timeout=120)
 
 

@@ -80,3 +80,37 @@ async def test_hiding_the_inspector_gives_focus_back_and_esc_stops_the_reply(tmp
         await pilot.press("escape")
         await wait_for(pilot, lambda: not session.busy, "Esc to stop the reply")
         assert session.record.messages[-1].stats.finish_reason == "cancelled"
+
+
+async def test_the_chats_keys_work_with_the_keyboard_in_the_inspector(tmp_path):
+    """F3 and F4 act on the chat in view wherever the keyboard is on its screen, as ctrl+n does."""
+    app = scripted_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        await pilot.press("f2", "tab")   # into the inspector
+        inspector = app.query_one(InspectorView)
+        assert inspector in (app.focused, *app.focused.ancestors)
+        await pilot.press("f3")
+        await opened(pilot, ChatSettingsScreen, "#system")
+
+
+async def test_enter_sends_from_the_input_only(tmp_path):
+    """Enter on a message (the walk) sends nothing: the text in the input stays there, unsent."""
+    app = scripted_app(tmp_path, ["answer", "second answer"])
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        prompt = app.active_chat.prompt
+        prompt.focus()
+        prompt.text = "question"
+        await pilot.press("enter")
+        session = app.active_session
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+        prompt.text = "a draft"
+        await pilot.press("alt+up", "enter")
+        await pilot.pause()
+        assert len(session.record.messages) == 2 and not session.busy and prompt.text == "a draft"
+        await pilot.press("escape")   # back to the input, where Enter sends
+        assert app.focused is prompt
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "the second reply")
+        assert session.record.messages[2].content == "a draft" and prompt.text == ""

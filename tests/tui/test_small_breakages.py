@@ -7,7 +7,7 @@ from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
+from tui_support import ScriptedEngine, make_config, notices, quick_pilot, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
 CUT_IN_A_BLOCK = "Here is the code:\n\n```python\ndef add(a, b):\n    return a + b"
@@ -53,6 +53,6 @@ async def test_ctrl_c_says_how_to_quit_in_plain_words(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await chat_once(pilot, "hi")
         await pilot.press("alt+up", "ctrl+c")   # on a message, not in a text field (there it copies)
-        await wait_for(pilot, lambda: any("to quit" in n for n in app.notices), "the hint")
-        hint = next(n for n in app.notices if "to quit" in n)
+        await wait_for(pilot, lambda: any("to quit" in n for n in notices(app)), "the hint")
+        hint = next(n for n in notices(app) if "to quit" in n)
         assert hint == "Press ctrl+q to quit the app." and "[" not in hint

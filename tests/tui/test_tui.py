@@ -26,7 +26,7 @@ from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import (EngineHold, make_config, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
+from tui_support import (EngineHold, make_config, notices, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
                          static_text, wait_for)
 
 SIZE = (100, 32)
@@ -55,10 +55,6 @@ async def ready(pilot) -> PagedChatApp:
 async def replied(pilot, session) -> None:
     await wait_for(pilot, lambda: not session.busy and session.record.messages
                    and session.record.messages[-1].role == "assistant", "the reply to finish")
-
-
-def notes(app) -> list[str]:
-    return app.notices
 
 
 async def test_send_streams_a_reply_with_stats(config):
@@ -308,7 +304,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         assert path.parent == config.data_dir / "exports"
         text = path.read_text()
         assert text.startswith("# Renamed") and "Answer in one line." in text and "print('hi')" in text
-        await wait_for(pilot, lambda: any(str(path) in n for n in notes(app)), "the export notice")
+        await wait_for(pilot, lambda: any(str(path) in n for n in notices(app)), "the export notice")
 
 
 async def test_chats_are_restored_after_restart(config):
@@ -364,7 +360,7 @@ async def test_corrupt_database_is_kept_aside_and_reported(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
-        await wait_for(pilot, lambda: any("kept untouched" in n for n in notes(app)), "the corrupt-database notice")
+        await wait_for(pilot, lambda: any("kept untouched" in n for n in notices(app)), "the corrupt-database notice")
         assert len(app.sessions) == 1 and list(config.data_dir.glob(f"{DB_NAME}.corrupt-*"))
         await ready(pilot)
         session = await send(pilot, "works", max_tokens=4)
@@ -382,7 +378,7 @@ async def test_broken_theme_is_reported_and_skipped(config):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         assert app.theme == "mine" and "broken" not in app.available_themes
-        await wait_for(pilot, lambda: any("broken.toml" in n and "Theme skipped" in n for n in notes(app)),
+        await wait_for(pilot, lambda: any("broken.toml" in n and "Theme skipped" in n for n in notices(app)),
                        "the theme notice")
 
 
@@ -403,7 +399,7 @@ async def test_keys_remap_and_every_action_is_in_the_palette(config):
         await ready(pilot)
         await pilot.press("f9")
         assert app.query_one(InspectorView).display
-        await wait_for(pilot, lambda: any("nonsense" in n for n in notes(app)), "the keymap warning")
+        await wait_for(pilot, lambda: any("nonsense" in n for n in notices(app)), "the keymap warning")
         titles = {c.title for c in AppCommands(app.screen).commands()}
         titles |= {c.title for c in app.get_system_commands(app.screen)}   # Textual's own: theme, quit, ...
         for wanted in ("New chat", "Close chat", "Next chat", "Previous chat", "Rename chat", "Chat settings",

@@ -18,7 +18,8 @@ from pagedchat.tui.store import Store
 from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.screens.ask import ConfirmScreen, RenameScreen
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, quick_pilot, screen_text, static_text, wait_for  # noqa: F401
+from tui_support import (ScriptedEngine, make_config, notices, quick_pilot, screen_text, static_text,  # noqa: F401
+                         wait_for)
 
 SIZE = (120, 36)
 MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.quit]quit", "unbalanced [b",
@@ -120,7 +121,7 @@ async def check_markup_payload(pilot, payload: str) -> None:
     await pilot.press("escape")
 
     await pilot.press("ctrl+r")   # the scripted engine fails this one: its error shows in a notification
-    await wait_for(pilot, lambda: any(f"{payload} failed" in n for n in app.notices),
+    await wait_for(pilot, lambda: any(f"{payload} failed" in n for n in notices(app)),
                    "the failure notice")
     await pilot.pause()
     assert f"The reply failed: {payload} failed" in toasts(app)
@@ -172,7 +173,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
         assert raw_controls(exported) == [] and "␛]52;c;cHduZWQ=␇" in exported
 
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: any("boom" in n for n in app.notices), "the failure notice")
+        await wait_for(pilot, lambda: any("boom" in n for n in notices(app)), "the failure notice")
         await pilot.pause()
         assert raw_controls(screen_text(app)) == []
         assert raw_controls(str(app.chat_view(session).view_at(1).query_one(".stats").content)) == []
