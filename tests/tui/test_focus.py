@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from textual.widgets import Input, TextArea
 
-from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat import PromptInput
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
-from tui_support import EngineHold, ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
+from tui_support import chat_once, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
-
-
-def scripted_app(tmp_path, replies=(), chunks=3) -> PagedChatApp:
-    engine = ScriptedEngine(list(replies), chunks=chunks)
-    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
 
 
 async def opened(pilot, screen_type, field: str):
@@ -43,13 +36,7 @@ async def test_settings_open_on_the_system_prompt_and_tab_leaves_it(tmp_path):
 async def test_the_edit_dialog_opens_on_its_text(tmp_path):
     app = scripted_app(tmp_path, ["answer"])
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend is not None, "the engine")
-        prompt = app.active_chat.prompt
-        prompt.focus()
-        prompt.text = "question"
-        await pilot.press("enter")
-        session = app.active_session
-        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+        await chat_once(pilot, "question")
         await pilot.press("alt+up", "up", "e")
         text = await opened(pilot, EditMessageScreen, "#text")
         assert app.focused is text and isinstance(text, TextArea)
@@ -98,13 +85,8 @@ async def test_enter_sends_from_the_input_only(tmp_path):
     """Enter on a message (the walk) sends nothing: the text in the input stays there, unsent."""
     app = scripted_app(tmp_path, ["answer", "second answer"])
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = await chat_once(pilot, "question")
         prompt = app.active_chat.prompt
-        prompt.focus()
-        prompt.text = "question"
-        await pilot.press("enter")
-        session = app.active_session
-        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
         prompt.text = "a draft"
         await pilot.press("alt+up", "enter")
         await pilot.pause()

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, notices, quick_pilot, wait_for  # noqa: F401 (autouse)
+from tui_support import chat_once, notices, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
 CUT_IN_A_BLOCK = "Here is the code:\n\n```python\ndef add(a, b):\n    return a + b"
-
-
-def scripted_app(tmp_path, replies) -> PagedChatApp:
-    engine = ScriptedEngine(list(replies))
-    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
-
-
-async def chat_once(pilot, text: str):
-    app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None, "the engine")
-    session = app.active_session
-    prompt = app.chat_view(session).prompt
-    prompt.focus()
-    prompt.text = text
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
-    return session
 
 
 async def test_a_reply_cut_inside_a_code_block_exports_closed_and_k_copies_the_block(tmp_path):
