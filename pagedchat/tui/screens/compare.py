@@ -127,7 +127,7 @@ class Side:
         """Prompt plus generated tokens: final from the outcome, else as they stand."""
         if self.outcome is not None:
             return self.outcome.total_tokens
-        return self.reply.handle.so_far().prompt_tokens + self.reply.tokens if self.reply.live else 0
+        return self.reply.tokens_held() if self.reply.live else 0
 
 
 class CompareScreen(Screen):
