@@ -67,7 +67,11 @@ class PromptInput(TextArea):
         return None
 
     async def _on_key(self, event: events.Key) -> None:
-        # Up and down recall earlier prompts where the cursor cannot move further; else as in TextArea.
+        # Enter inserts no newline: it goes on up to the chat's binding, which sends. Up and down recall earlier
+        # prompts where the cursor cannot move further. Other keys behave as in TextArea.
+        if event.key == "enter":
+            event.prevent_default()
+            return
         if (step := self._recall_step(event.key)) is not None:
             event.stop()
             event.prevent_default()

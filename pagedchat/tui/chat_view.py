@@ -51,10 +51,11 @@ class ChatServices:
 class ChatView(Vertical):
     """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
 
-    # Enter is a priority binding, not the input's own key: it runs on the app's message loop, as every other
-    # change to the chat does (keys, backend updates), so sending never interleaves with a reply's updates.
+    # Enter is the chat's binding: the input lets it pass (after every key typed before it, so a fast typist's or
+    # a paste's last characters are sent too), and the action runs on the app's message loop, as every other
+    # change to a chat does, so sending never interleaves with a reply's updates.
     BINDINGS = [
-        Binding("enter", "send", "Send", show=False, priority=True),
+        Binding("enter", "send", "Send", show=False),
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
     ]

@@ -3,6 +3,7 @@ memory inspector (F2) gives focus back to where it was, so typing and Esc work a
 
 from __future__ import annotations
 
+from textual import events
 from textual.widgets import Input, TextArea
 
 from pagedchat.tui.chat import PromptInput
@@ -96,3 +97,16 @@ async def test_enter_sends_from_the_input_only(tmp_path):
         await pilot.press("enter")
         await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "the second reply")
         assert session.record.messages[2].content == "a draft" and prompt.text == ""
+
+
+async def test_a_burst_of_keys_ending_in_enter_is_sent_whole(tmp_path):
+    """Keys that arrive at once (a fast typist, a terminal multiplexer): Enter sends after every key before it
+    has reached the input, not the text as it stood when Enter arrived."""
+    app = scripted_app(tmp_path, ["ok"])
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = app.active_session
+        for key in [*"hello", "enter"]:
+            app.post_message(events.Key(key, "\r" if key == "enter" else key))
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+        assert session.record.messages[0].content == "hello" and app.active_chat.prompt.text == ""
