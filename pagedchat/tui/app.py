@@ -66,9 +66,9 @@ class PagedChatApp(App):
     TITLE = "pagedchat"
     COMMANDS = App.COMMANDS | {AppCommands}   # every pagedchat command (tui/commands.py)
 
-    # Priority: the app's keys work whatever has focus (the chat's F3, F4, ctrl+r and ctrl+b too: they act on
-    # the chat in view from the inspector or the tab strip as well), and a key remapped in config.toml onto one the
-    # TextArea also uses (it takes f6/f7, ctrl+w, ...) still reaches the app.
+    # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the TextArea
+    # also uses (it takes f6/f7, ctrl+w, ...) still reaches the app. F3, F4, ctrl+r and ctrl+b act on the chat in
+    # view, but are the app's for that reason: they work with the keyboard in the inspector or on the tab strip.
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", priority=True, id="quit"),
         Binding("ctrl+n", "new_chat", "New", priority=True, id="new_chat"),

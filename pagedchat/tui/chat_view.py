@@ -1,8 +1,10 @@
 """A chat tab: its log of messages and its input, and everything done to one chat.
 
-The app routes (keys, the palette, backend updates) to the active or the addressed ChatView, which owns the
-rest: sending, its Reply's life on screen and on disk, regenerating, editing, branching and forking, copying,
-renaming and settings. What it needs from the app comes in as ChatServices, never read off the app.
+The app routes its keys for the chat in view (F3, F4, ctrl+r, ctrl+b), the palette and backend updates to the
+active or the addressed ChatView, which owns the rest: its own keys (Enter, Esc, alt+up) and its messages'
+(MessageActions), sending, its Reply's life on screen and on disk, regenerating, editing, branching and
+forking, copying, renaming and settings. What it needs from the app comes in as ChatServices, never read off
+the app.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class ChatView(Vertical):
         self.services.history.step(event.prompt, event.step)
 
     def action_stop(self) -> None:
-        """Esc: stop the live reply (while there is one, the footer shows it); on a message, else, back to the
+        """Esc: stop the live reply (the footer offers it only then); on a message with none live, back to the
         input."""
         if self.session.busy:
             self.stop()

@@ -178,8 +178,8 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
             reply = session.record.messages[-1]
             assert reply.role == "assistant" and reply.content and reply.stats.finish_reason == "error"
             assert "went away mid-reply" in reply.stats.error
-            notices = notices(app)
-            assert any("went away mid-reply" in n and "text so far is kept" in n for n in notices), notices
+            said = notices(app)
+            assert any("went away mid-reply" in n and "text so far is kept" in n for n in said), said
             [saved] = Store.open(app.config.data_dir).load_chats()
             assert saved.messages[-1].content == reply.content  # the partial reply is on disk
             await wait_for(pilot, lambda: isinstance(app.backend.memory(), MemoryUnavailable), "F2's view to say so")
