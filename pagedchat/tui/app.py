@@ -35,7 +35,7 @@ from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress
-from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.history import PromptHistory
@@ -116,8 +116,9 @@ class PagedChatApp(App):
     def action_help_quit(self) -> None:
         """ctrl+c outside a text field: Textual's hint, whose "[b]…[/b]" is markup this app's notify() shows as
         typed."""
+        name = action_name(self.action_quit)
         quit_keys = [key for key, active in self.active_bindings.items()
-                     if active.binding.action in ("quit", "app.quit")]
+                     if active.binding.action in (name, f"app.{name}")]
         if quit_keys:
             self.notify(f"Press {quit_keys[0]} to quit the app.", title="Do you want to quit?")
 
