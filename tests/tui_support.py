@@ -22,7 +22,9 @@ import textual.pilot
 from textual._wait import wait_for_idle
 
 from pagedchat.backends.base import BackendInfo, MemoryView
+from pagedchat.backends.local import LocalBackend
 from pagedchat.config import AppConfig, load_config
+from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatSettings
 from pagedchat.errors import PagedChatError
 from pagedchat.model import families
@@ -59,6 +61,12 @@ async def wait_for(pilot, condition, what: str = "condition", timeout: float = W
         await pilot.pause(0.01)
 
 
+def notices(app) -> list[str]:
+    """The notifications the app has up now, oldest first, as their text. Read from Textual's own record: it
+    has no public accessor, and the toasts are not drawn under run_test unless asked for."""
+    return [n.message for n in app._notifications]
+
+
 async def send(pilot, text: str, max_tokens: int | None = None):
     """Type into the active chat's input and press Enter; returns the chat's session."""
     app = pilot.app
@@ -68,10 +76,30 @@ async def send(pilot, text: str, max_tokens: int | None = None):
     prompt = app.chat_view(session).prompt
     prompt.focus()
     prompt.text = text
-    said = len(app.notices)
+    said = len(notices(app))
     await pilot.press("enter")
     # Handled: the input is cleared once the reply has started, or a notice says why it did not.
-    await wait_for(pilot, lambda: not prompt.text or len(app.notices) > said, "the message to be handled")
+    await wait_for(pilot, lambda: not prompt.text or len(notices(app)) > said, "the message to be handled")
+    return session
+
+
+def scripted_app(tmp_path: Path, replies=(), chunks: int = 3) -> PagedChatApp:
+    """The app over a ScriptedEngine (in this process) that writes `replies` in turn."""
+    engine = ScriptedEngine(list(replies), chunks=chunks)
+    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
+
+
+async def chat_once(pilot, text: str):
+    """Send text from the active chat's input and wait for the scripted reply to finish; returns the session."""
+    app = pilot.app
+    await wait_for(pilot, lambda: app.backend is not None, "the engine")
+    session = app.active_session
+    prompt = app.active_chat.prompt
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+    await pilot.pause()
     return session
 
 

@@ -7,8 +7,9 @@ the backend link (backend_link.py) loads the backend and polls its memory.
 Threads: the backend streams on its own thread and hands updates to DeltaInbox, which wakes the UI with one
 DeltasReady message at a time; the backend starts (model load, or server connect) on a daemon thread.
 Everything else, including SQLite writes (a few ms, when a chat changes and twice a second per streaming
-reply), runs on Textual's event loop, so no widget is ever touched off-thread. Every handler that changes a
-chat runs on the App's own message loop, one at a time. What is saved when is marked through a Saver.
+reply), runs on Textual's event loop, so no widget is ever touched off-thread. Everything that changes a chat
+(a key binding, wherever it is declared, and a batch of updates) runs on the App's own message loop, one at a
+time. What is saved when is marked through a Saver.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress
-from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.history import PromptHistory
@@ -65,20 +66,21 @@ class PagedChatApp(App):
     TITLE = "pagedchat"
     COMMANDS = App.COMMANDS | {AppCommands}   # every pagedchat command (tui/commands.py)
 
-    # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the
-    # TextArea also uses (it takes f6/f7, ctrl+w, ...) still reaches the app.
+    # Priority: the app's keys work whatever has focus, and a key remapped in config.toml onto one the TextArea
+    # also uses (it takes f6/f7, ctrl+w, ...) still reaches the app. F3, F4, ctrl+r and ctrl+b act on the chat in
+    # view, but are the app's for that reason: they work with the keyboard in the inspector or on the tab strip.
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", priority=True, id="quit"),
         Binding("ctrl+n", "new_chat", "New", priority=True, id="new_chat"),
         Binding("ctrl+w", "close_chat", "Close", priority=True, id="close_chat"),
         Binding("f1", "help", "Help", priority=True, id="help"),
         Binding("f2", "toggle_inspector", "Memory", priority=True, id="toggle_inspector"),
-        Binding("f3", "chat('settings')", "Settings", priority=True, id="chat_settings"),
-        Binding("f4", "chat('rename')", "Rename", show=False, priority=True, id="rename_chat"),
+        Binding("f3", "chat_settings", "Settings", priority=True, id="chat_settings"),
+        Binding("f4", "rename_chat", "Rename", show=False, priority=True, id="rename_chat"),
         Binding("ctrl+pagedown", "next_chat", "Next chat", show=False, priority=True, id="next_chat"),
         Binding("ctrl+pageup", "prev_chat", "Previous chat", show=False, priority=True, id="prev_chat"),
-        Binding("ctrl+r", "chat('regenerate')", "Regenerate", show=False, priority=True, id="regenerate"),
-        Binding("ctrl+b", "chat('branch')", "Branch", show=False, priority=True, id="branch"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, priority=True, id="regenerate"),
+        Binding("ctrl+b", "branch", "Branch", show=False, priority=True, id="branch"),
         Binding("ctrl+o", "export_chat", "Export", show=False, priority=True, id="export_chat"),
         Binding("f5", "compare", "Compare", show=False, priority=True, id="compare"),
         Binding("f8", "delete_chat", "Delete chat", show=False, priority=True, id="delete_chat"),
@@ -114,24 +116,16 @@ class PagedChatApp(App):
     def action_help_quit(self) -> None:
         """ctrl+c outside a text field: Textual's hint, whose "[b]…[/b]" is markup this app's notify() shows as
         typed."""
+        name = action_name(self.action_quit)
         quit_keys = [key for key, active in self.active_bindings.items()
-                     if active.binding.action in ("quit", "app.quit")]
+                     if active.binding.action in (name, f"app.{name}")]
         if quit_keys:
             self.notify(f"Press {quit_keys[0]} to quit the app.", title="Do you want to quit?")
 
-    @property
-    def notices(self) -> list[str]:
-        """The notifications on screen now, oldest first."""
-        return [n.message for n in self._notifications]
-
-    # ---- what the rest of the app and the tests see -------------------------------------------------------
+    # ---- what the palette, the chat operations and the screens see ----------------------------------------
     @property
     def backend(self) -> Backend | None:
         return self.link.backend
-
-    @property
-    def backend_error(self) -> str | None:
-        return self.link.error
 
     @property
     def tabs(self) -> TabbedContent:
@@ -147,9 +141,6 @@ class PagedChatApp(App):
 
     def chat_view(self, session: ChatSession) -> ChatView | None:
         return self.chats.view(session)
-
-    def ordered_sessions(self) -> list[ChatSession]:
-        return self.chats.ordered()
 
     @property
     def active_chat(self) -> ChatView | None:
@@ -241,35 +232,27 @@ class PagedChatApp(App):
                 await view.take(updates)
         self.saver.flush()
 
-    @staticmethod
-    def _chat_of(widget) -> ChatView | None:
-        return next((a for a in widget.ancestors if isinstance(a, ChatView)), None)
-
-    @on(PromptInput.Submitted)
-    async def _submitted(self, event: PromptInput.Submitted) -> None:
-        if (chat := self._chat_of(event.prompt)) is not None:
-            await chat.send(event.prompt, event.text)
-
-    @on(PromptInput.Recall)
-    def _recall(self, event: PromptInput.Recall) -> None:
-        self.prompt_history.step(event.prompt, event.step)
-
-    @on(MessageView.Action)
-    async def _message_action(self, event: MessageView.Action) -> None:
-        if (chat := self._chat_of(event.view)) is not None:
-            await chat.act(event.action, event.view.index)
-
-    async def action_chat(self, method: str, *args) -> None:
-        """Call a ChatView method on the active chat (the keys and the palette's per-chat commands)."""
-        if (chat := self.active_chat) is not None:
-            result = getattr(chat, method)(*args)
-            if asyncio.iscoroutine(result):
-                await result
-
     def _chat_changed(self, session: ChatSession) -> None:
         self.link.show_status(self.chats.generating())
         self.refresh_memory()  # the inspector shows a chat idle at once, not a tick later as "queued"
         self.refresh_bindings()
+
+    # ---- the chat in view's keys: the same ChatView methods the palette calls -------------------------------
+    def action_chat_settings(self) -> None:
+        if (chat := self.active_chat) is not None:
+            chat.settings()
+
+    def action_rename_chat(self) -> None:
+        if (chat := self.active_chat) is not None:
+            chat.rename()
+
+    async def action_regenerate(self) -> None:
+        if (chat := self.active_chat) is not None:
+            await chat.regenerate()
+
+    async def action_branch(self) -> None:
+        if (chat := self.active_chat) is not None:
+            await chat.branch()
 
     # ---- app-wide actions -----------------------------------------------------------------------------------
     async def action_new_chat(self) -> None:

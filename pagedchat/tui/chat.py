@@ -10,6 +10,7 @@ the text exactly as written.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from textual import events
 from textual.app import ComposeResult
@@ -31,18 +32,18 @@ MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every
 RENDER_SPACING = 20
 
 
+def action_name(method) -> str:
+    """The name a Binding gives for an `action_*` method, taken from the method itself: check_action compares
+    against this rather than a spelled-out string, so renaming the method breaks where it is named."""
+    return method.__name__.removeprefix("action_")
+
+
 class PromptInput(TextArea):
-    """Multi-line input: Enter sends, ctrl+j / alt+enter / shift+enter insert a newline."""
+    """Multi-line input: ctrl+j / alt+enter / shift+enter insert a newline (Enter sends: the chat's binding)."""
 
     BINDINGS = [
         Binding("ctrl+j,alt+enter,shift+enter", "newline", "Newline", show=False, id="newline"),
     ]
-
-    class Submitted(Message):
-        def __init__(self, prompt: PromptInput, text: str) -> None:
-            super().__init__()
-            self.prompt = prompt
-            self.text = text
 
     class Recall(Message):
         """Up on the first line (or Down while recalling): step -1 to an older prompt, +1 to a newer one."""
@@ -66,12 +67,10 @@ class PromptInput(TextArea):
         return None
 
     async def _on_key(self, event: events.Key) -> None:
-        # Enter is handled here, before TextArea would insert a newline; other keys behave as in TextArea.
+        # Enter inserts no newline: it goes on up to the chat's binding, which sends. Up and down recall earlier
+        # prompts where the cursor cannot move further. Other keys behave as in TextArea.
         if event.key == "enter":
-            event.stop()
             event.prevent_default()
-            if self.text.strip():
-                self.post_message(self.Submitted(self, self.text))
             return
         if (step := self._recall_step(event.key)) is not None:
             event.stop()
@@ -84,33 +83,37 @@ class PromptInput(TextArea):
         self.insert("\n")
 
 
+class MessageActions(Protocol):
+    """What the keys on a message do, by its index: the chat that shows it does them (chat_view.ChatView)."""
+
+    def copy_message(self, index: int, code: bool = False) -> None: ...
+    async def branch_from(self, index: int) -> None: ...
+    def edit_message(self, index: int) -> None: ...
+    async def regenerate_from(self, index: int) -> None: ...
+    def focus_message(self, index: int) -> None: ...
+    def action_stop(self) -> None: ...
+
+
 class MessageView(Vertical, can_focus=True):
-    """One message. Focus it (alt+up from the input, or click) to copy, branch, edit or regenerate."""
+    """One message. Focus it (alt+up from the input, or click) to copy, branch, edit or regenerate; its keys act
+    through `actions`, and a message shown without them (compare's) takes none."""
 
     BINDINGS = [
-        Binding("c", "act('copy')", "Copy", id="message.copy"),
-        Binding("k", "act('copy_code')", "Copy code", id="message.copy_code"),
-        Binding("b", "act('branch')", "Branch here", id="message.branch"),
-        Binding("e", "act('edit')", "Edit & resend", id="message.edit"),
-        Binding("r", "act('regenerate')", "Regenerate", id="message.regenerate"),
-        Binding("up", "act('previous')", "Previous", show=False),
-        Binding("down", "act('next')", "Next", show=False),
-        Binding("escape", "act('back')", "Back to input", show=False),
+        Binding("c", "copy", "Copy", id="message.copy"),
+        Binding("k", "copy_code", "Copy code", id="message.copy_code"),
+        Binding("b", "branch", "Branch here", id="message.branch"),
+        Binding("e", "edit", "Edit & resend", id="message.edit"),
+        Binding("r", "regenerate", "Regenerate", id="message.regenerate"),
+        Binding("up", "previous", "Previous", show=False),
+        Binding("down", "next", "Next", show=False),
+        Binding("escape", "back", "Back to input", show=False),
     ]
 
-    class Action(Message):
-        """The user asked for `action` on message `index` of its chat. Moving to the previous or next message,
-        or back to the input, is the chat's to do (chat_view.py): it knows its messages."""
-
-        def __init__(self, view: MessageView, action: str) -> None:
-            super().__init__()
-            self.view = view
-            self.action = action
-
-    def __init__(self, message: ChatMessage, index: int) -> None:
+    def __init__(self, message: ChatMessage, index: int, actions: MessageActions | None = None) -> None:
         super().__init__(classes=f"message -{message.role}")
         self.message = message
         self.index = index
+        self.actions = actions
         self._streaming = False
         self._pending: list[str] = []
         self._flush_timer: Timer | None = None
@@ -183,5 +186,30 @@ class MessageView(Vertical, can_focus=True):
         await self.body.update(visible_controls(content))
         self.set_stats(stats.line() if stats else "")
 
-    def action_act(self, action: str) -> None:
-        self.post_message(self.Action(self, action))
+    # ---- keys ---------------------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        return self.actions is not None
+
+    def action_copy(self) -> None:
+        self.actions.copy_message(self.index)
+
+    def action_copy_code(self) -> None:
+        self.actions.copy_message(self.index, code=True)
+
+    async def action_branch(self) -> None:
+        await self.actions.branch_from(self.index)
+
+    def action_edit(self) -> None:
+        self.actions.edit_message(self.index)
+
+    async def action_regenerate(self) -> None:
+        await self.actions.regenerate_from(self.index)
+
+    def action_previous(self) -> None:
+        self.actions.focus_message(self.index - 1)
+
+    def action_next(self) -> None:
+        self.actions.focus_message(self.index + 1)
+
+    def action_back(self) -> None:
+        self.actions.action_stop()

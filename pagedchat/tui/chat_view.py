@@ -1,8 +1,10 @@
 """A chat tab: its log of messages and its input, and everything done to one chat.
 
-The app routes (keys, the palette, backend updates) to the active or the addressed ChatView, which owns the
-rest: sending, its Reply's life on screen and on disk, regenerating, editing, branching and forking, copying,
-renaming and settings. What it needs from the app comes in as ChatServices, never read off the app.
+The app routes its keys for the chat in view (F3, F4, ctrl+r, ctrl+b), the palette and backend updates to the
+active or the addressed ChatView, which owns the rest: its own keys (Enter, Esc, alt+up) and its messages'
+(MessageActions), sending, its Reply's life on screen and on disk, regenerating, editing, branching and
+forking, copying, renaming and settings. What it needs from the app comes in as ChatServices, never read off
+the app.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pagedchat.backends.base import Backend, Outcome, Update
 from pagedchat.tui import context, copying
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import DeltaInbox
-from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.records import ChatMessage, title_from
 from pagedchat.tui.reply import Ending
@@ -51,7 +53,11 @@ class ChatServices:
 class ChatView(Vertical):
     """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
 
+    # Enter is the chat's binding: the input lets it pass (after every key typed before it, so a fast typist's or
+    # a paste's last characters are sent too), and the action runs on the app's message loop, as every other
+    # change to a chat does, so sending never interleaves with a reply's updates.
     BINDINGS = [
+        Binding("enter", "send", "Send", show=False),
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("alt+up", "focus_message(-1)", "Messages", show=False, id="focus_messages"),
     ]
@@ -95,7 +101,7 @@ class ChatView(Vertical):
         if self.populated:
             return
         self.populated = True
-        views = [MessageView(m, i) for i, m in enumerate(self._initial)]
+        views = [MessageView(m, i, self) for i, m in enumerate(self._initial)]
         self._initial = []
         if views:
             await self.log_view.mount_all(views)
@@ -103,7 +109,7 @@ class ChatView(Vertical):
 
     async def add_message(self, message: ChatMessage, index: int) -> MessageView:
         await self.populate()
-        view = MessageView(message, index)
+        view = MessageView(message, index, self)
         await self.log_view.mount(view)
         self.log_view.anchor()  # a new message always brings the view back to the bottom
         return view
@@ -142,29 +148,22 @@ class ChatView(Vertical):
         focused = self.app.focused
         return focused if isinstance(focused, MessageView) and focused in self.views else None
 
-    @on(MessageView.Action)
-    def _move(self, event: MessageView.Action) -> None:
-        # Up and down between messages; Esc stops a running reply (as anywhere in the tab), else goes back to
-        # the input. Other actions go on to the app, which calls act().
-        if event.action in ("previous", "next"):
-            event.stop()
-            self.focus_message(event.view.index + (1 if event.action == "next" else -1))
-        elif event.action == "back":
-            event.stop()
-            if self.session.busy:
-                self.stop()
-            else:
-                self.prompt.focus()
+    @on(PromptInput.Recall)
+    def _recall(self, event: PromptInput.Recall) -> None:
+        event.stop()
+        self.services.history.step(event.prompt, event.step)
 
     def action_stop(self) -> None:
+        """Esc: stop the live reply (the footer offers it only then); on a message with none live, back to the
+        input."""
         if self.session.busy:
             self.stop()
-        elif self.focused_message is not None:
+        else:
             self.prompt.focus()
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         # Esc shows as "Stop" in the footer only while this chat is replying.
-        return self.session.busy if action == "stop" else True
+        return self.session.busy if action == action_name(ChatView.action_stop) else True
 
     def show_fill(self) -> None:
         """The chat's context figure on its input's bottom border."""
@@ -192,7 +191,11 @@ class ChatView(Vertical):
         reply.saved_at = time.monotonic()
 
     # ---- sending and the reply's life -----------------------------------------------------------------------
-    async def send(self, prompt: PromptInput, text: str) -> None:
+    async def action_send(self) -> None:
+        """Enter in the input sends its text; Enter on a message does nothing."""
+        prompt, text = self.prompt, self.prompt.text
+        if self.app.focused is not prompt or not text.strip():
+            return
         if self.session.busy:
             self.notify(BUSY_NOTICE, severity="warning")
             return
@@ -319,19 +322,15 @@ class ChatView(Vertical):
             self.services.saver.removed(self.session.record, dropped)
 
     # ---- per-chat actions ------------------------------------------------------------------------------------
-    async def act(self, action: str, index: int) -> None:
-        """A key on a focused message. An action that writes a new reply or opens a new chat ends the walk:
-        the keyboard goes back to an input, so what is typed next is text, not more one-letter actions."""
-        if action in ("copy", "copy_code"):
-            self.copy_message(index, code=action == "copy_code")
-        elif action == "branch":
-            self.prompt.focus()
-            await self.branch(index)
-        elif action == "edit":
-            self.edit_message(index)
-        elif action == "regenerate":
-            self.prompt.focus()
-            await self.regenerate(index)
+    # An action on a message that writes a new reply or opens a new chat ends the walk: the keyboard goes back
+    # to an input, so what is typed next is text, not more one-letter actions.
+    async def branch_from(self, index: int) -> None:
+        self.prompt.focus()
+        await self.branch(index)
+
+    async def regenerate_from(self, index: int) -> None:
+        self.prompt.focus()
+        await self.regenerate(index)
 
     async def regenerate(self, index: int | None = None) -> None:
         if self.services.link.ready_or_say() is None:

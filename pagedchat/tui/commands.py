@@ -31,27 +31,17 @@ class AppCommands(Provider):
         app = self.app
         if self.screen is not app.screen_stack[0]:
             return []
-        chat = app.action_chat
         entries = [
             Entry("New chat", "Open a chat in a new tab (ctrl+n)", app.action_new_chat),
             Entry("Close chat", "Close this tab; it stays saved and can be reopened (ctrl+w)", app.action_close_chat),
             Entry("Next chat", "Switch to the next tab (ctrl+pagedown)", app.action_next_chat),
             Entry("Previous chat", "Switch to the previous tab (ctrl+pageup)", app.action_prev_chat),
-            Entry("Rename chat", "Give this chat a new title (F4)", partial(chat, "rename")),
-            Entry("Chat settings", "System prompt and sampling for this chat (F3)", partial(chat, "settings")),
+            Entry("Rename chat", "Give this chat a new title (F4)", app.action_rename_chat),
+            Entry("Chat settings", "System prompt and sampling for this chat (F3)", app.action_chat_settings),
             Entry("Memory inspector", "Show or hide the KV-cache page inspector (F2)", app.action_toggle_inspector),
             Entry("Help", "Keys, the inspector, where files are kept (F1)", app.action_help),
-            Entry("Stop reply", "Stop the reply in this tab (Esc)", partial(chat, "stop")),
-            Entry("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)",
-                  partial(chat, "regenerate")),
-            Entry("Branch chat at a message…", "Copy the chat up to a message into a new tab",
-                  partial(chat_ops.pick_message, app, "Branch at which message?", partial(chat, "branch"))),
-            Entry("Branch at the last message", "Branch here; a live reply is forked (ctrl+b)", partial(chat, "branch")),
-            Entry("Edit a message and resend…", "Change one of your messages and reply again",
-                  partial(chat_ops.pick_message, app, "Edit which message?", partial(chat, "edit_message"), "user")),
-            Entry("Copy last reply", "To the clipboard (OSC 52)", partial(chat, "copy_last", False)),
-            Entry("Copy a code block from the last reply", "To the clipboard (OSC 52)",
-                  partial(chat, "copy_last", True)),
+            Entry("Regenerate last reply", "Replace the last reply with a new one (ctrl+r)", app.action_regenerate),
+            Entry("Branch at the last message", "Branch here; a live reply is forked (ctrl+b)", app.action_branch),
             Entry("Export chat…", "Markdown, or JSON that imports back, in "
                   f"{escaped_markup(str(app.config.data_dir / 'exports'))} (ctrl+o)", app.action_export_chat),
             Entry("Search chats…", "Find a word in every saved chat, open or closed, and jump to it",
@@ -66,6 +56,17 @@ class AppCommands(Provider):
             Entry("Compare…", "Answer the last prompt twice with different settings, side by side (F5)",
                   app.action_compare),
         ]
+        if (chat := app.active_chat) is not None:
+            entries += [
+                Entry("Stop reply", "Stop the reply in this tab (Esc)", chat.stop),
+                Entry("Branch chat at a message…", "Copy the chat up to a message into a new tab",
+                      partial(chat_ops.pick_message, app, "Branch at which message?", chat.branch)),
+                Entry("Edit a message and resend…", "Change one of your messages and reply again",
+                      partial(chat_ops.pick_message, app, "Edit which message?", chat.edit_message, "user")),
+                Entry("Copy last reply", "To the clipboard (OSC 52)", partial(chat.copy_last, False)),
+                Entry("Copy a code block from the last reply", "To the clipboard (OSC 52)",
+                      partial(chat.copy_last, True)),
+            ]
         if app.link.failure is not None:
             entries.append(Entry("Restart engine", f"The engine stopped ({escaped_markup(app.link.failure)}); "
                                  "load it again", app.link.restart))
@@ -98,9 +99,7 @@ class PromptHistorySearch(Provider):
     SHOWN = 40
 
     def _put(self, text: str) -> None:
-        session = self.app.active_session
-        view = self.app.chat_view(session) if session else None
-        if view is not None:
+        if (view := self.app.active_chat) is not None:
             view.prompt.text = text
             view.prompt.move_cursor(view.prompt.document.end)
             view.prompt.focus()

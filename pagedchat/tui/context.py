@@ -60,7 +60,7 @@ def context_length(backend) -> int | None:
 def tokens_in_use(session: ChatSession) -> int:
     """Tokens the chat holds: the live request's so far, else what its last reply's request held."""
     if session.busy:
-        return session.reply.handle.so_far().prompt_tokens + session.reply.tokens
+        return session.reply.tokens_held()
     for message in reversed(session.record.messages):
         if message.role == "assistant" and message.stats is not None:
             if not message.stats.counted:   # a server that reports no usage: an estimate from the text

@@ -57,6 +57,10 @@ class Reply:
     def content(self) -> str:
         return self.prefix + self.text
 
+    def tokens_held(self) -> int:
+        """The live request's prompt and generated tokens, as they stand."""
+        return self.handle.so_far().prompt_tokens + self.tokens
+
     def takes(self, request_id: str) -> bool:
         return self.taking and self.request_id == request_id
 

@@ -33,16 +33,6 @@ class ChatSession:
     def busy(self) -> bool:
         return self.reply.live
 
-    @property
-    def received_tokens(self) -> int:
-        """Tokens the live reply has streamed so far."""
-        return self.reply.tokens
-
-    @property
-    def handle(self):
-        """The live reply's request handle (ReplyHandle), or None."""
-        return self.reply.handle
-
     def previous(self, upto: int) -> Outcome | None:
         """The latest exchange whose reply comes before message `upto`."""
         earlier = [i for i in self.turns if i < upto]

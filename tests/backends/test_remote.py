@@ -25,7 +25,7 @@ from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.store import Store
 from remote_support import free_port, running_server
 from tiny_models import make_tiny_model
-from tui_support import make_config, send, static_text, wait_for
+from tui_support import make_config, notices, send, static_text, wait_for
 
 SIZE = (100, 32)
 LONG = 2000   # tokens: long enough to be stopped, forked or killed mid-way; the tests end them
@@ -118,8 +118,8 @@ def test_client_names_a_server_that_is_not_there():
 
 async def ready(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the server", timeout=120)
-    assert app.backend is not None, app.backend_error
+    await wait_for(pilot, lambda: app.backend is not None or app.link.error, "the server", timeout=120)
+    assert app.backend is not None, app.link.error
     return app
 
 
@@ -134,7 +134,7 @@ async def test_app_over_the_server(server, tmp_path):
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=LONG)
         # Both generate at once, on the server, each owning its pages there under the app's request ids.
-        await wait_for(pilot, lambda: first.received_tokens > 3 and second.received_tokens > 3, "both streaming",
+        await wait_for(pilot, lambda: first.reply.tokens > 3 and second.reply.tokens > 3, "both streaming",
                        timeout=120)
         assert len(server_seqs(server)) == 2
         await wait_for(pilot, lambda: first.pages and second.pages, "each chat's pages from /v1/memory", timeout=60)
@@ -152,7 +152,7 @@ async def test_app_over_the_server(server, tmp_path):
         await pilot.press("escape")  # stops the chat in view: the stream closes and the server cancels it
         await wait_for(pilot, lambda: not second.busy, "the stop", timeout=60)
         assert second.record.messages[-1].stats.finish_reason == "cancelled" and first.busy
-        first.handle.cancel()
+        first.reply.handle.cancel()
         await wait_for(pilot, lambda: not first.busy, "the first chat to stop", timeout=60)
         await wait_for(pilot, lambda: not server_seqs(server), "the server to free both", timeout=60)
 
@@ -172,21 +172,21 @@ async def test_server_gone_mid_reply_keeps_the_text_and_regenerate_retries(model
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             session = await send(pilot, "tell me a long story", max_tokens=LONG)
-            await wait_for(pilot, lambda: session.received_tokens > 3, "the first tokens", timeout=120)
+            await wait_for(pilot, lambda: session.reply.tokens > 3, "the first tokens", timeout=120)
             server.kill()
             await wait_for(pilot, lambda: not session.busy, "the reply to end", timeout=60)
             reply = session.record.messages[-1]
             assert reply.role == "assistant" and reply.content and reply.stats.finish_reason == "error"
             assert "went away mid-reply" in reply.stats.error
-            notices = app.notices
-            assert any("went away mid-reply" in n and "text so far is kept" in n for n in notices), notices
+            said = notices(app)
+            assert any("went away mid-reply" in n and "text so far is kept" in n for n in said), said
             [saved] = Store.open(app.config.data_dir).load_chats()
             assert saved.messages[-1].content == reply.content  # the partial reply is on disk
             await wait_for(pilot, lambda: isinstance(app.backend.memory(), MemoryUnavailable), "F2's view to say so")
 
             # Asked again with the server still down: a clear error, the chat as it was.
             await pilot.press("ctrl+r")  # (refused at once: too quick to see the chat busy)
-            await wait_for(pilot, lambda: any("could not be reached" in n for n in app.notices),
+            await wait_for(pilot, lambda: any("could not be reached" in n for n in notices(app)),
                            "the retry to fail", timeout=60)
             await wait_for(pilot, lambda: not session.busy, "the chat idle again")
             failed = session.record.messages[-1]   # kept, marked: the next message is not a second question in a row
@@ -206,22 +206,22 @@ async def test_server_down_at_start_is_a_status_line_and_send_retries(model, tmp
     port = free_port()
     app = PagedChatApp(make_config(tmp_path, server=f"http://127.0.0.1:{port}/v1"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend_error, "the connection error")
+        await wait_for(pilot, lambda: app.link.error, "the connection error")
         assert f"Cannot reach the server at http://127.0.0.1:{port}/v1" in static_text(app, "#status")
         prompt = app.chat_view(app.active_session).prompt
         prompt.text = "hello"
         await pilot.press("enter")
         assert not app.active_session.record.messages and prompt.text == "hello"  # kept, not sent
-        assert any("Trying again" in n for n in app.notices)
-        await wait_for(pilot, lambda: app.backend_error, "the retry to fail again")
+        assert any("Trying again" in n for n in notices(app))
+        await wait_for(pilot, lambda: app.link.error, "the retry to fail again")
         # The server comes up: the app connects in the background, and the next Enter sends (it used to show
         # the stale "Cannot reach" and send nothing).
         with running_server(model, tmp_path, port):
             await wait_for(pilot, lambda: app.backend is not None, "the reconnect", timeout=120)
-            said = len(app.notices)
+            said = len(notices(app))
             session = await send(pilot, "hello", max_tokens=4)
             assert [m.role for m in session.record.messages[:1]] == ["user"]
-            assert not any("Cannot reach" in n for n in app.notices[said:])
+            assert not any("Cannot reach" in n for n in notices(app)[said:])
             await wait_for(pilot, lambda: not session.busy, "the reply", timeout=120)
 
 

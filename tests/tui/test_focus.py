@@ -3,21 +3,15 @@ memory inspector (F2) gives focus back to where it was, so typing and Esc work a
 
 from __future__ import annotations
 
+from textual import events
 from textual.widgets import Input, TextArea
 
-from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat import PromptInput
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
-from tui_support import EngineHold, ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
+from tui_support import chat_once, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
-
-
-def scripted_app(tmp_path, replies=(), chunks=3) -> PagedChatApp:
-    engine = ScriptedEngine(list(replies), chunks=chunks)
-    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
 
 
 async def opened(pilot, screen_type, field: str):
@@ -43,13 +37,7 @@ async def test_settings_open_on_the_system_prompt_and_tab_leaves_it(tmp_path):
 async def test_the_edit_dialog_opens_on_its_text(tmp_path):
     app = scripted_app(tmp_path, ["answer"])
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend is not None, "the engine")
-        prompt = app.active_chat.prompt
-        prompt.focus()
-        prompt.text = "question"
-        await pilot.press("enter")
-        session = app.active_session
-        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+        await chat_once(pilot, "question")
         await pilot.press("alt+up", "up", "e")
         text = await opened(pilot, EditMessageScreen, "#text")
         assert app.focused is text and isinstance(text, TextArea)
@@ -67,7 +55,7 @@ async def test_hiding_the_inspector_gives_focus_back_and_esc_stops_the_reply(tmp
         prompt.text = "tell me a story"
         await pilot.press("enter")
         session = app.active_session
-        await wait_for(pilot, lambda: session.received_tokens > 0, "the reply to stream")
+        await wait_for(pilot, lambda: session.reply.tokens > 0, "the reply to stream")
         await pilot.press("f2")
         inspector = app.query_one(InspectorView)
         assert inspector.display and app.focused is prompt
@@ -80,3 +68,45 @@ async def test_hiding_the_inspector_gives_focus_back_and_esc_stops_the_reply(tmp
         await pilot.press("escape")
         await wait_for(pilot, lambda: not session.busy, "Esc to stop the reply")
         assert session.record.messages[-1].stats.finish_reason == "cancelled"
+
+
+async def test_the_chats_keys_work_with_the_keyboard_in_the_inspector(tmp_path):
+    """F3 and F4 act on the chat in view wherever the keyboard is on its screen, as ctrl+n does."""
+    app = scripted_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        await pilot.press("f2", "tab")   # into the inspector
+        inspector = app.query_one(InspectorView)
+        assert inspector in (app.focused, *app.focused.ancestors)
+        await pilot.press("f3")
+        await opened(pilot, ChatSettingsScreen, "#system")
+
+
+async def test_enter_sends_from_the_input_only(tmp_path):
+    """Enter on a message (the walk) sends nothing: the text in the input stays there, unsent."""
+    app = scripted_app(tmp_path, ["answer", "second answer"])
+    async with app.run_test(size=SIZE) as pilot:
+        session = await chat_once(pilot, "question")
+        prompt = app.active_chat.prompt
+        prompt.text = "a draft"
+        await pilot.press("alt+up", "enter")
+        await pilot.pause()
+        assert len(session.record.messages) == 2 and not session.busy and prompt.text == "a draft"
+        await pilot.press("escape")   # back to the input, where Enter sends
+        assert app.focused is prompt
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 4, "the second reply")
+        assert session.record.messages[2].content == "a draft" and prompt.text == ""
+
+
+async def test_a_burst_of_keys_ending_in_enter_is_sent_whole(tmp_path):
+    """Keys that arrive at once (a fast typist, a terminal multiplexer): Enter sends after every key before it
+    has reached the input, not the text as it stood when Enter arrived."""
+    app = scripted_app(tmp_path, ["ok"])
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = app.active_session
+        for key in [*"hello", "enter"]:
+            app.post_message(events.Key(key, "\r" if key == "enter" else key))
+        await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
+        assert session.record.messages[0].content == "hello" and app.active_chat.prompt.text == ""

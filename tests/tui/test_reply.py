@@ -37,7 +37,7 @@ def test_a_reply_takes_its_own_updates_until_it_ends():
     assert reply.live and reply.takes("r1") and not reply.takes("r2")
     fed = reply.feed([Update("r1", "Hel", tokens=1, notice="slow"), Update("r1", "lo", tokens=1, notice="slow")])
     assert (fed.text, fed.tokens, fed.notices, fed.outcome) == ("Hello", 2, frozenset({"slow"}), None)
-    assert reply.content == "Hello" and reply.tokens == 2
+    assert reply.content == "Hello" and reply.tokens == 2 and reply.tokens_held() == 30 + 2
 
     final = Outcome("r1", text="Hello!", finish_reason="stop", prompt_tokens=30, generated_tokens=3)
     fed = reply.feed([Update("r1", "!", tokens=1, outcome=final)])

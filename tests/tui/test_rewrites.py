@@ -56,7 +56,7 @@ async def screen_is_disk(pilot) -> dict[str, list[tuple[str, str]]]:
     app = pilot.app
     await idle(pilot)
     shown = {}
-    for session in app.ordered_sessions():
+    for session in app.chats.ordered():
         view = app.chat_view(session)
         await view.populate()
         views = view.views

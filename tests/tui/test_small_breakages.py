@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-from pagedchat.backends.local import LocalBackend
-from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
+from tui_support import chat_once, notices, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
 CUT_IN_A_BLOCK = "Here is the code:\n\n```python\ndef add(a, b):\n    return a + b"
-
-
-def scripted_app(tmp_path, replies) -> PagedChatApp:
-    engine = ScriptedEngine(list(replies))
-    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
-
-
-async def chat_once(pilot, text: str):
-    app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None, "the engine")
-    session = app.active_session
-    prompt = app.chat_view(session).prompt
-    prompt.focus()
-    prompt.text = text
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
-    return session
 
 
 async def test_a_reply_cut_inside_a_code_block_exports_closed_and_k_copies_the_block(tmp_path):
@@ -53,6 +34,6 @@ async def test_ctrl_c_says_how_to_quit_in_plain_words(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await chat_once(pilot, "hi")
         await pilot.press("alt+up", "ctrl+c")   # on a message, not in a text field (there it copies)
-        await wait_for(pilot, lambda: any("to quit" in n for n in app.notices), "the hint")
-        hint = next(n for n in app.notices if "to quit" in n)
+        await wait_for(pilot, lambda: any("to quit" in n for n in notices(app)), "the hint")
+        hint = next(n for n in notices(app) if "to quit" in n)
         assert hint == "Press ctrl+q to quit the app." and "[" not in hint

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from textual.app import App
 from pagedchat.backends.local import LocalBackend
-from tui_support import ScriptedEngine, make_config, wait_for
+from tui_support import ScriptedEngine, make_config, notices, wait_for
 
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.themes import ThemeFileError, builtin_theme_files, chat_colours, load_themes, parse_theme
@@ -80,7 +80,7 @@ async def test_a_bad_or_missing_theme_in_config_starts_with_the_default_and_says
     async with app.run_test(notifications=True) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         assert app.theme == "pagedchat-dark" and "bad" not in app.available_themes
-        said = app.notices
+        said = notices(app)
         assert any("bad.toml" in n and "text-muted = 'x' is not a colour" in n for n in said), said
         assert any(f"No theme named '{wanted}'; using pagedchat-dark" in n for n in said), said
         await pilot.pause()

@@ -26,7 +26,7 @@ from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import (EngineHold, make_config, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
+from tui_support import (EngineHold, make_config, notices, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
                          static_text, wait_for)
 
 SIZE = (100, 32)
@@ -47,18 +47,14 @@ def config(tmp_path, tui_model):
 
 async def ready(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None or app.backend_error, "the model to load")
-    assert app.backend is not None, app.backend_error
+    await wait_for(pilot, lambda: app.backend is not None or app.link.error, "the model to load")
+    assert app.backend is not None, app.link.error
     return app
 
 
 async def replied(pilot, session) -> None:
     await wait_for(pilot, lambda: not session.busy and session.record.messages
                    and session.record.messages[-1].role == "assistant", "the reply to finish")
-
-
-def notes(app) -> list[str]:
-    return app.notices
 
 
 async def test_send_streams_a_reply_with_stats(config):
@@ -113,7 +109,7 @@ async def test_escape_stops_the_reply(config):
         await ready(pilot)
         hold = EngineHold(app)  # else the reply may end before the key
         session = await send(pilot, "tell me a long story", max_tokens=LONG)
-        await wait_for(pilot, lambda: session.received_tokens > 0, "the first tokens")
+        await wait_for(pilot, lambda: session.reply.tokens > 0, "the first tokens")
         await pilot.press("escape")
         hold.release()  # it reads the cancel first
         await wait_for(pilot, lambda: not session.busy, "the stop")
@@ -132,7 +128,7 @@ async def test_two_tabs_generate_at_once(config):
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=VERY_LONG)
         await wait_for(pilot, lambda: len(app.backend.memory().seqs) == 2, "both requests in the engine")
-        await wait_for(pilot, lambda: first.received_tokens > 10 and second.received_tokens > 10, "both streaming")
+        await wait_for(pilot, lambda: first.reply.tokens > 10 and second.reply.tokens > 10, "both streaming")
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
         assert "●" not in label(second)   # the one in view shows its reply being written instead
@@ -199,7 +195,7 @@ async def test_branch_shares_pages(config):
         await ready(pilot)
         await pilot.press("f2")
         parent = await send(pilot, "branch me", max_tokens=VERY_LONG)
-        await wait_for(pilot, lambda: parent.received_tokens > 40, "some of the reply")
+        await wait_for(pilot, lambda: parent.reply.tokens > 40, "some of the reply")
         await pilot.press("ctrl+b")  # on a live reply: the engine forks it, sharing its pages copy-on-write
         await wait_for(pilot, lambda: app.active_session is not parent, "the branch tab")
         branch = app.active_session
@@ -308,7 +304,7 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         assert path.parent == config.data_dir / "exports"
         text = path.read_text()
         assert text.startswith("# Renamed") and "Answer in one line." in text and "print('hi')" in text
-        await wait_for(pilot, lambda: any(str(path) in n for n in notes(app)), "the export notice")
+        await wait_for(pilot, lambda: any(str(path) in n for n in notices(app)), "the export notice")
 
 
 async def test_chats_are_restored_after_restart(config):
@@ -336,14 +332,14 @@ async def test_chats_are_restored_after_restart(config):
         await pilot.pause()
         EngineHold(app)  # else the reply may end before the quit (released as the app shuts the engine down)
         long = await send(pilot, "still running at quit")
-        await wait_for(pilot, lambda: long.received_tokens > 0, "tokens")
+        await wait_for(pilot, lambda: long.reply.tokens > 0, "tokens")
         await pilot.press("ctrl+q")
     assert app.return_code == 0
 
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: len(app.sessions) == 2, "the restored tabs")
-        restored = app.ordered_sessions()
+        restored = app.chats.ordered()
         assert [s.record.title for s in restored] == ["remember me", "Second"]
         chat = restored[0]
         assert app.active_session is chat and app.theme == "pagedchat-light"
@@ -364,7 +360,7 @@ async def test_corrupt_database_is_kept_aside_and_reported(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
-        await wait_for(pilot, lambda: any("kept untouched" in n for n in notes(app)), "the corrupt-database notice")
+        await wait_for(pilot, lambda: any("kept untouched" in n for n in notices(app)), "the corrupt-database notice")
         assert len(app.sessions) == 1 and list(config.data_dir.glob(f"{DB_NAME}.corrupt-*"))
         await ready(pilot)
         session = await send(pilot, "works", max_tokens=4)
@@ -382,14 +378,14 @@ async def test_broken_theme_is_reported_and_skipped(config):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         assert app.theme == "mine" and "broken" not in app.available_themes
-        await wait_for(pilot, lambda: any("broken.toml" in n and "Theme skipped" in n for n in notes(app)),
+        await wait_for(pilot, lambda: any("broken.toml" in n and "Theme skipped" in n for n in notices(app)),
                        "the theme notice")
 
 
 async def test_bad_model_is_reported_in_the_app(tmp_path):
     app = PagedChatApp(make_config(tmp_path, tmp_path / "no-such-model"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend_error, "the load error")
+        await wait_for(pilot, lambda: app.link.error, "the load error")
         assert "could not be loaded" in static_text(app, "#status")
         app.chat_view(app.active_session).prompt.text = "hello"
         await pilot.press("enter")
@@ -403,7 +399,7 @@ async def test_keys_remap_and_every_action_is_in_the_palette(config):
         await ready(pilot)
         await pilot.press("f9")
         assert app.query_one(InspectorView).display
-        await wait_for(pilot, lambda: any("nonsense" in n for n in notes(app)), "the keymap warning")
+        await wait_for(pilot, lambda: any("nonsense" in n for n in notices(app)), "the keymap warning")
         titles = {c.title for c in AppCommands(app.screen).commands()}
         titles |= {c.title for c in app.get_system_commands(app.screen)}   # Textual's own: theme, quit, ...
         for wanted in ("New chat", "Close chat", "Next chat", "Previous chat", "Rename chat", "Chat settings",
@@ -435,7 +431,7 @@ async def test_a_load_stage_is_not_said_twice(tmp_path):
         for expected in ("loading weights", "loading SmolLM2-135M-Instruct.Q4_1.gguf"):
             await wait_for(pilot, lambda: static_text(app, "#status") == expected, repr(expected))
             shown.set()
-        await wait_for(pilot, lambda: app.backend_error, "the failure")
+        await wait_for(pilot, lambda: app.link.error, "the failure")
 
 
 async def test_model_pull_progress_shows_in_the_app(tmp_path):
@@ -457,7 +453,7 @@ async def test_model_pull_progress_shows_in_the_app(tmp_path):
         await wait_for(pilot, lambda: bar.percentage == 0.5, "the progress fraction")
         assert "converting SmolLM2" in static_text(app, "#status") and bar.display
         release.set()
-        await wait_for(pilot, lambda: app.backend_error, "the failure")
+        await wait_for(pilot, lambda: app.link.error, "the failure")
         assert "no network in this test" in static_text(app, "#status") and not bar.display
 
 
@@ -477,7 +473,7 @@ async def test_closed_chat_can_be_reopened(config):
         assert len(reopen) == 1
         await reopen[0].run()
         await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
-        assert [s.record.title for s in app.ordered_sessions()][-1] == "Keep me"
+        assert [s.record.title for s in app.chats.ordered()][-1] == "Keep me"
 
 
 async def test_the_palette_offers_the_chat_commands(config):

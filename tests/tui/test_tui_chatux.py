@@ -11,9 +11,9 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.context import CHARS_PER_TOKEN, ContextFill, carried_messages, conversation_tokens
 from pagedchat.tui.records import ChatMessage, ChatRecord, ReplyStats
-from test_tui import SIZE, notes, ready, replied, send
+from test_tui import SIZE, ready, replied, send
 from tiny_models import make_tiny_model
-from tui_support import (ScriptedEngine, StandInBackend, make_config, quick_pilot, screen_text,  # noqa: F401
+from tui_support import (ScriptedEngine, StandInBackend, make_config, notices, quick_pilot, screen_text,  # noqa: F401
                          wait_for)
 
 CONTEXT = 256   # the tiny model's context: small, so a chat can fill it
@@ -84,9 +84,9 @@ async def test_prompt_that_cannot_fit_is_refused_and_kept(config):
         text = "word " * CONTEXT
         prompt = await send(pilot, text)
         prompt = app.chat_view(session).prompt
-        await wait_for(pilot, lambda: any("but the model's context holds 256" in n for n in notes(app)), "the notice")
+        await wait_for(pilot, lambda: any("but the model's context holds 256" in n for n in notices(app)), "the notice")
         assert prompt.text == text and not session.record.messages and not session.busy
-        assert any("Continue in a new chat" in n for n in notes(app))
+        assert any("Continue in a new chat" in n for n in notices(app))
 
 
 async def test_a_backend_that_cannot_count_is_left_to_refuse(tmp_path):
@@ -98,8 +98,8 @@ async def test_a_backend_that_cannot_count_is_left_to_refuse(tmp_path):
         session = app.active_session
         text = "word " * 64   # far past the 16 tokens, but nothing here can count them
         await send(pilot, text)
-        await wait_for(pilot, lambda: any("writes no replies" in n for n in notes(app)), "the backend's refusal")
-        assert not any("context holds" in n for n in notes(app))
+        await wait_for(pilot, lambda: any("writes no replies" in n for n in notices(app)), "the backend's refusal")
+        assert not any("context holds" in n for n in notices(app))
         assert app.chat_view(session).prompt.text == text and not session.record.messages
 
 
@@ -254,7 +254,7 @@ async def test_f8_deletes_a_chat_for_good_after_asking(config):
         await pilot.press("f8")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question again")
         await pilot.press("y")
-        await wait_for(pilot, lambda: any(n.startswith("Deleted") for n in notes(app)), "the delete")
+        await wait_for(pilot, lambda: any(n.startswith("Deleted") for n in notices(app)), "the delete")
         assert doomed.id not in app.sessions
         assert len(app.sessions) == 1 and app.active_session.record.messages == []   # a fresh chat in its place
         assert "secret zebra plans" not in app.prompt_history.prompts
@@ -294,7 +294,7 @@ async def test_ctrl_o_json_export_imports_back(config):
         bad = folder / "bad.json"
         bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
         assert await import_chat(app, bad) is None
-        await wait_for(pilot, lambda: any("bad.json: message 1 has role 'tool'" in n for n in notes(app)),
+        await wait_for(pilot, lambda: any("bad.json: message 1 has role 'tool'" in n for n in notices(app)),
                        "the one-line refusal")
 
 

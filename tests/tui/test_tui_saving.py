@@ -8,9 +8,9 @@ from functools import partial
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.screens.modals import EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
-from test_tui import SIZE, notes, ready, replied, send
+from test_tui import SIZE, ready, replied, send
 from test_tui import config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
-from tui_support import quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
+from tui_support import notices, quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
 
@@ -31,13 +31,13 @@ async def test_a_lock_held_past_the_timeout_is_a_notice_and_a_retry(config):
         holder.execute("BEGIN IMMEDIATE")  # another program writing, and not letting go
         session = await send(pilot, "saved later", max_tokens=8)
         await replied(pilot, session)
-        await wait_for(pilot, lambda: any("Could not save chats" in n and "locked" in n for n in notes(app)),
+        await wait_for(pilot, lambda: any("Could not save chats" in n and "locked" in n for n in notices(app)),
                        "the save-failed notice")
         assert app.is_running and "saved later" not in stored_texts(config)
         holder.execute("ROLLBACK")
         holder.close()
         await wait_for(pilot, lambda: "saved later" in stored_texts(config), "the retry to save it", timeout=10)
-        await wait_for(pilot, lambda: any("saved again" in n for n in notes(app)), "the saved-again notice")
+        await wait_for(pilot, lambda: any("saved again" in n for n in notices(app)), "the saved-again notice")
         assert stored_texts(config) == [m.content for m in session.record.messages]
 
 
@@ -55,7 +55,7 @@ async def test_a_refused_regenerate_keeps_the_old_reply(config):
         session, before = await answered(pilot)
         app.backend.shutdown()  # the engine refuses every request from now on
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: any("shut down" in n for n in notes(app)), "the refusal")
+        await wait_for(pilot, lambda: any("shut down" in n for n in notices(app)), "the refusal")
         assert [m.content for m in session.record.messages] == before
         assert len(app.chat_view(session).views) == 2 and stored_texts(config) == before
 
@@ -69,10 +69,10 @@ async def test_a_refused_edit_or_message_changes_nothing(config):
                        "the edit dialog")
         app.screen.query_one("#text").text = TOO_LONG
         await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: any("model's context holds" in n for n in notes(app)), "the refusal")
+        await wait_for(pilot, lambda: any("model's context holds" in n for n in notices(app)), "the refusal")
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
         prompt = app.chat_view(session).prompt
         await send(pilot, TOO_LONG)
-        await wait_for(pilot, lambda: sum("model's context holds" in n for n in notes(app)) == 2, "the refusal")
+        await wait_for(pilot, lambda: sum("model's context holds" in n for n in notices(app)) == 2, "the refusal")
         assert prompt.text == TOO_LONG  # kept in the input, to shorten and send again
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before

@@ -10,15 +10,14 @@ import re
 from textual.widgets import OptionList, TextArea
 
 from pagedchat.text import visible_controls
-from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_ops import export_chat, pick_message
 from pagedchat.tui.records import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
-from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.screens.ask import ConfirmScreen, RenameScreen
 from pagedchat.tui.transfer import ExportFormat
-from tui_support import ScriptedEngine, make_config, quick_pilot, screen_text, static_text, wait_for  # noqa: F401
+from tui_support import (chat_once, notices, quick_pilot, screen_text, scripted_app, static_text,  # noqa: F401
+                         wait_for)
 
 SIZE = (120, 36)
 MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.quit]quit", "unbalanced [b",
@@ -28,25 +27,6 @@ MARKUP = ["[/] [bold]x", "[link=https://example.com]click[/link]", "[@click=app.
 ESCAPES = ("title\x1b]2;pwned\x07 clip\x1b]52;c;cHduZWQ=\x07 link\x1b]8;;https://evil.example\x1b\\here"
            "\x1b]8;;\x1b\\ colour\x1b[31mred\x1b[0m c1\x9b2J bell\x07 nul\x00 bs\x08 cr\rX del\x7f end")
 CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def scripted_app(tmp_path, replies) -> PagedChatApp:
-    engine = ScriptedEngine(replies)
-    return PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
-
-
-async def chat_once(pilot, text: str):
-    """Send text from the active chat's input and wait for the scripted reply to finish."""
-    app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None, "the engine")
-    session = app.active_session
-    prompt = app.chat_view(session).prompt
-    prompt.focus()
-    prompt.text = text
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not session.busy and len(session.record.messages) == 2, "the reply")
-    await pilot.pause()
-    return session
 
 
 async def shows(pilot, screen_type, what: str):
@@ -120,7 +100,7 @@ async def check_markup_payload(pilot, payload: str) -> None:
     await pilot.press("escape")
 
     await pilot.press("ctrl+r")   # the scripted engine fails this one: its error shows in a notification
-    await wait_for(pilot, lambda: any(f"{payload} failed" in n for n in app.notices),
+    await wait_for(pilot, lambda: any(f"{payload} failed" in n for n in notices(app)),
                    "the failure notice")
     await pilot.pause()
     assert f"The reply failed: {payload} failed" in toasts(app)
@@ -172,7 +152,7 @@ async def test_escape_sequences_never_reach_the_terminal(tmp_path):
         assert raw_controls(exported) == [] and "␛]52;c;cHduZWQ=␇" in exported
 
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: any("boom" in n for n in app.notices), "the failure notice")
+        await wait_for(pilot, lambda: any("boom" in n for n in notices(app)), "the failure notice")
         await pilot.pause()
         assert raw_controls(screen_text(app)) == []
         assert raw_controls(str(app.chat_view(session).view_at(1).query_one(".stats").content)) == []

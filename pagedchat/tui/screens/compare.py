@@ -9,7 +9,7 @@ kept as a chat of its own, a branch of the original.
 from __future__ import annotations
 
 from copy import deepcopy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from textual import on
 from textual.app import ComposeResult
@@ -18,12 +18,13 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, TextArea
 
-from pagedchat.backends.base import Backend, Outcome, ReplyHandle
+from pagedchat.backends.base import Backend, Outcome, Update
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady
-from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat import MessageView, action_name
 from pagedchat.tui.chat_view import BUSY_NOTICE
 from pagedchat.tui.inspector import ChatPages, InspectorView
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.reply import Reply
 from pagedchat.tui.screens.modals import Dialog
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.themes import chat_colour
@@ -110,30 +111,23 @@ class CompareSetupScreen(Dialog):
 
 @dataclass(eq=False)
 class Side:
-    """One answer while it is written: its reply, its text so far and, at the end, its outcome."""
+    """One answer while it is written: its reply (the app's Reply, as a chat's) and, at the end, its outcome."""
 
     name: str
     variant: Variant
     view: MessageView
-    handle: ReplyHandle | None = None
-    text: str = ""
-    tokens: int = 0
+    reply: Reply = field(default_factory=Reply)
     outcome: Outcome | None = None
-    error: str | None = None
-
-    @property
-    def request_id(self) -> str | None:
-        return self.handle.request_id if self.handle is not None else None
 
     @property
     def running(self) -> bool:
-        return self.handle is not None and self.outcome is None
+        return self.reply.live and self.outcome is None
 
     def tokens_held(self) -> int:
         """Prompt plus generated tokens: final from the outcome, else as they stand."""
         if self.outcome is not None:
             return self.outcome.total_tokens
-        return (self.handle.so_far().prompt_tokens if self.handle is not None else 0) + self.tokens
+        return self.reply.tokens_held() if self.reply.live else 0
 
 
 class CompareScreen(Screen):
@@ -183,30 +177,37 @@ class CompareScreen(Screen):
         # The parent's exact ids keep the shared pages shared; they only hold for the same system prompt.
         same = side.variant.system_prompt == parent.record.system_prompt
         try:
-            side.handle = backend.submit(conversation, side.variant.settings.params(),
-                                         previous=parent.previous(len(self.history)) if same else None,
-                                         on_update=self.inbox.callback(side.name))
+            handle = backend.submit(conversation, side.variant.settings.params(),
+                                    previous=parent.previous(len(self.history)) if same else None,
+                                    on_update=self.inbox.callback(side.name))
         except Exception as exc:  # too long for the context or the cache, a template or settings problem
-            side.error = str(exc)
             await side.view.finish("", None)
             side.view.set_stats(f"not started: {exc}")
             return
+        side.reply.start(handle, side.view.index)
         await side.view.start_stream()
 
     async def on_deltas_ready(self, event: DeltasReady) -> None:
         event.stop()   # this screen's inbox, not the app's
+        batches: dict[str, list[Update]] = {}
         for name, update in self.inbox.take():
-            side = self.sides[SIDES.index(name)]
-            if update.request_id != side.request_id or side.outcome is not None:
-                continue
-            side.text += update.text
-            side.tokens += update.tokens
-            if update.finished:
-                side.outcome = update.outcome
-                await side.view.finish(update.outcome.text, ReplyStats.from_outcome(update.outcome))
-            else:
-                side.view.feed(update.text, update.tokens)
+            batches.setdefault(name, []).append(update)
+        for side in self.sides:
+            updates = [u for u in batches.get(side.name, ()) if side.reply.takes(u.request_id)]
+            if updates:
+                await self._take(side, updates)
         self.refresh_bindings()
+
+    async def _take(self, side: Side, updates: list[Update]) -> None:
+        fed = side.reply.feed(updates)
+        for notice in fed.notices:
+            self.app.notify(notice, severity="warning", timeout=8)
+        if fed.outcome is None:
+            side.view.feed(fed.text, fed.tokens)
+            return
+        ending = side.reply.finish(fed.outcome)
+        side.outcome = fed.outcome
+        await side.view.finish(ending.content, ending.stats)
 
     def chat_pages(self) -> list[ChatPages]:
         variables = self.app.theme_variables
@@ -218,7 +219,7 @@ class CompareScreen(Screen):
             tokens = side.tokens_held()
             colour = chat_colour(variables, parent.colour + 1 + n)
             out.append(ChatPages(f"compare-{side.name}", f"{side.name} · {parent.record.title}", colour,
-                                 side.request_id if side.running else None, pages, tokens))
+                                 side.reply.request_id if side.running else None, pages, tokens))
         return out
 
     def _tick(self, force: bool = False) -> None:
@@ -232,14 +233,13 @@ class CompareScreen(Screen):
         self._tick(force=True)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action == "stop":
-            return any(side.running for side in self.sides)
-        return True
+        # "s" shows in the footer only while a side is being written.
+        return any(side.running for side in self.sides) if action == action_name(CompareScreen.action_stop) else True
 
     def action_stop(self) -> None:
         for side in self.sides:
             if side.running:
-                side.handle.cancel()   # the final update arrives as "cancelled"
+                side.reply.handle.cancel()   # the final update arrives as "cancelled"
 
     def action_back(self) -> None:
         self.action_stop()
