@@ -1,25 +1,96 @@
-"""The sampler that turns logits into next tokens (SamplingParams lives in params.py, free of torch)."""
+"""The sampler that turns logits into next tokens (SamplingParams lives in params.py, free of torch).
+
+Each row's logit processors run here and only here, in one order: repetition penalty, presence and frequency
+penalties, logit bias, min_tokens, then the grammar's mask. Greedy rows go through them too. Log-probabilities
+are read from the logits after the processors (so after the mask, as vLLM does) and before temperature.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.sequence import Sampled, TokenLogprob
+from pagedchat.engine.structured import apply_masks
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of logits to sample from, with what its processors need."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    token_ids: Sequence[int] = ()   # prompt then output: the repetition penalty reads both
+    num_prompt_tokens: int = 0
+    matcher: object | None = None   # llguidance.LLMatcher when the reply is constrained
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
 class Sampler:
-    """Picks one token per row of logits. Greedy rows take argmax; others sample with their own generator."""
+    """Picks one token per row of logits. Greedy rows take argmax; others sample with their own generator.
+    end_ids: the model's end-of-sequence ids, which min_tokens holds back."""
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
+    end_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __call__(self, logits: torch.Tensor, rows: list[Row]) -> list[Sampled]:
         logits = logits.float()
-        out = logits.argmax(dim=-1).tolist()
-        for row, (p, gen) in enumerate(zip(params, generators)):
-            if not p.greedy:
-                out[row] = _sample_one(logits[row], p, gen)
+        shaped = [i for i, r in enumerate(rows) if r.params.shapes_logits]
+        if shaped:
+            logits = logits.clone()  # the runner's buffer stays as the model left it
+            for i in shaped:
+                self._process(logits[i], rows[i])
+            constrained = [i for i in shaped if rows[i].matcher is not None]
+            if constrained:
+                apply_masks(logits, constrained, [rows[i].matcher for i in constrained])
+        picks = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, row in enumerate(rows):
+            token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator)
+            out.append(self._result(logits[i], row, token))
         return out
+
+    def _process(self, logits: torch.Tensor, row: Row) -> None:
+        p = row.params
+        if p.repetition_penalty != 1.0 and row.token_ids:
+            seen = torch.tensor(sorted(set(row.token_ids)), device=logits.device)
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(list(row.output_ids)), minlength=logits.numel())[:logits.numel()]
+            counts = counts.to(logits.device, logits.dtype)
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        for token, bias in p.logit_bias:
+            if token < logits.numel():
+                logits[token] += bias
+        if len(row.output_ids) < p.min_tokens:
+            ends = [t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.numel()]
+            logits[ends] = float("-inf")
+
+    @staticmethod
+    def _result(logits: torch.Tensor, row: Row, token: int) -> Sampled:
+        error = None
+        if row.matcher is not None and not row.matcher.consume_token(token):
+            error = f"the grammar refused token {token}: {row.matcher.get_error()}"
+        k = row.params.logprobs
+        if k is None:
+            return Sampled(token, error=error)
+        logprobs = logits.log_softmax(-1)
+        chosen = TokenLogprob(token, float(logprobs[token]))
+        top = ()
+        if k:
+            values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+            top = tuple(TokenLogprob(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist())
+                        if v > float("-inf"))  # a mask may leave fewer than k tokens possible
+        return Sampled(token, chosen, top, error)
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

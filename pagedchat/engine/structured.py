@@ -1,0 +1,127 @@
+"""Constrained decoding: grammars compiled by llguidance over the model's tokenizer, and each row's token mask.
+
+A grammar is compiled once per distinct source (cached) on the caller's thread, never on the engine's: the
+engine only copies the compiled matcher for each request (cheap) and, each step, asks it for the next token's
+bitmask and tells it the token sampled. JSON is compiled compact (no free whitespace), so a small model cannot
+wander into endless blank space inside an object.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from pagedchat.errors import RequestError
+
+# Compiled grammars kept for reuse: a server sees the same few schemas over and over.
+CACHE_SIZE = 128
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarKind(Enum):
+    JSON_SCHEMA = "json_schema"   # source: a JSON schema, as JSON text
+    LARK = "lark"                 # source: a Lark grammar (llguidance's dialect, which can embed %json)
+    REGEX = "regex"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain a reply to, before it is compiled."""
+
+    kind: GrammarKind
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: dict) -> "GrammarSpec":
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+
+    def llguidance_grammar(self) -> str:
+        from llguidance import LLMatcher
+
+        if self.kind is GrammarKind.JSON_SCHEMA:
+            return LLMatcher.grammar_from_json_schema(self.source, overrides=_JSON_OPTIONS)
+        if self.kind is GrammarKind.LARK:
+            return LLMatcher.grammar_from_lark(self.source)
+        return LLMatcher.grammar_from_regex(self.source)
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A compiled grammar: a matcher at its start, which each request copies."""
+
+    spec: GrammarSpec
+    start: object   # llguidance.LLMatcher, never advanced
+
+    def matcher(self):
+        return self.start.deep_copy()
+
+
+class GrammarCompiler:
+    """Compiles grammars over one tokenizer, with an LRU cache; safe to call from any thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = eos_token_id
+        self._ll = None
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _lltokenizer(self):
+        """llguidance's view of the tokenizer (built once: it walks the whole vocabulary)."""
+        if self._ll is None:
+            import llguidance
+            import tokenizers
+
+            # pagedchat's FastTokenizer holds the tokenizers-library backend; transformers' fast tokenizer too.
+            backend = getattr(self._tokenizer, "backend", None)
+            if not isinstance(backend, tokenizers.Tokenizer):
+                backend = self._tokenizer.backend_tokenizer
+            self._ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos)
+        return self._ll
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar, or RequestError saying why the grammar or schema is refused."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+            ll = self._lltokenizer()
+        try:
+            from llguidance import LLMatcher
+        except ImportError as exc:
+            raise RequestError("constrained decoding needs llguidance: pip install 'pagedchat[serve]'") from exc
+        try:
+            grammar = spec.llguidance_grammar()
+        except ValueError as exc:
+            raise RequestError(f"invalid {spec.kind.value}: {exc}") from None
+        start = LLMatcher(ll, grammar, log_level=0)
+        if start.is_error():
+            raise RequestError(f"invalid {spec.kind.value}: {start.get_error()}")
+        compiled = CompiledGrammar(spec, start)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids next."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    vocab = logits.shape[-1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, bitmask, i)
+    # Unpack the 32-bit words into one flag per token (llguidance's own torch helper needs torch.compile).
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].to(device=logits.device, dtype=torch.bool)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
