@@ -47,14 +47,14 @@ class RunningServer:
                 self.proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_server(folder: Path, log: Path, *extra: str, env: dict | None = None) -> RunningServer:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedchat.cli", "serve", "--model", str(folder), "--port", str(port),
            "--kv-cache-memory", CACHE, "--dtype", "float32", "--threads", "1", *extra]
     out = log.open("w")

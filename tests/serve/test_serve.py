@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_support import CACHE, CONTEXT, KEY, start_server
+from serve_support import CACHE, CONTEXT, KEY, free_port, start_server
 from tiny_models import make_tiny_model
 
 
@@ -266,7 +266,7 @@ def test_sigterm_stops_the_server_within_seconds(server):
 def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path, capsys):
     from pagedchat.cli import main
 
-    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(_free_port())]) == 1
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(free_port())]) == 1
     assert "no such model" in capsys.readouterr().err
 
 
