@@ -141,7 +141,7 @@ class Server:
         def remember(done: Outcome) -> None:
             self.exchanges.remember(messages, continued, done.text, done.token_ids)
 
-        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, backend.token_texts, plan)
+        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req), plan)
         return await self._respond(request, backend, reply, ids, req, "messages", remember, grammar)
 
     async def completions(self, request: Request) -> Response:
@@ -152,7 +152,7 @@ class Server:
             ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
-        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, backend.token_texts)
+        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))
         return await self._respond(request, backend, reply, ids, req, "prompt", lambda done: None)
 
     def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str, grammar) -> SamplingParams:
@@ -267,6 +267,14 @@ class Server:
     async def prometheus(self, request: Request) -> Response:
         text = await anyio.to_thread.run_sync(self.metrics.render)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _namer(backend: TokenBackend, req) -> Callable[[list[int]], list[str]]:
+    """How log-probabilities name tokens: by their text, or as "token_id:N" where the request asks (vLLM's
+    return_tokens_as_token_ids, for a client that needs the ids)."""
+    if req.return_tokens_as_token_ids:
+        return lambda ids: [f"token_id:{i}" for i in ids]
+    return backend.token_texts
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -150,6 +150,7 @@ class _Request(_Body):
     min_tokens: int = Field(0, ge=0)                    # vLLM's extra field
     stop_token_ids: list[int] | None = None             # vLLM's extra field
     best_of: int | None = None
+    return_tokens_as_token_ids: bool = False            # vLLM's extra field: logprobs name tokens "token_id:N"
 
     @model_validator(mode="before")
     @classmethod

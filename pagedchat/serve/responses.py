@@ -59,14 +59,13 @@ class Reply:
     id: str
     model: str
     created: int
-    token_texts: TokenTexts = field(default=lambda ids: [str(i) for i in ids], compare=False)
+    token_texts: TokenTexts = field(compare=False)   # how log-probabilities name tokens
     plan: OutputPlan = OutputPlan()
 
     @classmethod
-    def new(cls, kind: Kind, request_id: str, model: str, token_texts: TokenTexts | None = None,
+    def new(cls, kind: Kind, request_id: str, model: str, token_texts: TokenTexts,
             plan: OutputPlan | None = None) -> "Reply":
-        extra = {"token_texts": token_texts} if token_texts else {}
-        return cls(kind, request_id, model, int(time.time()), plan=plan or OutputPlan(), **extra)
+        return cls(kind, request_id, model, int(time.time()), token_texts, plan or OutputPlan())
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,

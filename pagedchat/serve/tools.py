@@ -3,7 +3,9 @@
 `response_format` and `tool_choice` become one OutputPlan: the grammar the engine constrains the reply with, and
 how the reply's text is read back (as content, or as OpenAI tool calls).
 
-- json_object / json_schema: the reply is JSON (any object, or valid against the schema), as content.
+- json_object / json_schema: the reply is JSON (any object, or valid against the schema), as content. Objects
+  that list their properties are closed to others unless the schema says otherwise (`closed`): what OpenAI's
+  strict mode asks for, and what keeps a small model from inventing keys until max_tokens.
 - tool_choice "required": the reply is one call `{"name": ..., "arguments": {...}}` of one of the tools.
 - tool_choice naming a function: the reply is that function's arguments, valid against its parameters.
 - tool_choice "auto" (the default with tools): the reply is free; a `<tool_call>{"name", "arguments"}</tool_call>`
@@ -100,7 +102,33 @@ def call_markup(name: str, arguments: str) -> str:
 
 
 def _parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}}
+    """A function's parameters schema, closed: an object that declares its properties takes no others unless
+    it says so (as OpenAI's strict mode requires), since a function has no use for arguments it never named."""
+    return closed(function.get("parameters") or {"type": "object", "properties": {}})
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else")
+
+
+def closed(schema):
+    """schema with every object that lists properties closed to others (where it does not say otherwise)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMAS:
+        if key in out:
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def plan_output(response_format: dict | None, tools: list[dict] | None, tool_choice) -> OutputPlan:
@@ -121,5 +149,6 @@ def plan_output(response_format: dict | None, tools: list[dict] | None, tool_cho
     if kind == "json_object":
         return OutputPlan(ReplyShape.JSON, GrammarSpec.json_schema({"type": "object"}))
     if kind == "json_schema":
-        return OutputPlan(ReplyShape.JSON, GrammarSpec.json_schema(response_format["json_schema"].get("schema") or {}))
+        schema = closed(response_format["json_schema"].get("schema") or {})
+        return OutputPlan(ReplyShape.JSON, GrammarSpec.json_schema(schema))
     return OutputPlan()
