@@ -14,7 +14,6 @@ import torch
 
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sequence import Sampled, TokenLogprob
-from pagedchat.engine.structured import apply_masks
 
 __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 
@@ -91,6 +90,21 @@ class Sampler:
             top = tuple(TokenLogprob(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist())
                         if v > float("-inf"))  # a mask may leave fewer than k tokens possible
         return Sampled(token, chosen, top, error)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids next."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    vocab = logits.shape[-1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, bitmask, i)
+    # Unpack the 32-bit words into one flag per token (llguidance's own torch helper needs torch.compile).
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].to(device=logits.device, dtype=torch.bool)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

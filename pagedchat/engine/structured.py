@@ -1,4 +1,5 @@
-"""Constrained decoding: grammars compiled by llguidance over the model's tokenizer, and each row's token mask.
+"""Constrained decoding: grammars compiled by llguidance over the model's tokenizer (the sampler applies their
+masks: sampling.py). Free of torch, so the server can plan and compile grammars without the engine's modules.
 
 A grammar is compiled once per distinct source (cached) on the caller's thread, never on the engine's: the
 engine only copies the compiled matcher for each request (cheap) and, each step, asks it for the next token's
@@ -13,8 +14,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-
-import torch
 
 from pagedchat.errors import RequestError
 
@@ -110,18 +109,3 @@ class GrammarCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
-
-
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-    """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids next."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
-    vocab = logits.shape[-1]
-    bitmask = allocate_token_bitmask(len(rows), vocab)
-    for i, matcher in enumerate(matchers):
-        fill_next_token_bitmask(matcher, bitmask, i)
-    # Unpack the 32-bit words into one flag per token (llguidance's own torch helper needs torch.compile).
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].to(device=logits.device, dtype=torch.bool)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
