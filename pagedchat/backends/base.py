@@ -29,6 +29,7 @@ class BackendInfo:
     block_size: int | None = None   # tokens per page
     num_pages: int | None = None
     page_bytes: int | None = None
+    vocab_size: int | None = None   # token ids run 0..vocab_size-1 (logit_bias, stop_token_ids name them)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class LocalBackend:
             precision += f" · weights {weights}"
         self.info = BackendInfo(model=Path(str(engine.model_path)).name, where=f"on {engine.device} · {precision}",
                                 context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
-                                num_pages=plan.num_pages, page_bytes=plan.page_bytes)
+                                num_pages=plan.num_pages, page_bytes=plan.page_bytes,
+                                vocab_size=engine.config.vocab_size)
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
                    continue_final: bool = False) -> list[int]:

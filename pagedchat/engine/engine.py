@@ -189,6 +189,9 @@ class Engine:
         if tokens is None:
             raise RequestError(f"no request {request_id!r} to fork")
         params = params or SamplingParams()
+        if params.grammar is not None:  # the grammar would start over in the middle of the parent's reply
+            raise RequestError("a fork cannot take a grammar")
+        self._check_params(params)
         self.core.check_fits(tokens, params)
         seq = self._new_sequence(tokens, params, f"req-{next(self._ids)}")
         [handle] = self._register([seq], on_update)

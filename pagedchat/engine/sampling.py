@@ -70,7 +70,8 @@ class Sampler:
         for token, bias in p.logit_bias:
             if token < logits.numel():
                 logits[token] += bias
-        if len(row.output_ids) < p.min_tokens:
+        # A grammar that is complete allows only the end, and wins over min_tokens (else no token were left).
+        if len(row.output_ids) < p.min_tokens and not (row.matcher is not None and row.matcher.is_stopped()):
             ends = [t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.numel()]
             logits[ends] = float("-inf")
 

@@ -31,7 +31,7 @@ from pagedchat.errors import PagedChatError
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
-from pagedchat.serve.responses import SSE_DONE, Kind, Reply, sse
+from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, Reply, sse
 from pagedchat.serve.stream import ReplyStream, until_disconnect
 
 log = logging.getLogger("pagedchat.serve")
@@ -177,6 +177,7 @@ class Server:
             max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
             if max_tokens < 1:
                 raise ApiError(400, f"the prompt's {len(ids)} tokens fill the KV cache", param=prompt_field)
+        req.check_token_ids(info.vocab_size)
         try:
             return req.sampling_params(max_tokens, grammar)
         except ValueError as exc:
@@ -210,33 +211,18 @@ class Server:
         return JSONResponse(reply.whole(len(ids), outcomes))
 
     async def _events(self, reply: Reply, stream: ReplyStream, prompt_tokens: int, req):
-        """Each reply's text as it comes, tagged with its choice index. A reply that may be a tool call is held
-        until it ends, then sent as one tool_calls delta (or as text, when it calls nothing)."""
-        usage_too = req.include_usage
-        held = reply.plan.calls_tools
-        texts = [""] * req.n
-        outcomes: list[Outcome | None] = [None] * req.n
-        if reply.kind is Kind.CHAT:
-            for i in range(req.n):
-                yield reply.chunk(i, "", role=True, with_usage=usage_too)
+        chunks = ChoiceChunks(reply, req.n, req.include_usage)
+        for chunk in chunks.opening():
+            yield chunk
         async for i, update in stream.updates():
-            texts[i] += update.text
-            if not update.finished:
-                if (update.text and not held) or update.logprobs:
-                    yield reply.chunk(i, None if held else update.text, with_usage=usage_too,
-                                      sampled=update.logprobs)
-                continue
-            done = outcomes[i] = update.outcome
-            if done.finish_reason == "error":
-                yield sse(ApiError(500, f"generation failed: {done.error}", kind="server_error").body())
+            if update.finished and update.outcome.finish_reason == "error":
+                yield sse(ApiError(500, f"generation failed: {update.outcome.error}", kind="server_error").body())
                 break
-            calls = reply.plan.tool_calls(texts[i]) if held and done.finish_reason == "stop" else []
-            text = None if calls else (texts[i] if held else update.text) or None
-            yield reply.chunk(i, text, finish_reason=done.finish_reason, with_usage=usage_too,
-                              sampled=update.logprobs, calls=calls)
+            for chunk in chunks.feed(i, update):
+                yield chunk
         else:
-            if usage_too:
-                yield reply.usage_chunk(prompt_tokens, outcomes)
+            for chunk in chunks.closing(prompt_tokens):
+                yield chunk
         yield SSE_DONE
 
     # ---- the rest ------------------------------------------------------------------------------------------

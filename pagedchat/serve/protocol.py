@@ -195,6 +195,15 @@ class _Request(_Body):
             pairs.append((int(key), bias))
         return tuple(pairs)
 
+    def check_token_ids(self, vocab_size: int | None) -> None:
+        """Token ids named in logit_bias and stop_token_ids must be the model's."""
+        if vocab_size is None:
+            return
+        for name, ids in (("logit_bias", [t for t, _ in self.bias_pairs()]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param=name)
+
     @property
     def top_logprobs_wanted(self) -> int | None:
         """None: no log-probabilities; k: the chosen tokens' and the k likeliest alternatives'."""

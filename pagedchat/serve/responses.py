@@ -10,7 +10,8 @@ from enum import Enum
 from typing import Callable
 
 from pagedchat.backends.base import Outcome
-from pagedchat.serve.tools import OutputPlan, ToolCall
+from pagedchat.backends.base import Update
+from pagedchat.serve.tools import OutputPlan, ReplyShape, ToolCall
 
 # The engine's finish reasons as OpenAI's, plus vLLM's extra `stop_reason` where OpenAI's word loses the
 # distinction: an OpenAI client sees "length" at the context limit, and a client that knows vLLM sees why.
@@ -128,8 +129,64 @@ class Reply:
         extra = {"usage": None} if with_usage else {}
         return sse(self._envelope(self.kind.chunk, [choice], **extra))
 
+    def call_chunk(self, index: int, arguments: str, *, first: bool, finish_reason: str | None = None,
+                   with_usage: bool = False, sampled=()) -> str:
+        """A piece of a named tool call's arguments, as they come; the first piece carries the call's id and
+        name."""
+        call = {"index": 0, "function": {"arguments": arguments}}
+        if first:
+            call = {**ToolCall(self.plan.named, arguments).as_openai(0)}
+        finish = finish_fields(finish_reason, True) if finish_reason else {"finish_reason": None}
+        choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": self.logprobs(sampled), **finish}
+        extra = {"usage": None} if with_usage else {}
+        return sse(self._envelope(self.kind.chunk, [choice], **extra))
+
     def usage_chunk(self, prompt_tokens: int, outcomes: list[Outcome]) -> str:
         return sse(self._envelope(self.kind.chunk, [], usage=usage(prompt_tokens, outcomes)))
+
+
+class ChoiceChunks:
+    """The SSE chunks of n replies streamed together, each tagged with its choice index: text as it comes; a
+    named tool call's arguments as tool_calls deltas; a reply that may or may not be a call (tool_choice
+    required or auto) held to its end, then sent as one tool_calls delta, or as text when it calls nothing."""
+
+    def __init__(self, reply: Reply, n: int, with_usage: bool):
+        self.reply = reply
+        self.with_usage = with_usage
+        self.named = reply.plan.shape is ReplyShape.TOOL_NAMED
+        self.held = reply.plan.calls_tools and not self.named
+        self.texts = [""] * n
+        self.called = [False] * n          # a named call's first delta (its id and name) is sent
+        self.outcomes: list[Outcome | None] = [None] * n
+
+    def opening(self) -> list[str]:
+        if self.reply.kind is not Kind.CHAT:
+            return []
+        return [self.reply.chunk(i, "", role=True, with_usage=self.with_usage) for i in range(len(self.texts))]
+
+    def feed(self, i: int, update: Update) -> list[str]:
+        """The chunks for reply i's update (never a failed one: the caller sends the error)."""
+        self.texts[i] += update.text
+        self.outcomes[i] = update.outcome
+        reason = update.outcome.finish_reason if update.finished else None
+        if self.named:
+            if not (update.text or update.finished):
+                return []
+            first, self.called[i] = not self.called[i], True
+            return [self.reply.call_chunk(i, update.text, first=first, finish_reason=reason,
+                                          with_usage=self.with_usage, sampled=update.logprobs)]
+        if not update.finished:
+            if (update.text and not self.held) or update.logprobs:
+                return [self.reply.chunk(i, None if self.held else update.text, with_usage=self.with_usage,
+                                         sampled=update.logprobs)]
+            return []
+        calls = self.reply.plan.tool_calls(self.texts[i]) if self.held and reason == "stop" else []
+        text = None if calls else (self.texts[i] if self.held else update.text) or None
+        return [self.reply.chunk(i, text, finish_reason=reason, with_usage=self.with_usage, sampled=update.logprobs,
+                                 calls=calls)]
+
+    def closing(self, prompt_tokens: int) -> list[str]:
+        return [self.reply.usage_chunk(prompt_tokens, self.outcomes)] if self.with_usage else []
 
 
 def sse(body: dict) -> str:

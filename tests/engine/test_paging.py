@@ -459,3 +459,16 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             assert "RuntimeError: injected into" in done.error, done.error
         else:
             assert done.finish_reason == "cancelled"
+
+
+def test_a_fork_refuses_a_grammar(tiny_llama):
+    from pagedchat.engine.structured import GrammarSpec
+
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    parent = eng.submit(ids_of(eng.tokenizer, 20), SamplingParams(max_tokens=8, ignore_eos=True))
+    step(eng)
+    grammar = eng.compile_grammar(GrammarSpec.json_schema({"type": "object"}))
+    with pytest.raises(RequestError, match="grammar"):
+        eng.fork(parent.request_id, SamplingParams(max_tokens=4, grammar=grammar))
+    drain(eng)
+    assert len(parent.result().token_ids) == 8

@@ -144,3 +144,17 @@ def test_a_bad_schema_is_refused_with_the_reason():
     tok = make_tokenizer()
     with pytest.raises(RequestError, match="json_schema"):
         GrammarCompiler(tok, VOCAB_SIZE, tok.eos_token_id).compile(GrammarSpec.json_schema({"type": "nonsense"}))
+
+
+def test_a_finished_grammar_wins_over_min_tokens():
+    from pagedchat.engine.structured import GrammarCompiler, GrammarKind, GrammarSpec
+    from tiny_models import VOCAB_SIZE, make_tokenizer
+
+    tok = make_tokenizer()
+    grammar = GrammarCompiler(tok, VOCAB_SIZE, tok.eos_token_id).compile(GrammarSpec(GrammarKind.REGEX, "fox"))
+    matcher = grammar.matcher()
+    ids = tok.encode("fox", add_special_tokens=False)
+    assert matcher.consume_tokens(ids)
+    params = SamplingParams(min_tokens=10, grammar=grammar)
+    [s] = Sampler(frozenset({tok.eos_token_id}))(torch.zeros(1, VOCAB_SIZE), [Row(params, None, ids, 0, matcher)])
+    assert s.token == tok.eos_token_id and s.error is None

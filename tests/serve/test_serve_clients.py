@@ -98,15 +98,32 @@ def test_tool_choice_required_calls_one_of_the_tools(server, client):
         model.model_validate_json(call.function.arguments)
 
 
-def test_a_streamed_tool_call_comes_as_a_delta_with_its_index(server, client):
-    stream = client.chat.completions.create(model=server.model, messages=ASK, tools=[WEATHER_TOOL],
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            max_tokens=80, temperature=0, stream=True)
-    deltas = [c.choices[0] for c in stream if c.choices]
+def test_a_named_tool_call_streams_its_arguments_as_deltas(server, client):
+    args = dict(model=server.model, messages=ASK, tools=[WEATHER_TOOL], max_tokens=80, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls[0].function.arguments
+    deltas = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
     calls = [tc for d in deltas for tc in d.delta.tool_calls or []]
-    assert [c.index for c in calls] == [0] and calls[0].function.name == "get_weather"
-    Weather.model_validate_json(calls[0].function.arguments)
+    assert len(calls) > 2 and {c.index for c in calls} == {0}
+    assert calls[0].function.name == "get_weather" and calls[0].id and not any(c.id for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == whole
+    Weather.model_validate_json(whole)
     assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_required_tool_calls_stream_as_one_delta_per_reply(server, client):
+    stream = client.chat.completions.create(model=server.model, messages=ASK, tools=[WEATHER_TOOL, PET_TOOL],
+                                            tool_choice="required", max_tokens=80, temperature=1.0, seed=2, n=2,
+                                            stream=True)
+    calls: dict[int, list] = {0: [], 1: []}
+    finish = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            calls[c.index] += c.delta.tool_calls or []
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index, [call] in calls.items():
+        {"get_weather": Weather, "add_pet": Pet}[call.function.name].model_validate_json(call.function.arguments)
 
 
 def test_tool_results_and_earlier_calls_go_into_the_prompt(server, client):
@@ -291,3 +308,12 @@ def test_instructor_modes(client, server, mode, model):
     got = patched.chat.completions.create(model=server.model, response_model=model, messages=ASK, max_tokens=80,
                                           temperature=0, max_retries=0)
     assert isinstance(got, model)
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"999999": 5}), ("logit_bias", {"-3": 5}),
+                                         ("logit_bias", {"7": 101}), ("stop_token_ids", [999999]),
+                                         ("top_logprobs", 21), ("presence_penalty", 2.5), ("n", 17)])
+def test_bad_sampling_controls_are_a_400_naming_them(server, field, value):
+    body = {"messages": ASK, field: value, "max_tokens": 2, **({"logprobs": True} if field == "top_logprobs" else {})}
+    response = server.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
