@@ -317,3 +317,27 @@ def test_bad_sampling_controls_are_a_400_naming_them(server, field, value):
     body = {"messages": ASK, field: value, "max_tokens": 2, **({"logprobs": True} if field == "top_logprobs" else {})}
     response = server.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+# ---- the default model -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_default_model_writes_valid_json_for_every_client(default_model, tmp_path):
+    running = start_server(default_model, tmp_path / "server.log", "--kv-cache-memory", "64MiB",
+                           env={"PAGEDCHAT_API_KEY": KEY})
+    try:
+        client = running.client()
+        model = client.models.list().data[0].id
+        ask = [{"role": "user", "content": "Describe a small pet as JSON."}]
+        pet = client.chat.completions.parse(model=model, messages=ask, response_format=Pet, max_tokens=60,
+                                            temperature=0).choices[0].message.parsed
+        assert isinstance(pet, Pet)
+        done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                              tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60,
+                                              temperature=0)
+        [call] = done.choices[0].message.tool_calls
+        Weather.model_validate_json(call.function.arguments)
+        obj = client.chat.completions.create(model=model, messages=ask, response_format={"type": "json_object"},
+                                             max_tokens=120, temperature=0).choices[0]
+        assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
+    finally:
+        running.stop()
