@@ -37,7 +37,8 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict) -> "GrammarSpec":
-        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+        # Keys keep their order: the reply writes an object's properties in the order the schema lists them.
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema))
 
     def llguidance_grammar(self) -> str:
         from llguidance import LLMatcher

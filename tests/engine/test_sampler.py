@@ -158,3 +158,10 @@ def test_a_finished_grammar_wins_over_min_tokens():
     params = SamplingParams(min_tokens=10, grammar=grammar)
     [s] = Sampler(frozenset({tok.eos_token_id}))(torch.zeros(1, VOCAB_SIZE), [Row(params, None, ids, 0, matcher)])
     assert s.token == tok.eos_token_id and s.error is None
+
+
+def test_a_json_schema_keeps_its_property_order():
+    from pagedchat.engine.structured import GrammarSpec
+
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"name": {}, "country": {}}})
+    assert spec.source.index('"name"') < spec.source.index('"country"')
