@@ -23,7 +23,6 @@ UNSUPPORTED = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "suffix": "suffix is not supported",
 }
 # Replies to one prompt a request may ask for (n): each runs as its own sequence.
 MAX_N = 16
