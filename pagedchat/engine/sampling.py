@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from pagedchat.engine.params import SamplingParams
@@ -95,17 +96,18 @@ class Sampler:
 
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
     """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids next."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    # llguidance's numpy helpers: its torch ones import torch.compile's machinery (seconds, on the engine thread).
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
     vocab = logits.shape[-1]
     bitmask = allocate_token_bitmask(len(rows), vocab)
     for i, matcher in enumerate(matchers):
         fill_next_token_bitmask(matcher, bitmask, i)
-    # Unpack the 32-bit words into one flag per token (llguidance's own torch helper needs torch.compile).
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].to(device=logits.device, dtype=torch.bool)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    # Bit b of 32-bit word w allows token 32w + b: read as little-endian bytes, numpy unpacks them in that order.
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    forbidden = torch.from_numpy(bits == 0).to(logits.device)
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
