@@ -341,3 +341,14 @@ def test_the_default_model_writes_valid_json_for_every_client(default_model, tmp
         assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
     finally:
         running.stop()
+
+
+def test_streamed_logprobs_come_with_their_tokens(server, client):
+    args = dict(model=server.model, messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=1,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**args, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    # The second run finds the prompt in the prefix cache: the same tokens, logits equal to float32 rounding.
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
