@@ -109,25 +109,43 @@ def _parameters(function: dict) -> dict:
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _with_subschemas(schema: dict, fn) -> dict:
+    """A copy of schema with fn applied to each of its direct subschemas (and nothing else: a "const" or a
+    property's name is never mistaken for a schema)."""
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(sub) for sub in out[key]]
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
+    return out
 
 
 def closed(schema):
     """schema with every object that lists properties closed to others (where it does not say otherwise)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
-    for key in _SCHEMAS:
-        if key in out:
-            out[key] = closed(out[key])
+    out = _with_subschemas(schema, closed)
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
+    return out
+
+
+def _rebased(schema, base: str):
+    """schema with its local "$ref"s ("#", "#/...") pointing at where it now sits, at base."""
+    if not isinstance(schema, dict):
+        return schema
+    out = _with_subschemas(schema, lambda sub: _rebased(sub, base))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
     return out
 
 
@@ -136,10 +154,13 @@ def plan_output(response_format: dict | None, tools: list[dict] | None, tool_cho
     functions = tuple(t["function"] for t in tools or [])
     if functions and tool_choice != "none":
         if tool_choice == "required":
+            # Each tool's schema goes whole under $defs, so that its own "$ref"s (into its $defs) still resolve.
+            defs = {f"tool{i}": _rebased(_parameters(f), f"#/$defs/tool{i}") for i, f in enumerate(functions)}
             calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                      "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)}}
-                     for f in functions]
-            return OutputPlan(ReplyShape.TOOL_REQUIRED, GrammarSpec.json_schema({"anyOf": calls}), functions)
+                      "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"}}}
+                     for i, f in enumerate(functions)]
+            schema = {"anyOf": calls, "$defs": defs}
+            return OutputPlan(ReplyShape.TOOL_REQUIRED, GrammarSpec.json_schema(schema), functions)
         if isinstance(tool_choice, dict):
             name = tool_choice["function"]["name"]
             [chosen] = [f for f in functions if f["name"] == name]

@@ -31,7 +31,8 @@ def test_required_and_named_constrain_to_closed_schemas():
     schema = json.loads(required.grammar.source)
     call = schema["anyOf"][0]
     assert call["properties"]["name"] == {"const": "get_weather"}
-    assert call["properties"]["arguments"]["additionalProperties"] is False
+    assert call["properties"]["arguments"] == {"$ref": "#/$defs/tool0"}
+    assert schema["$defs"]["tool0"]["additionalProperties"] is False
     assert required.tool_calls('{"name": "get_weather", "arguments": {"city": "Lima"}}') == \
         [ToolCall("get_weather", '{"city": "Lima"}')]
     named = plan_output(None, tools, {"type": "function", "function": {"name": "get_weather"}})
@@ -60,3 +61,21 @@ def test_tool_history_is_written_as_hermes_turns_every_template_renders():
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' == messages[2]["content"]
     assert messages[3]["content"] == "<tool_response>\n12C\n</tool_response>"
+
+
+def test_required_keeps_each_tools_own_refs_resolvable():
+    """Nested pydantic models put $defs in a tool's schema; under "required" each tool's schema moves, and its
+    refs move with it, so llguidance compiles the whole."""
+    from pagedchat.engine.structured import GrammarCompiler
+    from tiny_models import VOCAB_SIZE, make_tokenizer
+
+    nested = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}, "boss": {"$ref": "#"}},
+              "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string", "const": "#/x"}}}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": nested}} for n in ("a", "b")]
+    plan = plan_output(None, tools, "required")
+    schema = json.loads(plan.grammar.source)
+    second = schema["$defs"]["tool1"]["properties"]
+    assert second["home"] == {"$ref": "#/$defs/tool1/$defs/Addr"} and second["boss"] == {"$ref": "#/$defs/tool1"}
+    assert schema["$defs"]["tool1"]["$defs"]["Addr"]["properties"]["city"]["const"] == "#/x"
+    tok = make_tokenizer()
+    GrammarCompiler(tok, VOCAB_SIZE, tok.eos_token_id).compile(plan.grammar)
