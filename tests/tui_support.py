@@ -200,7 +200,8 @@ class ScriptedEngine:
     model_path = "scripted-model"
     device = "cpu"
     dtype = "float32"
-    config = SimpleNamespace(max_position_embeddings=2048, family=families.of_architecture("LlamaForCausalLM"))
+    config = SimpleNamespace(max_position_embeddings=2048, vocab_size=320,
+                             family=families.of_architecture("LlamaForCausalLM"))
     cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024)
     model = SimpleNamespace(weight_precision="float32")
 

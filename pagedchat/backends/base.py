@@ -15,6 +15,8 @@ from pagedchat.backends.metrics import ServerMetrics
 if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
     from pagedchat.engine.memory import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
+    from pagedchat.engine.sequence import Sampled
+    from pagedchat.engine.structured import CompiledGrammar, GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class BackendInfo:
     block_size: int | None = None   # tokens per page
     num_pages: int | None = None
     page_bytes: int | None = None
+    vocab_size: int | None = None   # token ids run 0..vocab_size-1 (logit_bias, stop_token_ids name them)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Outcome:
     pages: tuple[int, ...] = ()        # its block table when it ended, where the backend can see it
     token_ids: tuple[int, ...] = ()    # prompt and reply ids, where known: the next turn's prompt reuses them
     counted: bool = True               # False: a server sent no usage, so the token figures are not counts
+    logprobs: tuple["Sampled", ...] = ()   # each reply token's log-probabilities, where asked for
 
     @property
     def total_tokens(self) -> int:
@@ -62,6 +66,7 @@ class Update:
     inherited: str | None = None      # a fork's first update: the parent reply's text it continues ("" = none)
     notice: str | None = None         # something the user should be told about this reply
     outcome: Outcome | None = None    # set on the last update only
+    logprobs: tuple["Sampled", ...] = ()   # this update's tokens' log-probabilities, where asked for
 
     @property
     def finished(self) -> bool:
@@ -131,9 +136,17 @@ class TokenBackend(Backend, Protocol):
         rather than answered). Raises PagedChatError when the prompt cannot be built."""
 
     def submit_ids(self, prompts: list[list[int]], params: "SamplingParams", *,
-                   request_ids: list[str] | None = None, on_update: OnUpdate | None = None) -> list[ReplyHandle]:
-        """One reply per prompt, all admitted in the same step. Raises PagedChatError (and starts none) when
-        one of them can never run."""
+                   request_ids: list[str] | None = None, on_update: OnUpdate | None = None,
+                   n: int = 1) -> list[ReplyHandle]:
+        """n replies per prompt (in prompt order), all admitted in the same step; a prompt's n replies share its
+        pages. Raises PagedChatError (and starts none) when one of them can never run."""
+
+    def compile_grammar(self, spec: "GrammarSpec") -> "CompiledGrammar":
+        """spec compiled for the model's tokenizer (cached; slow the first time: call it off the event loop).
+        Raises PagedChatError naming what is wrong with it."""
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (log-probabilities name tokens by it)."""
 
     def usage(self) -> "PoolUsage":
         """Steps run and pages in use: cheap enough to read in every on_update."""

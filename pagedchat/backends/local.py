@@ -18,7 +18,7 @@ def outcome_of(c: Completion) -> Outcome:
                    prefilled_tokens=c.prefilled_tokens,
                    generated_tokens=len(c.token_ids), time_to_first_token=c.time_to_first_token,
                    tokens_per_s=c.decode_tokens_per_s, error=c.error, pages=tuple(c.pages),
-                   token_ids=tuple(c.prompt_token_ids) + tuple(c.token_ids))
+                   token_ids=tuple(c.prompt_token_ids) + tuple(c.token_ids), logprobs=tuple(c.logprobs))
 
 
 class LocalReply:
@@ -50,7 +50,7 @@ class LocalReply:
         outcome = outcome_of(delta.completion) if delta.finished else None
         if self._on_update is not None:
             self._on_update(Update(delta.request_id, delta.text, len(delta.token_ids), inherited=inherited,
-                                   outcome=outcome))
+                                   outcome=outcome, logprobs=tuple(delta.logprobs)))
 
     def cancel(self) -> None:
         self._backend.engine.cancel(self.request_id)
@@ -77,7 +77,8 @@ class LocalBackend:
             precision += f" · weights {weights}"
         self.info = BackendInfo(model=Path(str(engine.model_path)).name, where=f"on {engine.device} · {precision}",
                                 context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
-                                num_pages=plan.num_pages, page_bytes=plan.page_bytes)
+                                num_pages=plan.num_pages, page_bytes=plan.page_bytes,
+                                vocab_size=engine.config.vocab_size)
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
                    continue_final: bool = False) -> list[int]:
@@ -103,7 +104,7 @@ class LocalBackend:
         return reply.bind(self.engine.submit(ids, params, on_update=reply.on_delta))
 
     def submit_ids(self, prompts: list[list[int]], params, *, request_ids: list[str] | None = None,
-                   on_update: OnUpdate | None = None) -> list[LocalReply]:
+                   on_update: OnUpdate | None = None, n: int = 1) -> list[LocalReply]:
         # The engine takes one callback for the batch: route each delta to its reply by request id, once all
         # are known (a delta can come before submit_many returns).
         by_id: dict[str, LocalReply] = {}
@@ -113,11 +114,18 @@ class LocalBackend:
             routed.wait()
             by_id[delta.request_id].on_delta(delta)
 
-        handles = self.engine.submit_many(prompts, params, request_ids=request_ids, on_update=route)
+        handles = self.engine.submit_many(prompts, params, request_ids=request_ids, on_update=route, n=n)
         for handle in handles:
             by_id[handle.request_id] = LocalReply(self, on_update).bind(handle)
         routed.set()
         return [by_id[h.request_id] for h in handles]
+
+    def compile_grammar(self, spec):
+        return self.engine.compile_grammar(spec)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        tok = self.engine.tokenizer
+        return [tok.decode([i], skip_special_tokens=False) for i in ids]
 
     def usage(self) -> PoolUsage:
         return self.engine.usage()

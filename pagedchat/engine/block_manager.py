@@ -363,6 +363,16 @@ class BlockManager:
         child.page_hashes = list(parent.page_hashes)
         child.num_computed = parent.num_computed
 
+    def fork_prefix(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """The child maps the parent's pages holding its first num_tokens tokens, as computed; a partial last
+        page is shared too, and the child's next write into it copies it first."""
+        pages = self.pages_for(num_tokens)
+        for page in parent.block_table[:pages]:
+            self.pages[page].ref += 1
+        child.block_table = list(parent.block_table[:pages])
+        child.page_hashes = list(parent.page_hashes[:num_tokens // self.block_size])
+        child.num_computed = num_tokens
+
     # ---- preemption --------------------------------------------------------------------------------------
     def swap_out(self, seq: Sequence) -> bool:
         """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room."""

@@ -19,7 +19,7 @@ from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler, StepPlan
-from pagedchat.engine.sequence import SeqStatus, Sequence, StreamDelta
+from pagedchat.engine.sequence import Sampled, SeqStatus, Sequence, StreamDelta
 from pagedchat.errors import RequestError
 
 log = logging.getLogger("pagedchat.engine")
@@ -58,6 +58,8 @@ class EngineCore:
         self._live: dict[str, Sequence] = {}
         self._outputs: list[Output] = []        # postprocess's outputs so far: a fault there must not lose them
         self._history: dict[str, list[int]] = {}
+        # n > 1: the siblings of a parent request, waiting for its prompt to be computed to fork from it.
+        self._pending: dict[str, list[Sequence]] = {}
 
     # ---- requests --------------------------------------------------------------------------------------
     def sequence(self, request_id: str) -> Sequence | None:
@@ -86,6 +88,32 @@ class EngineCore:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         self._live[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def add_group(self, parent: Sequence, siblings: list[Sequence]) -> None:
+        """parent and its siblings sample from the same prompt (n > 1): the prompt is computed once, by the
+        parent, and each sibling then maps its pages copy-on-write and samples its own first token."""
+        self.add(parent)
+        for sib in siblings:
+            if sib.request_id in self._live:
+                raise RequestError(f"request id {sib.request_id!r} is already in use")
+            self._live[sib.request_id] = sib
+        self._pending[parent.request_id] = list(siblings)
+
+    def _release_siblings(self, parent: Sequence) -> None:
+        """The parent's prompt is computed: its live siblings share every prompt page but the last token's,
+        which each computes again to get its own logits (writing it copies a shared page first). A parent that
+        ended before that leaves them to prefill on their own, through the prefix cache."""
+        computed = parent.num_computed >= parent.num_prompt_tokens and parent.status is SeqStatus.RUNNING
+        for sib in self._pending.pop(parent.request_id, []):
+            if self._live.get(sib.request_id) is not sib:
+                continue  # cancelled meanwhile
+            if computed and len(self.scheduler.running) < self.scheduler.max_seqs:
+                self.block_manager.fork_prefix(parent, sib, parent.num_prompt_tokens - 1)
+                sib.prefix_counted = True
+                sib.cached_tokens = parent.num_prompt_tokens - 1
+                self.scheduler.add_running(sib)
+            else:
+                self.scheduler.add(sib)
 
     def fork(self, child: Sequence, parent_id: str) -> Output | None:
         """Start child from the parent's tokens: a live parent shares its pages (copy-on-write); otherwise the
@@ -130,13 +158,13 @@ class EngineCore:
         if self.fault_hook is not None:
             self.fault_hook(phase, request_id)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int | Exception], now: float) -> list[Output]:
+    def postprocess(self, plan: StepPlan, tokens: list[Sampled | int | Exception], now: float) -> list[Output]:
         """After the forward pass: count what each chunk computed, append the sampled tokens, and stream,
         stop or finish each request. A fault here, or in sampling a row (its exception in place of its token),
         fails only the request it concerns."""
         self.phase = Phase.BOOKKEEPING
         self._outputs = out = []
-        token_iter = iter(tokens)
+        token_iter = (t if isinstance(t, (Sampled, Exception)) else Sampled(t) for t in tokens)
         for item in plan.scheduled:
             seq = item.seq
             token = next(token_iter) if item.samples else None
@@ -157,14 +185,19 @@ class EngineCore:
         self._outputs = []
         return out
 
-    def _advance(self, seq: Sequence, n: int, token: int | None, now: float) -> Output | None:
+    def _advance(self, seq: Sequence, n: int, sampled: Sampled | None, now: float) -> Output | None:
         if seq.num_computed < seq.num_prompt_tokens:
             seq.prefilled_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
         seq.num_computed += n
-        if token is None:  # a prefill chunk short of the prompt's end
+        if sampled is None:  # a prefill chunk short of the prompt's end
             self.fault(Phase.BOOKKEEPING, seq.request_id)
             return None
+        if seq.request_id in self._pending:
+            self._release_siblings(seq)
+        token = sampled.token
         seq.token_ids.append(token)
+        if sampled.logprob is not None:
+            seq.sampled.append(sampled)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -172,13 +205,16 @@ class EngineCore:
         self.fault(Phase.DETOKENIZE, seq.request_id)
         reason = self._finish_reason(seq, token, stopped)
         self.fault(Phase.BOOKKEEPING, seq.request_id)
+        if sampled.error is not None:
+            return self._finish(seq, "error", sampled.error, new_token=token, text=text)
+        logprobs = [sampled] if sampled.logprob is not None else []
         if reason is not None:
-            return self._finish(seq, reason, new_token=token, text=text)
-        return seq, StreamDelta(seq.request_id, [token], text)
+            return self._finish(seq, reason, new_token=token, text=text, logprobs=logprobs)
+        return seq, StreamDelta(seq.request_id, [token], text, logprobs=logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
         p = seq.params
-        if stopped or (token in self.eos_token_ids and not p.ignore_eos):
+        if stopped or (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
             return "length"
@@ -193,6 +229,7 @@ class EngineCore:
         out, self._outputs = self._outputs, []
         bad_gpu, bad_cpu = self.block_manager.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
         queued = {id(s) for s in self.scheduler.all_seqs()}
+        queued |= {id(s) for sibs in self._pending.values() for s in sibs}  # waiting on a parent, untouched
         concerned = [item.seq for item in self.scheduler.plan.scheduled]
         concerned += [s for s in self.scheduler.all_seqs()
                       if not bad_gpu.isdisjoint(s.block_table) or not bad_cpu.isdisjoint(s.cpu_table)]
@@ -206,8 +243,10 @@ class EngineCore:
         return out
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,
-                text: str = "") -> Output:
+                text: str = "", logprobs: list[Sampled] | None = None) -> Output:
         """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
+        if seq.request_id in self._pending:  # ended before its prompt was computed
+            self._release_siblings(seq)
         text += self.detokenizer.flush(seq)
         seq.finish_reason = reason
         seq.error = error
@@ -220,4 +259,5 @@ class EngineCore:
         if len(self._history) > HISTORY_LIMIT:
             self._history.pop(next(iter(self._history)))
         tokens = [new_token] if new_token is not None else []
-        return seq, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion)
+        return seq, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion,
+                                logprobs=logprobs or [])

@@ -28,9 +28,10 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sampling import Sampler
+from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
-from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
+from pagedchat.engine.sequence import Completion, Sampled, Sequence, StreamDelta
+from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
@@ -51,6 +52,7 @@ MAX_BLAMELESS_FAULTS = 3
 @dataclass(frozen=True)
 class _Add:
     seq: Sequence
+    siblings: tuple[Sequence, ...] = ()   # n > 1: fork from seq once its prompt is computed
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_tokens_per_step, max_seqs)
         self.core = EngineCore(self.block_manager, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.tokenizer.eos_token_id)
         self.failure: str | None = None          # why the engine stopped, if it could not go on
         self._autostart = autostart
         self._ids = itertools.count()
@@ -152,20 +155,30 @@ class Engine:
         return self.submit_many([prompt], params, on_update=on_update, request_ids=[request_id])[0]
 
     def submit_many(self, prompts: list[Prompt], params: SamplingParams | None = None, *,
-                    on_update=None, request_ids: list[str | None] | None = None) -> list[RequestHandle]:
-        """Queue several requests so that they are admitted in the same step."""
+                    on_update=None, request_ids: list[str | None] | None = None, n: int = 1) -> list[RequestHandle]:
+        """Queue several requests so that they are admitted in the same step. n > 1: n replies to each prompt
+        (handles in prompt order, n each), whose prompt is computed once and shared copy-on-write."""
         self._check_running()
         params = params or SamplingParams()
+        self._check_params(params)
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(f"n must be a whole number of at least 1 (got {n!r})")
         encoded = [self.encode_prompt(p) for p in prompts]  # fails before anything is queued
         for ids in encoded:
             self.core.check_fits(ids, params)
         rids = [rid or f"req-{next(self._ids)}" for rid in request_ids or [None] * len(prompts)]
-        seqs = [self._new_sequence(ids, params, rid) for ids, rid in zip(encoded, rids)]
-        handles = self._register(seqs, on_update)
-        for seq in seqs:
-            self._inbox.put(_Add(seq))
+        groups = [[self._new_sequence(ids, params, rid if i == 0 else f"{rid}-{i}", i) for i in range(n)]
+                  for ids, rid in zip(encoded, rids)]
+        handles = self._register([seq for group in groups for seq in group], on_update)
+        for parent, *siblings in groups:
+            self._inbox.put(_Add(parent, tuple(siblings)))
         self._kick()
         return handles
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """A grammar compiled for this model's tokenizer (cached), for SamplingParams.grammar. Call it off the
+        engine's thread; raises RequestError naming what is wrong with the grammar or schema."""
+        return self.grammars.compile(spec)
 
     def fork(self, request_id: str, params: SamplingParams | None = None, *,
              on_update: Callable[[StreamDelta], None] | None = None) -> RequestHandle:
@@ -179,6 +192,9 @@ class Engine:
         if tokens is None:
             raise RequestError(f"no request {request_id!r} to fork")
         params = params or SamplingParams()
+        if params.grammar is not None:  # the grammar would start over in the middle of the parent's reply
+            raise RequestError("a fork cannot take a grammar")
+        self._check_params(params)
         self.core.check_fits(tokens, params)
         seq = self._new_sequence(tokens, params, f"req-{next(self._ids)}")
         [handle] = self._register([seq], on_update)
@@ -243,11 +259,20 @@ class Engine:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
-    def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+    def _check_params(self, params: SamplingParams) -> None:
+        bad = [t for t in params.token_ids_used() if t >= self.config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
+        """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds
+        after its own, so that they differ and still repeat."""
         seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            seq.generator.manual_seed(params.seed + sibling if params.seed is not None else torch.seed())
+        if params.grammar is not None:
+            seq.matcher = params.grammar.matcher()
         return seq
 
     def _register(self, seqs: list[Sequence], on_update) -> list[RequestHandle]:
@@ -308,12 +333,12 @@ class Engine:
         self.core.fault(Phase.FORWARD)
         return logits
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> list[int]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> list[Sampled | Exception]:
         if logits is None:
             return []
         sampling = [s.seq for s in plan.scheduled if s.samples]
-        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling],
-                              lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
+        rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher) for seq in sampling]
+        tokens = self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
         self.core.fault(Phase.SAMPLE)
         return tokens
 
@@ -345,7 +370,7 @@ class Engine:
 
     def _apply(self, msg: _Message) -> Output | None:
         if isinstance(msg, _Add):
-            self.core.add(msg.seq)
+            self.core.add_group(msg.seq, list(msg.siblings))
             return None
         if isinstance(msg, _Fork):
             seq = msg.seq

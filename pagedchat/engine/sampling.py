@@ -1,41 +1,136 @@
-"""The sampler that turns logits into next tokens (SamplingParams lives in params.py, free of torch)."""
+"""The sampler that turns logits into next tokens (SamplingParams lives in params.py, free of torch).
+
+Each row's logit processors run here and only here, in one order: repetition penalty, presence and frequency
+penalties, logit bias, min_tokens, then the grammar's mask. Greedy rows go through them too. Log-probabilities
+are read from the logits after the processors (so after the mask, as vLLM does) and before temperature.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.sequence import Sampled, TokenLogprob
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 
 log = logging.getLogger("pagedchat.engine")
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of logits to sample from, with what its processors need."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    token_ids: Sequence[int] = ()   # prompt then output: the repetition penalty reads both
+    num_prompt_tokens: int = 0
+    matcher: object | None = None   # llguidance.LLMatcher when the reply is constrained
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
 class Sampler:
     """Picks one token per row of logits. Greedy rows take argmax; others sample with their own generator.
+    A row whose processing or sampling raises gets its exception in place of a token, so that it fails its own
+    request alone; after_row (the engine's fault hook) runs as each row ends, inside that row's guard.
+    end_ids: the model's end-of-sequence ids, which min_tokens holds back."""
 
-    A row whose sampling raises gets its exception in place of a token, so that it fails its own request alone.
-    after_row (the engine's fault hook) runs as each row ends, inside that row's guard."""
+    end_ids: frozenset[int] = field(default_factory=frozenset)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 after_row: Callable[[int], None] | None = None) -> list[int | Exception]:
+    def __call__(self, logits: torch.Tensor, rows: list[Row],
+                 after_row: Callable[[int], None] | None = None) -> list[Sampled | Exception]:
         logits = logits.float()
-        greedy = logits.argmax(dim=-1).tolist()
-        out: list[int | Exception] = []
-        for row, (p, gen) in enumerate(zip(params, generators)):
-            token: int | Exception
+        failed: dict[int, Exception] = {}
+        shaped = [i for i, r in enumerate(rows) if r.params.shapes_logits]
+        if shaped:
+            logits = logits.clone()  # the runner's buffer stays as the model left it
+            for i in shaped:
+                try:
+                    self._process(logits[i], rows[i])
+                except Exception as exc:
+                    failed[i] = exc
+            constrained = [i for i in shaped if rows[i].matcher is not None and i not in failed]
+            if constrained:
+                try:
+                    apply_masks(logits, constrained, [rows[i].matcher for i in constrained])
+                except Exception as exc:
+                    failed.update(dict.fromkeys(constrained, exc))
+        picks = logits.argmax(dim=-1).tolist()
+        out: list[Sampled | Exception] = []
+        for i, row in enumerate(rows):
+            sampled: Sampled | Exception
             try:
-                token = greedy[row] if p.greedy else _sample_one(logits[row], p, gen)
+                if i in failed:
+                    raise failed[i]
+                token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator)
+                sampled = self._result(logits[i], row, token)
                 if after_row is not None:
-                    after_row(row)
+                    after_row(i)
             except Exception as exc:
-                log.exception("sampling failed for row %d", row)
-                token = exc
-            out.append(token)
+                log.exception("sampling failed for row %d", i)
+                sampled = exc
+            out.append(sampled)
         return out
+
+    def _process(self, logits: torch.Tensor, row: Row) -> None:
+        p = row.params
+        if p.repetition_penalty != 1.0 and row.token_ids:
+            seen = torch.tensor(sorted(set(row.token_ids)), device=logits.device)
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(list(row.output_ids)), minlength=logits.numel())[:logits.numel()]
+            counts = counts.to(logits.device, logits.dtype)
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        for token, bias in p.logit_bias:
+            if token < logits.numel():
+                logits[token] += bias
+        # A grammar that is complete allows only the end, and wins over min_tokens (else no token were left).
+        if len(row.output_ids) < p.min_tokens and not (row.matcher is not None and row.matcher.is_stopped()):
+            ends = [t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.numel()]
+            logits[ends] = float("-inf")
+
+    @staticmethod
+    def _result(logits: torch.Tensor, row: Row, token: int) -> Sampled:
+        error = None
+        if row.matcher is not None and not row.matcher.consume_token(token):
+            error = f"the grammar refused token {token}: {row.matcher.get_error()}"
+        k = row.params.logprobs
+        if k is None:
+            return Sampled(token, error=error)
+        logprobs = logits.log_softmax(-1)
+        chosen = TokenLogprob(token, float(logprobs[token]))
+        top = ()
+        if k:
+            values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+            top = tuple(TokenLogprob(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist())
+                        if v > float("-inf"))  # a mask may leave fewer than k tokens possible
+        return Sampled(token, chosen, top, error)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids next."""
+    # llguidance's numpy helpers: its torch ones import torch.compile's machinery (seconds, on the engine thread).
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    vocab = logits.shape[-1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, bitmask, i)
+    # Bit b of 32-bit word w allows token 32w + b: read as little-endian bytes, numpy unpacks them in that order.
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    forbidden = torch.from_numpy(bits == 0).to(logits.device)
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -20,6 +20,22 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """The token a row picked; its log-probability and the likeliest alternatives where asked for."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+    top: tuple[TokenLogprob, ...] = ()
+    error: str | None = None   # the grammar refused the token: the request fails with this
+
+
 @dataclass
 class Completion:
     """The result of one request. token_ids holds the generated ids only (the EOS id included, as transformers)."""
@@ -35,6 +51,7 @@ class Completion:
     decode_tokens_per_s: float | None = None
     error: str | None = None
     pages: list[int] = field(default_factory=list)  # the block table just before the pages were released
+    logprobs: list[Sampled] = field(default_factory=list)  # one per generated token, where asked for
 
 
 @dataclass
@@ -46,6 +63,7 @@ class StreamDelta:
     text: str
     finished: bool = False
     completion: Completion | None = None
+    logprobs: list[Sampled] = field(default_factory=list)  # this step's tokens', where asked for
 
 
 @dataclass(eq=False)
@@ -61,6 +79,8 @@ class Sequence:
     page_hashes: list[int] = field(default_factory=list)  # chain hash of each full page, in order
     cpu_table: list[int] = field(default_factory=list)     # CPU-tier pages while SWAPPED
     generator: torch.Generator | None = None
+    matcher: object | None = None        # llguidance.LLMatcher of a constrained reply (structured.py)
+    sampled: list[Sampled] = field(default_factory=list)  # each output token's log-probabilities, if asked
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
@@ -110,4 +130,5 @@ class Sequence:
             decode_tokens_per_s=tps,
             error=self.error,
             pages=list(self.block_table),
+            logprobs=list(self.sampled),
         )

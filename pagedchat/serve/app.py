@@ -34,7 +34,7 @@ from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_b
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
-from pagedchat.serve.responses import SSE_DONE, Kind, Reply, sse
+from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, Reply, sse
 from pagedchat.serve.stream import ReplyStream, until_disconnect
 
 log = logging.getLogger("pagedchat.serve")
@@ -143,17 +143,24 @@ class Server:
         backend = self._ready_backend()
         req = parse(ChatRequest, await request.body())
         self._check_model(req.model)
+        plan = req.output_plan()
         messages, continued = req.template_messages(), req.continue_final_message
         try:
             ids = await self._off_loop(build_chat_prompt, backend, messages, self.exchanges, continued)
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        grammar = None
+        if plan.grammar is not None:
+            try:
+                grammar = await self._off_loop(backend.compile_grammar, plan.grammar)
+            except PagedChatError as exc:
+                raise ApiError(400, str(exc), param="tools" if plan.calls_tools else "response_format") from None
 
         def remember(done: Outcome) -> None:
             self.exchanges.remember(messages, continued, done.text, done.token_ids)
 
-        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name)
-        return await self._respond(request, backend, reply, ids, req, "messages", remember)
+        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req), plan)
+        return await self._respond(request, backend, reply, ids, req, "messages", remember, grammar)
 
     async def completions(self, request: Request) -> Response:
         backend = self._ready_backend()
@@ -163,18 +170,24 @@ class Server:
             ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
-        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name)
+        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))
         return await self._respond(request, backend, reply, ids, req, "prompt", lambda done: None)
 
-    def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str) -> SamplingParams:
-        """The request's sampling; max_tokens defaults to all that the context and the cache leave."""
+    def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str, grammar) -> SamplingParams:
+        """The request's sampling; max_tokens defaults to all that the context and the cache leave. A context
+        overflow is worded as OpenAI's, which litellm and langchain map to their context-window errors."""
         info = backend.info
         context = info.context_length
         if len(ids) >= context:
-            raise ApiError(400, f"the prompt has {prompt_size(len(ids), context)} tokens but the model's context "
-                                f"holds {context}",
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
+                           f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens.",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
+        if max_tokens is not None and len(ids) + max_tokens > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                           f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the "
+                           "completion). Please reduce the length of the messages or completion.",
+                           param="max_tokens", code="context_length_exceeded")
         if max_tokens is None:
             cache_tokens = info.num_pages * info.block_size
             # Where the context is the limit, the engine stops there and says so (context_full); where the
@@ -182,62 +195,70 @@ class Server:
             max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
             if max_tokens < 1:
                 raise ApiError(400, f"the prompt's {len(ids)} tokens fill the KV cache", param=prompt_field)
+        req.check_token_ids(info.vocab_size)
         try:
-            return req.sampling_params(max_tokens)
+            return req.sampling_params(max_tokens, grammar)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
     async def _respond(self, request: Request, backend: TokenBackend, reply: Reply, ids: list[int], req,
-                       prompt_field, on_done: Callable[[Outcome], None]) -> Response:
-        params = self._params(backend, ids, req, prompt_field)
+                       prompt_field, on_done: Callable[[Outcome], None], grammar=None) -> Response:
+        params = self._params(backend, ids, req, prompt_field, grammar)
         started = time.perf_counter()
 
         def finished(done: Outcome) -> None:
-            self._open.pop(reply.id, None)
+            if not stream.running:   # the last of its n replies
+                self._open.pop(reply.id, None)
             self.metrics.observe(done, len(ids), time.perf_counter() - started)
             if done.finish_reason != "error":
                 on_done(done)
 
         try:
-            stream = ReplyStream(backend, ids, params, reply.id, finished)
+            stream = ReplyStream(backend, ids, params, reply.id, finished, req.n)
         except PagedChatError as exc:  # e.g. max_tokens more than the cache can ever hold
             raise ApiError(400, str(exc), param="max_tokens") from None
         self._open[reply.id] = stream   # finished() runs on this loop, so never before this line
         if req.stream:
-            return EventStream(self._events(reply, stream, len(ids), req.include_usage), stream)
+            return EventStream(self._events(reply, stream, len(ids), req), stream)
         try:
-            done = await until_disconnect(request, stream.outcome())
+            outcomes = await until_disconnect(request, stream.outcomes())
         finally:
             stream.close()
-        if done is None:  # the client went away; its request is cancelled and its pages freed
+        if outcomes is None:  # the client went away; its requests are cancelled and their pages freed
             return Response(status_code=499)
-        if done.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
-        return JSONResponse(reply.whole(len(ids), done))
+        failed = next((o for o in outcomes if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, f"generation failed: {failed.error}", kind="server_error")
+        return JSONResponse(reply.whole(len(ids), outcomes))
 
-    async def _events(self, reply: Reply, stream: ReplyStream, prompt_tokens: int, include_usage: bool):
-        if reply.kind is Kind.CHAT:
-            yield reply.chunk("", role=True, with_usage=include_usage)
-        async for update in stream.updates():
-            if not update.finished:
-                if update.text:
-                    yield reply.chunk(update.text, with_usage=include_usage)
-                continue
-            done = update.outcome
-            if done.finish_reason == "error":
-                yield sse(ApiError(500, f"generation failed: {done.error}", kind="server_error").body())
+    async def _events(self, reply: Reply, stream: ReplyStream, prompt_tokens: int, req):
+        chunks = ChoiceChunks(reply, req.n, req.include_usage)
+        for chunk in chunks.opening():
+            yield chunk
+        async for i, update in stream.updates():
+            if update.finished and update.outcome.finish_reason == "error":
+                yield sse(ApiError(500, f"generation failed: {update.outcome.error}", kind="server_error").body())
                 break
-            yield reply.chunk(update.text or None, finish_reason=done.finish_reason, with_usage=include_usage)
-            if include_usage:
-                yield reply.usage_chunk(prompt_tokens, done)
+            for chunk in chunks.feed(i, update):
+                yield chunk
+        else:
+            for chunk in chunks.closing(prompt_tokens):
+                yield chunk
         yield SSE_DONE
 
     # ---- the rest ------------------------------------------------------------------------------------------
-    async def models(self, request: Request) -> Response:
+    def _card(self) -> dict:
         info = self._ready_backend().info
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedchat",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedchat",
                 "root": info.model, "max_model_len": info.context_length}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        card = self._card()
+        self._check_model(request.path_params["model_id"])
+        return JSONResponse(card)
 
     async def health(self, request: Request) -> Response:
         if self.backend is not None:
@@ -253,6 +274,14 @@ class Server:
     async def prometheus(self, request: Request) -> Response:
         text = await anyio.to_thread.run_sync(self.metrics.render)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _namer(backend: TokenBackend, req) -> Callable[[list[int]], list[str]]:
+    """How log-probabilities name tokens: by their text, or as "token_id:N" where the request asks (vLLM's
+    return_tokens_as_token_ids, for a client that needs the ids)."""
+    if req.return_tokens_as_token_ids:
+        return lambda ids: [f"token_id:{i}" for i in ids]
+    return backend.token_texts
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -282,6 +311,7 @@ def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/memory", server.memory, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),

@@ -15,49 +15,63 @@ T = TypeVar("T")
 
 
 class ReplyStream:
-    """Submits ids to the backend; its thread's on_update puts each Update on this loop's queue.
+    """Submits ids to the backend for n replies; its thread's on_update puts each (choice index, Update) on this
+    loop's queue.
 
-    on_finish runs on the loop with the reply's Outcome however it ended, read to the end or not (a client
+    on_finish runs on the loop with each reply's Outcome however it ended, read to the end or not (a client
     that disconnects still counts in the metrics, as cancelled)."""
 
     def __init__(self, backend: TokenBackend, ids: list[int], params: SamplingParams, request_id: str,
-                 on_finish: Callable[[Outcome], None]):
+                 on_finish: Callable[[Outcome], None], n: int = 1):
         loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Update] = asyncio.Queue()
-        self._finished = False
+        self._queue: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
+        self._open = n      # replies whose final update the reader has not taken yet
+        self._running = n   # replies whose final update has not arrived yet
+        index: dict[str, int] = {}
 
-        def arrive(update: Update) -> None:  # on the loop
-            self._queue.put_nowait(update)
+        def arrive(update: Update) -> None:  # on the loop, after every reply's id is known
+            self._queue.put_nowait((index[update.request_id], update))
             if update.finished:
+                self._running -= 1
                 on_finish(update.outcome)
 
         def on_update(update: Update) -> None:  # on the engine thread
             loop.call_soon_threadsafe(arrive, update)
 
-        [self.reply] = backend.submit_ids([ids], params, request_ids=[request_id], on_update=on_update)
+        self.replies = backend.submit_ids([ids], params, request_ids=[request_id], on_update=on_update, n=n)
+        index.update((r.request_id, i) for i, r in enumerate(self.replies))
 
     async def updates(self):
-        while not self._finished:
-            update = await self._queue.get()
-            self._finished = update.finished
-            yield update
+        """(choice index, Update) until every reply has finished."""
+        while self._open:
+            i, update = await self._queue.get()
+            self._open -= update.finished
+            yield i, update
 
-    async def outcome(self) -> Outcome:
-        async for update in self.updates():
+    async def outcomes(self) -> list[Outcome]:
+        done: dict[int, Outcome] = {}
+        async for i, update in self.updates():
             if update.finished:
-                return update.outcome
-        raise RuntimeError("the stream ended without an outcome")
+                done[i] = update.outcome
+        return [done[i] for i in range(len(self.replies))]
+
+    @property
+    def running(self) -> int:
+        """Replies whose final update has not arrived on the loop yet."""
+        return self._running
 
     def end(self) -> None:
-        """Cancel the reply and let its reader go on to the final update, whose finish reason says cancelled."""
-        if not self._finished:
-            self.reply.cancel()
+        """Cancel the replies still running and let the reader go on to their final updates, whose finish reason
+        says cancelled (a shutdown's drain)."""
+        for reply in self.replies:
+            reply.cancel()
 
     def close(self) -> None:
-        """Cancel the reply unless it finished: the engine frees its pages at its next step."""
-        if not self._finished:
-            self._finished = True
-            self.reply.cancel()
+        """Cancel the replies still running: the engine frees their pages at its next step."""
+        if self._open:
+            self._open = 0
+            for reply in self.replies:
+                reply.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

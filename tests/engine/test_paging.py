@@ -136,6 +136,51 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
     check_same(tiny_llama_ref, full, done.token_ids, 5)
 
 
+@pytest.mark.parametrize("prompt_len", [40, 33])   # the last prompt token mid-page, and first on its page
+def test_n_replies_compute_the_prompt_once_and_share_its_pages(tiny_llama, tiny_llama_ref, prompt_len):
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    prompt = ids_of(eng.tokenizer, prompt_len)
+    handles = eng.submit_many([prompt], SamplingParams(max_tokens=12, ignore_eos=True), n=3)
+    step(eng)   # the parent's prefill; then its siblings map the pages holding all but the last prompt token
+    snap = eng.memory()
+    shared = -(-(prompt_len - 1) // 16)
+    pages = [snap.seqs[h.request_id].pages for h in handles]
+    assert pages[1] == pages[2] == pages[0][:shared] and all(snap.ref_counts[p] == 3 for p in pages[1])
+    step(eng)   # each sibling computes the last prompt token again: into a copy of the shared partial page,
+    # where it is one (two copies: the last writer has the original to itself), else into a page of its own
+    assert eng.block_manager.counters.cow_copies == (2 if prompt_len % 16 != 1 else 0)
+    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
+    results = [h.result() for h in handles]
+    assert sum(r.prefilled_tokens for r in results) == prompt_len + 2    # one prefill, and 1 token each sibling
+    assert results[1].cached_tokens == results[2].cached_tokens == prompt_len - 1
+    for r in results:   # greedy replies are the same whatever the sharing
+        check_same(tiny_llama_ref, prompt, r.token_ids, 12)
+    assert eng.memory().free_pages == eng.memory().num_pages
+
+
+def test_n_seeded_replies_differ_and_repeat(tiny_llama):
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+
+    def texts() -> list[list[int]]:
+        handles = eng.submit_many([ids_of(eng.tokenizer, 20)], params, n=3)
+        drain(eng)
+        return [h.result().token_ids for h in handles]
+
+    first = texts()
+    assert len({tuple(t) for t in first}) == 3 and texts() == first
+
+
+def test_a_cancelled_parent_leaves_its_siblings_to_run(tiny_llama, tiny_llama_ref):
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    prompt = ids_of(eng.tokenizer, 30)
+    parent, sibling = eng.submit_many([prompt], SamplingParams(max_tokens=6, ignore_eos=True), n=2)
+    eng.cancel(parent.request_id)
+    drain(eng)
+    assert parent.result().finish_reason == "cancelled"
+    check_same(tiny_llama_ref, prompt, sibling.result().token_ids, 6)
+
+
 # ---- preemption ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("swap_pages", [0, 2, 32])
 def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
@@ -414,3 +459,16 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             assert "RuntimeError: injected into" in done.error, done.error
         else:
             assert done.finish_reason == "cancelled"
+
+
+def test_a_fork_refuses_a_grammar(tiny_llama):
+    from pagedchat.engine.structured import GrammarSpec
+
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    parent = eng.submit(ids_of(eng.tokenizer, 20), SamplingParams(max_tokens=8, ignore_eos=True))
+    step(eng)
+    grammar = eng.compile_grammar(GrammarSpec.json_schema({"type": "object"}))
+    with pytest.raises(RequestError, match="grammar"):
+        eng.fork(parent.request_id, SamplingParams(max_tokens=4, grammar=grammar))
+    drain(eng)
+    assert len(parent.result().token_ids) == 8

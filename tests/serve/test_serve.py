@@ -170,7 +170,7 @@ BAD = [
     ({"messages": CHAT, "temperature": "0.5"}, "temperature"),
     ({"messages": CHAT, "top_p": 0}, "top_p"),
     ({"messages": CHAT, "max_tokens": True}, "max_tokens"),
-    ({"messages": CHAT, "n": 2}, "n"),
+    ({"messages": CHAT, "n": 0}, "n"),
     ({"messages": CHAT, "stop": [""]}, "stop"),
     ({"messages": CHAT, "max_tokens": 1500}, "max_tokens"),                               # more than the cache holds
     ({"messages": [{"role": "user", "content": "fox " * CONTEXT}]}, "messages"),          # longer than the context
