@@ -33,10 +33,12 @@ INNOCENT = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
 # Accepted settings at the edges of float32 and of 64-bit seeds: each must get a reply and fail no one else.
 HOSTILE = [{"top_p": 7e-46}, {"top_p": 5e-324, "top_k": 2**70}, {"temperature": 1e308},
            {"temperature": 3.4e38, "top_p": 1e-38}, {"temperature": 0.01, "seed": 2**64 - 1},
-           {"seed": -2**63, "top_k": 1}]
+           {"seed": -2**63, "top_k": 1}, {"repetition_penalty": 1e-38, "logit_bias": {"0": 100}},
+           {"frequency_penalty": 2, "presence_penalty": -2, "min_tokens": 24, "n": 3}]
 # Refused settings: a 400 naming the field.
 REFUSED = [({"seed": 2**64}, "seed"), ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"),
-           ({"max_tokens": 10**9}, "max_tokens"), ({"n": 2}, "n")]
+           ({"max_tokens": 10**9}, "max_tokens"), ({"n": 17}, "n"),
+           ({"logit_bias": {"99999999": 5}}, "logit_bias")]
 
 
 class Kind(Enum):
