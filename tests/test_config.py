@@ -54,7 +54,7 @@ def test_explicit_path_must_exist(tmp_path):
     ("[sampling]\npresence_penalty = 2.5", r"\[sampling\]: presence_penalty must be a number in \[-2, 2\]"),
     ("[sampling]\nrepetition_penalty = 0", r"repetition_penalty must be a number > 0"),
     ("[sampling]\nmin_tokens = 1.5", r"min_tokens must be a whole number, not 1.5"),
-    ("[sampling]\nlogit_bias = 1", r"unknown setting 'logit_bias' \(known: max_tokens, .*min_tokens\)"),
+    ("[sampling]\nlogit_bias = 1", r"unknown setting 'logit_bias' \(known: max_tokens, .*repetition_penalty\)"),
 ])
 def test_bad_files_name_the_problem(text, message):
     with pytest.raises(ConfigError, match=message):

@@ -96,26 +96,27 @@ MAX_PENALTY = 2.0
 MAX_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20
 
+# In F3's order: two a row.
 SAMPLING_FIELDS = (
     SamplingField("max_tokens", int, 256, "a whole number of at least 1", "Max tokens", low=1, chat=True,
                   chat_default=1024),
+    SamplingField("min_tokens", int, 0, "a whole number >= 0", "Min tokens (0 = off)", low=0, chat=True,
+                  openai=False),
     SamplingField("temperature", float, 0.0, "a finite number >= 0", "Temperature (0 = greedy)", low=0, chat=True,
                   chat_default=0.7),
+    SamplingField("seed", int, None, "a whole number that fits in 64 bits, from -2**63 to 2**64 - 1",
+                  "Seed (empty = random)", low=SEED_RANGE.start, high=SEED_RANGE.stop, high_open=True,
+                  nullable=True, chat=True),
     SamplingField("top_p", float, 1.0, "in (0, 1]", "Top p", low=0, low_open=True, high=1, chat=True,
                   chat_default=0.95),
     SamplingField("top_k", int, 0, "a whole number >= 0, 0 turns it off", "Top k (0 = off)", low=0, chat=True,
                   openai=False),
-    SamplingField("seed", int, None, "a whole number that fits in 64 bits, from -2**63 to 2**64 - 1",
-                  "Seed (empty = random)", low=SEED_RANGE.start, high=SEED_RANGE.stop, high_open=True,
-                  nullable=True, chat=True),
     SamplingField("presence_penalty", float, 0.0, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
                   "Presence penalty (0 = off)", low=-MAX_PENALTY, high=MAX_PENALTY, chat=True),
     SamplingField("frequency_penalty", float, 0.0, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
                   "Frequency penalty (0 = off)", low=-MAX_PENALTY, high=MAX_PENALTY, chat=True),
     SamplingField("repetition_penalty", float, 1.0, "a number > 0, 1 turns it off", "Repetition penalty (1 = off)",
                   low=0, low_open=True, chat=True, openai=False),
-    SamplingField("min_tokens", int, 0, "a whole number >= 0", "Min tokens (0 = off)", low=0, chat=True,
-                  openai=False),
 )
 FIELDS = {f.name: f for f in SAMPLING_FIELDS}
 CHAT_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.chat)
