@@ -92,8 +92,8 @@ class SamplingField:
 
 
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100]; top_logprobs at most 20.
-MAX_PENALTY = 2.0
-MAX_BIAS = 100.0
+MAX_PENALTY = 2
+MAX_BIAS = 100
 MAX_TOP_LOGPROBS = 20
 
 # In F3's order: two a row.
