@@ -42,6 +42,8 @@ class SamplingField:
     low_open: bool = False
     high_open: bool = False
     nullable: bool = False       # None allowed: unset
+    floor: float | None = None   # values between 0 and this are refused (0 itself is allowed)...
+    floor_rule: str = ""         # ...with this rule in words
     chat: bool = False           # a chat keeps it (F3, config.toml's [sampling], the saved chat, `ask`'s flags)
     chat_default: object = None  # a new chat's value where it differs from default (chat fields only)
     openai: bool = True          # OpenAI's API has it; others (vLLM's) go to a server only when not default
@@ -63,8 +65,8 @@ class SamplingField:
             fits = value > self.low if self.low_open else value >= self.low
         if fits and self.high is not None:
             fits = value < self.high if self.high_open else value <= self.high
-        if fits and self.name == "temperature" and 0 < value < MIN_TEMPERATURE:
-            return f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} (got {value!r})"
+        if fits and self.floor is not None and 0 < value < self.floor:
+            return f"{self.name} must be {self.floor_rule} (got {value!r})"
         return None if fits else f"{self.name} must be {self.rule} (got {value!r})"
 
     def parse(self, text: str):
@@ -103,7 +105,7 @@ SAMPLING_FIELDS = (
     SamplingField("min_tokens", int, 0, "a whole number >= 0", "Min tokens (0 = off)", low=0, chat=True,
                   openai=False),
     SamplingField("temperature", float, 0.0, "a finite number >= 0", "Temperature (0 = greedy)", low=0, chat=True,
-                  chat_default=0.7),
+                  chat_default=0.7, floor=MIN_TEMPERATURE, floor_rule=f"0 (greedy) or at least {MIN_TEMPERATURE}"),
     SamplingField("seed", int, None, "a whole number that fits in 64 bits, from -2**63 to 2**64 - 1",
                   "Seed (empty = random)", low=SEED_RANGE.start, high=SEED_RANGE.stop, high_open=True,
                   nullable=True, chat=True),
