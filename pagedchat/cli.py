@@ -69,6 +69,28 @@ def _config(args, **overrides):
     return load_config(args.config, **_engine_flags(args), **overrides)
 
 
+def _sampling_type(f):
+    """argparse's type for a declared sampling field: its error says the field's rule."""
+    def parse(text: str):
+        try:
+            return f.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = f.name
+    return parse
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per setting a chat keeps (engine/params.py's declaration). Unset, each stays absent: ask's own
+    defaults apply (greedy, ASK_MAX_TOKENS), and the app-wide --max-tokens/--temperature are not hidden."""
+    from pagedchat.engine.params import CHAT_FIELDS
+
+    for f in CHAT_FIELDS:
+        default = f" (default: {ASK_MAX_TOKENS})" if f.name == "max_tokens" else ""
+        p.add_argument(f.flag, type=_sampling_type(f), default=argparse.SUPPRESS, metavar="N",
+                       help=f"{f.help}: {f.rule}{default}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedchat", description="A terminal chat app on its own paged KV-cache LLM engine.",
@@ -93,11 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true",
                      help="print the whole completion (text, token counts, timings, finish reason) as one JSON object")
     ask.add_argument("--system", metavar="TEXT", default=argparse.SUPPRESS, help="system prompt")
-    ask.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS, help=f"default: {ASK_MAX_TOKENS}")
-    ask.add_argument("--temperature", type=float, default=argparse.SUPPRESS, help="0 = greedy (default)")
-    ask.add_argument("--top-p", type=float, default=1.0)
-    ask.add_argument("--top-k", type=int, default=0)
-    ask.add_argument("--seed", type=int)
+    _add_sampling_flags(ask)
     ask.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                      help="ask an OpenAI-compatible server instead of the engine in-process, e.g. "
                      "http://127.0.0.1:8000/v1 (--model then picks one of its models)")
@@ -237,13 +255,13 @@ def _answer(backend, messages: list[dict], params, echo: bool):
 
 def cmd_ask(args) -> int:
     from pagedchat.backends.open import open_backend
-    from pagedchat.engine.params import SamplingParams
+    from pagedchat.engine.params import CHAT_FIELDS, SamplingParams
 
     # All before the model loads, so a missing question or a bad setting is said at once.
     question = ask_message(args.question, sys.stdin)
     # ask answers greedily and briefly unless told otherwise: config.toml's [sampling] is for the app's chats.
-    params = SamplingParams(max_tokens=ASK_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
-                            temperature=args.temperature or 0.0, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    given = {f.name: getattr(args, f.name) for f in CHAT_FIELDS if getattr(args, f.name, None) is not None}
+    params = SamplingParams(**{"max_tokens": ASK_MAX_TOKENS, **given})
     config = _config(args, server=args.server, api_key=args.api_key)
     progress = _Progress()
     backend = open_backend(config, progress)

@@ -19,6 +19,11 @@ Example `config.toml` (every key optional):
     temperature = 0.7
     top_p = 0.95
     top_k = 0
+    seed = 42                                        # default: a fresh seed per reply
+    presence_penalty = 0.0                           # [-2, 2]
+    frequency_penalty = 0.0                          # [-2, 2]
+    repetition_penalty = 1.0                         # > 0, 1 = off
+    min_tokens = 0
 
     [keys]                                           # binding id = keys, see F1 in the app
     new_chat = "ctrl+t"
@@ -39,7 +44,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from pagedchat.engine.params import SamplingSettings, sampling_problem
+from pagedchat.engine.params import CHAT_FIELDS, SamplingSettings, fields_problem
 from pagedchat.errors import PagedChatError
 from pagedchat.paths import config_dir, data_dir
 
@@ -125,7 +130,8 @@ _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int)
         "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "system_prompt": (str,),
         "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
-_SAMPLING = {"max_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,)}
+# [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is left out).
+_SAMPLING = {f.name: (int, float) if f.kind is float else (int,) for f in CHAT_FIELDS}
 
 
 def _check(where: str, table: dict, schema: dict) -> dict:
@@ -156,7 +162,7 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     out = _check(source, raw, _TOP)
     chosen = _check(f"{source} [sampling]", sampling, _SAMPLING)
     out.update(chosen)
-    problem = sampling_problem(**{**dataclasses.asdict(SamplingDefaults()), **chosen})
+    problem = fields_problem(chosen)
     if problem:
         raise ConfigError(f"{source} [sampling]: {problem}")
     for key in ("block_size", "threads"):
@@ -170,7 +176,7 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
 def load_config(path: str | Path | None = None, **overrides) -> AppConfig:
     """Read config.toml (path, or the one in config_dir() if it exists), then apply overrides (CLI flags).
 
-    overrides take AppConfig field names plus the [sampling] keys (max_tokens, temperature, top_p, top_k);
+    overrides take AppConfig field names plus the [sampling] keys (engine/params.py's CHAT_FIELDS);
     None values are ignored. A missing default file is fine; a missing explicit path or a bad file raises
     ConfigError. PAGEDCHAT_API_KEY, where set, stands between the file and the flags, so a key need not be
     written into config.toml.

@@ -121,6 +121,26 @@ def test_ask_json_is_one_object_with_the_exact_text(monkeypatch, capsys):
     assert result["time_to_first_token_s"] == 0.02 and result["total_s"] > 0
 
 
+def test_ask_takes_every_chat_sampling_setting_as_a_flag(monkeypatch, capsys):
+    """--presence-penalty and the rest come from the declared fields; unset ones keep ask's greedy defaults."""
+    from pagedchat.engine.params import CHAT_FIELDS, SamplingParams
+
+    engine = scripted(monkeypatch, ["ok"])
+    assert main(["ask", "hi", "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--repetition-penalty",
+                 "1.2", "--min-tokens", "2", "--top-k", "5", "--seed", "7"]) == 0
+    assert engine.params[-1] == SamplingParams(max_tokens=512, presence_penalty=0.5, frequency_penalty=-1.0,
+                                               repetition_penalty=1.2, min_tokens=2, top_k=5, seed=7)
+    help_text = run_cli("ask", "--help").stdout
+    assert all(f.flag in help_text for f in CHAT_FIELDS)
+
+    with pytest.raises(SystemExit) as exit:
+        main(["ask", "hi", "--presence-penalty", "2.5"])
+    assert exit.value.code == 2
+    assert "argument --presence-penalty: presence_penalty must be a number in [-2, 2] (got 2.5)" in \
+        capsys.readouterr().err
+    assert len(engine.params) == 1   # refused before any model was asked
+
+
 def test_piped_ask_json_on_a_real_engine_matches_generate(tiny_llama):
     from pagedchat import Engine, SamplingParams
 

@@ -51,10 +51,36 @@ def test_explicit_path_must_exist(tmp_path):
     ("[sampling]\ntemperature = nan", r"\[sampling\]: temperature must be a finite number >= 0 \(got nan\)"),
     ("[sampling]\ntemperature = 1e-40", r"temperature must be 0 \(greedy\) or at least 0.01"),
     ("[sampling]\ntop_p = 0", r"top_p must be in \(0, 1\]"),
+    ("[sampling]\npresence_penalty = 2.5", r"\[sampling\]: presence_penalty must be a number in \[-2, 2\]"),
+    ("[sampling]\nrepetition_penalty = 0", r"repetition_penalty must be a number > 0"),
+    ("[sampling]\nmin_tokens = 1.5", r"min_tokens must be a whole number, not 1.5"),
+    ("[sampling]\nlogit_bias = 1", r"unknown setting 'logit_bias' \(known: max_tokens, .*repetition_penalty\)"),
 ])
 def test_bad_files_name_the_problem(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(text, "config.toml")
+
+
+def test_every_setting_a_chat_keeps_is_a_sampling_key(tmp_path):
+    """[sampling] takes the declared chat fields, each checked by its declared rule, and new chats start there."""
+    from pagedchat.engine.params import CHAT_FIELDS
+
+    (tmp_path / "config.toml").write_text("[sampling]\nseed = 42\npresence_penalty = 0.5\nfrequency_penalty = -1\n"
+                                          "repetition_penalty = 1.2\nmin_tokens = 3\ntop_k = 40\n")
+    config = load_config(tmp_path / "config.toml", frequency_penalty=0.25)
+    s = config.sampling
+    assert (s.seed, s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens, s.top_k) == \
+        (42, 0.5, 0.25, 1.2, 3, 40)
+    assert isinstance(s.presence_penalty, float)
+    assert {f.name for f in CHAT_FIELDS} >= {"presence_penalty", "frequency_penalty", "repetition_penalty",
+                                             "min_tokens", "seed"}
+    for f in CHAT_FIELDS:   # each key is known to config.toml and refused beyond the declared bounds
+        if f.high is not None and f.name != "seed":
+            with pytest.raises(ConfigError, match=f"{f.name} must be"):
+                parse_config(f"[sampling]\n{f.name} = {f.high + 1}\n")
+        if f.low is not None:
+            with pytest.raises(ConfigError, match=f"{f.name} must be"):
+                parse_config(f"[sampling]\n{f.name} = {f.low - 1}\n")
 
 
 def test_sampling_flags_are_checked_like_requests():

@@ -213,6 +213,7 @@ class ScriptedEngine:
         self.chunks = chunks
         self.first_token_s = first_token_s   # how long each reply thinks before its first text (a long prefill)
         self.prompts: list[list[int]] = []  # every submitted prompt, in order
+        self.params: list = []              # and its SamplingParams
         self.failure: str | None = None     # as Engine.failure: a test sets it to stop the engine
         self.cancelled: set[str] = set()
         self.count = 0
@@ -227,6 +228,7 @@ class ScriptedEngine:
         self.count += 1
         handle = ScriptedHandle(request_id or f"scripted-{self.count}", list(prompt), on_update)
         self.prompts.append(handle.prompt_token_ids)
+        self.params.append(params)
         reply = self.replies.pop(0) if self.replies else ""
         text, error = reply if isinstance(reply, tuple) else (reply, None)
         threading.Thread(target=self.stream, args=(handle, text, error), daemon=True).start()

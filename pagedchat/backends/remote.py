@@ -27,6 +27,7 @@ from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, 
 from pagedchat.backends.metrics import ServerMetrics, parse_metrics
 from pagedchat.config import API_KEY_ENV
 from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.params import SAMPLING_FIELDS
 from pagedchat.errors import PagedChatError
 
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
@@ -115,13 +116,16 @@ class RemoteReply:
         p = self.params
         messages = self.messages + ([{"role": "assistant", "content": self.prefill}] if prefill else [])
         extra = dict(CONTINUE) if prefill else {}
-        if p.top_k:
-            extra["top_k"] = p.top_k   # not OpenAI's: sent only when set, as vLLM and llama-server take it
         args = dict(model=self._backend.model, messages=messages, stream=True,
-                    stream_options={"include_usage": True}, max_tokens=p.max_tokens, temperature=p.temperature,
-                    top_p=p.top_p)
-        if p.seed is not None:
-            args["seed"] = p.seed
+                    stream_options={"include_usage": True})
+        for f in SAMPLING_FIELDS:
+            value = getattr(p, f.name)
+            if f.openai and value is not None:
+                args[f.name] = value
+            elif not f.openai and value != f.default:
+                # vLLM's and llama-server's, not OpenAI's: sent only when set, so a strict server still takes
+                # a chat that leaves them alone
+                extra[f.name] = value
         if p.stop:
             args["stop"] = list(p.stop)
         if extra:

@@ -4,7 +4,7 @@ config can check settings before the engine is loaded."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import TYPE_CHECKING
 
 from pagedchat.errors import RequestError
@@ -28,30 +28,137 @@ def _is_real(value) -> bool:
 
 
 @dataclass(frozen=True)
+class SamplingField:
+    """One sampling setting, declared once: SamplingParams' validation, config.toml's [sampling] keys, the chat's
+    saved settings, F3's fields, `ask`'s flags, the server's ranges and what the remote backend sends all read it."""
+
+    name: str                    # as SamplingParams, config.toml, the saved chat and OpenAI's API name it
+    kind: type                   # int or float (a float setting takes whole numbers too)
+    default: object              # SamplingParams' and the API's: what leaves the reply as the model makes it
+    rule: str                    # the values allowed, in words: "{name} must be {rule} (got ...)"
+    help: str                    # F3's label and the flag's help
+    low: float | None = None     # bounds, inclusive unless open
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    nullable: bool = False       # None allowed: unset
+    floor: float | None = None   # values between 0 and this are refused (0 itself is allowed)...
+    floor_rule: str = ""         # ...with this rule in words
+    chat: bool = False           # a chat keeps it (F3, config.toml's [sampling], the saved chat, `ask`'s flags)
+    chat_default: object = None  # a new chat's value where it differs from default (chat fields only)
+    openai: bool = True          # OpenAI's API has it; others (vLLM's) go to a server only when not default
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def for_chat(self) -> object:
+        return self.default if self.chat_default is None else self.chat_default
+
+    def problem(self, value) -> str | None:
+        """What is wrong with value for this setting, as one line, or None."""
+        if value is None and self.nullable:
+            return None
+        fits = _is_int(value) if self.kind is int else _is_real(value)
+        if fits and self.low is not None:
+            fits = value > self.low if self.low_open else value >= self.low
+        if fits and self.high is not None:
+            fits = value < self.high if self.high_open else value <= self.high
+        if fits and self.floor is not None and 0 < value < self.floor:
+            return f"{self.name} must be {self.floor_rule} (got {value!r})"
+        return None if fits else f"{self.name} must be {self.rule} (got {value!r})"
+
+    def parse(self, text: str):
+        """The value a typed text (F3, a flag) stands for; ValueError says what is wrong. Empty: unset."""
+        text = text.strip()
+        if not text and self.nullable:
+            return None
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise ValueError(f"{self.name} must be {self.rule} (got {text!r})") from None
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    def bounds(self) -> dict:
+        """The bounds as pydantic's Field takes them (ge/gt/le/lt)."""
+        out = {}
+        if self.low is not None:
+            out["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            out["lt" if self.high_open else "le"] = self.high
+        return out
+
+
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100]; top_logprobs at most 20.
+MAX_PENALTY = 2
+MAX_BIAS = 100
+MAX_TOP_LOGPROBS = 20
+
+# In F3's order: two a row.
+SAMPLING_FIELDS = (
+    SamplingField("max_tokens", int, 256, "a whole number of at least 1", "Max tokens", low=1, chat=True,
+                  chat_default=1024),
+    SamplingField("min_tokens", int, 0, "a whole number >= 0", "Min tokens (0 = off)", low=0, chat=True,
+                  openai=False),
+    SamplingField("temperature", float, 0.0, "a finite number >= 0", "Temperature (0 = greedy)", low=0, chat=True,
+                  chat_default=0.7, floor=MIN_TEMPERATURE, floor_rule=f"0 (greedy) or at least {MIN_TEMPERATURE}"),
+    SamplingField("seed", int, None, "a whole number that fits in 64 bits, from -2**63 to 2**64 - 1",
+                  "Seed (empty = random)", low=SEED_RANGE.start, high=SEED_RANGE.stop, high_open=True,
+                  nullable=True, chat=True),
+    SamplingField("top_p", float, 1.0, "in (0, 1]", "Top p", low=0, low_open=True, high=1, chat=True,
+                  chat_default=0.95),
+    SamplingField("top_k", int, 0, "a whole number >= 0, 0 turns it off", "Top k (0 = off)", low=0, chat=True,
+                  openai=False),
+    SamplingField("presence_penalty", float, 0.0, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                  "Presence penalty (0 = off)", low=-MAX_PENALTY, high=MAX_PENALTY, chat=True),
+    SamplingField("frequency_penalty", float, 0.0, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                  "Frequency penalty (0 = off)", low=-MAX_PENALTY, high=MAX_PENALTY, chat=True),
+    SamplingField("repetition_penalty", float, 1.0, "a number > 0, 1 turns it off", "Repetition penalty (1 = off)",
+                  low=0, low_open=True, chat=True, openai=False),
+)
+FIELDS = {f.name: f for f in SAMPLING_FIELDS}
+CHAT_FIELDS = tuple(f for f in SAMPLING_FIELDS if f.chat)
+
+
+def fields_problem(values: dict) -> str | None:
+    """The first problem among these declared settings, as one line, or None."""
+    for name, value in values.items():
+        problem = FIELDS[name].problem(value)
+        if problem:
+            return problem
+    return None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_tokens: int = FIELDS["max_tokens"].default
+    temperature: float = FIELDS["temperature"].default
+    top_p: float = FIELDS["top_p"].default
+    top_k: int = FIELDS["top_k"].default
+    seed: int | None = FIELDS["seed"].default
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    # The logit processors, applied by the sampler in one place (sampling.py), greedy rows included.
-    presence_penalty: float = 0.0        # OpenAI's: minus this from every token already generated
-    frequency_penalty: float = 0.0       # OpenAI's: minus this times how often a token was generated
-    repetition_penalty: float = 1.0      # vLLM's and transformers': logits of prompt and output tokens / this
+    # The logit processors, applied by the sampler in one place (sampling.py), greedy rows included. Presence
+    # (OpenAI's): minus it from every token already generated; frequency: minus it times how often; repetition
+    # (vLLM's and transformers'): logits of prompt and output tokens divided by it.
+    presence_penalty: float = FIELDS["presence_penalty"].default
+    frequency_penalty: float = FIELDS["frequency_penalty"].default
+    repetition_penalty: float = FIELDS["repetition_penalty"].default
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
-    min_tokens: int = 0                  # no end-of-sequence or stop id before this many tokens
+    min_tokens: int = FIELDS["min_tokens"].default   # no end-of-sequence or stop id before this many tokens
     stop_token_ids: tuple[int, ...] = ()   # ids that end the reply, beside the model's end-of-sequence ids
     logprobs: int | None = None          # None: none; k: the chosen token's log-probability and the k likeliest
     grammar: CompiledGrammar | None = None   # constrained decoding: only tokens the grammar allows
 
     def __post_init__(self):
-        problem = sampling_problem(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed) or \
-            processor_problem(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                              self.logit_bias, self.min_tokens, self.stop_token_ids, self.logprobs)
+        problem = fields_problem({f.name: getattr(self, f.name) for f in SAMPLING_FIELDS}) or \
+            _lists_problem(self.logit_bias, self.stop_token_ids, self.logprobs)
         if problem is None and not all(isinstance(s, str) and s for s in self.stop):
             problem = "stop strings must be non-empty text"
         if problem:
@@ -72,19 +179,11 @@ class SamplingParams:
         return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Sampling as a user picks it: config.toml's [sampling] defaults, and each chat's own settings (seed None: a
-    fresh seed per reply). The same rule as SamplingParams checks it, so no chat holds settings it cannot run."""
-
-    max_tokens: int = 1024
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 0
-    seed: int | None = None
+class _Settings:
+    """SamplingSettings' behaviour; its fields are the declared chat fields (CHAT_FIELDS)."""
 
     def __post_init__(self):
-        problem = sampling_problem(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+        problem = fields_problem(asdict(self))
         if problem:
             raise RequestError(problem)
 
@@ -92,43 +191,21 @@ class SamplingSettings:
         return SamplingParams(**{**asdict(self), **overrides})
 
 
-def sampling_problem(max_tokens, temperature, top_p, top_k, seed=None) -> str | None:
-    """What is wrong with these settings, as one line, or None: shared by requests, config.toml and the F3 form."""
-    if not _is_int(max_tokens) or max_tokens < 1:
-        return f"max_tokens must be a whole number of at least 1 (got {max_tokens!r})"
-    if not _is_real(temperature) or temperature < 0:
-        return f"temperature must be a finite number >= 0 (got {temperature!r})"
-    if 0 < temperature < MIN_TEMPERATURE:
-        return f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} (got {temperature!r})"
-    if not _is_real(top_p) or not 0 < top_p <= 1:
-        return f"top_p must be in (0, 1] (got {top_p!r})"
-    if not _is_int(top_k) or top_k < 0:
-        return f"top_k must be a whole number >= 0, 0 turns it off (got {top_k!r})"
-    if seed is not None and (not _is_int(seed) or seed not in SEED_RANGE):
-        return f"seed must be a whole number that fits in 64 bits, from -2**63 to 2**64 - 1 (got {seed!r})"
-    return None
+# Sampling as a user picks it: config.toml's [sampling] defaults, and each chat's own settings (seed None: a fresh
+# seed per reply). The same rule as SamplingParams checks it, so no chat holds settings it cannot run.
+SamplingSettings = make_dataclass(
+    "SamplingSettings", [(f.name, f.kind | None if f.nullable else f.kind, field(default=f.for_chat))
+                         for f in CHAT_FIELDS],
+    bases=(_Settings,), frozen=True)
+SamplingSettings.__module__ = __name__   # where pickle finds it
 
 
-# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100]; top_logprobs at most 20.
-MAX_PENALTY = 2.0
-MAX_BIAS = 100.0
-MAX_TOP_LOGPROBS = 20
-
-
-def processor_problem(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=(),
-                      min_tokens=0, stop_token_ids=(), logprobs=None) -> str | None:
-    """What is wrong with the logit processors' settings, as one line, or None."""
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not _is_real(value) or abs(value) > MAX_PENALTY:
-            return f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (got {value!r})"
-    if not _is_real(repetition_penalty) or repetition_penalty <= 0:
-        return f"repetition_penalty must be a number > 0, 1 turns it off (got {repetition_penalty!r})"
+def _lists_problem(logit_bias=(), stop_token_ids=(), logprobs=None) -> str | None:
+    """What is wrong with the settings that are lists or counts of tokens, as one line, or None."""
     for pair in logit_bias:
         if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
                 and _is_real(pair[1]) and abs(pair[1]) <= MAX_BIAS):
             return f"logit_bias maps token ids >= 0 to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}] (got {pair!r})"
-    if not _is_int(min_tokens) or min_tokens < 0:
-        return f"min_tokens must be a whole number >= 0 (got {min_tokens!r})"
     if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         return f"stop_token_ids must be token ids >= 0 (got {list(stop_token_ids)!r})"
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):

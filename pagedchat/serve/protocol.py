@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedchat.engine.params import MAX_TOP_LOGPROBS, SEED_RANGE, SamplingParams
+from pagedchat.engine.params import FIELDS, MAX_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from pagedchat.serve.tools import OutputPlan, call_markup, plan_output
 
 # Known OpenAI (and vLLM) fields that would change the reply in a way this server cannot give.
@@ -130,23 +130,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _within(name: str) -> dict:
+    """The declared bounds of a sampling field (engine/params.py), as pydantic's Field takes them."""
+    return FIELDS[name].bounds()
+
+
 class _Request(_Body):
+    # The ranges are the engine's declared ones; the defaults are OpenAI's where they differ.
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)       # OpenAI's default: sampling, not greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)                # vLLM's extra field; -1 and 0 both turn it off
-    seed: int | None = Field(None, ge=SEED_RANGE.start, lt=SEED_RANGE.stop)   # what torch's generator takes
+    max_tokens: int | None = Field(None, **_within("max_tokens"))
+    temperature: float = Field(1.0, **_within("temperature"))   # OpenAI's default: sampling, not greedy
+    top_p: float = Field(FIELDS["top_p"].default, **_within("top_p"))
+    top_k: int = Field(FIELDS["top_k"].default, ge=-1)   # vLLM's extra field; -1 (vLLM's off) and 0 both turn it off
+    seed: int | None = Field(None, **_within("seed"))    # what torch's generator takes
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                    # vLLM's extra field; the bench forces replies to a fixed length
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)        # vLLM's extra field
-    logit_bias: dict[str, float] | None = None          # token id (as text) -> bias in [-100, 100]
-    min_tokens: int = Field(0, ge=0)                    # vLLM's extra field
+    presence_penalty: float = Field(FIELDS["presence_penalty"].default, **_within("presence_penalty"))
+    frequency_penalty: float = Field(FIELDS["frequency_penalty"].default, **_within("frequency_penalty"))
+    repetition_penalty: float = Field(FIELDS["repetition_penalty"].default,   # vLLM's extra field
+                                      **_within("repetition_penalty"))
+    logit_bias: dict[str, float] | None = None          # token id (as text) -> bias in [-MAX_BIAS, MAX_BIAS]
+    min_tokens: int = Field(FIELDS["min_tokens"].default, **_within("min_tokens"))   # vLLM's extra field
     stop_token_ids: list[int] | None = None             # vLLM's extra field
     best_of: int | None = None
     return_tokens_as_token_ids: bool = False            # vLLM's extra field: logprobs name tokens "token_id:N"
@@ -188,9 +195,9 @@ class _Request(_Body):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= bias <= 100:
-                raise ApiError(400, f"logit_bias maps token ids to numbers in [-100, 100] (got {key!r}: {bias!r})",
-                               param="logit_bias")
+            if not key.isdigit() or not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ApiError(400, f"logit_bias maps token ids to numbers in [-{MAX_BIAS}, {MAX_BIAS}] "
+                               f"(got {key!r}: {bias!r})", param="logit_bias")
             pairs.append((int(key), bias))
         return tuple(pairs)
 
@@ -223,7 +230,7 @@ class _Request(_Body):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)   # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(None, **_within("max_tokens"))   # OpenAI's newer name for it
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -290,7 +297,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)    # the legacy endpoint's default is 16 tokens
+    max_tokens: int | None = Field(16, **_within("max_tokens"))   # the legacy endpoint's default is 16 tokens
 
     @property
     def top_logprobs_wanted(self) -> int | None:

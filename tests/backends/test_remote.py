@@ -6,9 +6,13 @@ the server's real /v1/memory, and a real process is killed under it mid-reply.
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -22,6 +26,7 @@ from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.engine.params import SamplingParams
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
+from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.store import Store
 from remote_support import free_port, running_server
 from tiny_models import make_tiny_model
@@ -241,3 +246,102 @@ def test_server_continues_a_final_assistant_message_when_asked(server):
                          json={"messages": HI, "max_tokens": 1, "continue_final_message": True,
                                "add_generation_prompt": False})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+# The request fields OpenAI's chat completions take (of those the app sends); a strict server refuses the rest.
+OPENAI_FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
+                 "stop", "presence_penalty", "frequency_penalty"}
+
+
+class StrictServer(BaseHTTPRequestHandler):
+    """An OpenAI-like server that refuses fields it does not know, as OpenAI does; it keeps each body it got."""
+
+    bodies: list[dict] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._json(200, {"object": "list", "data": [{"id": "strict", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.bodies.append(body)
+        unknown = sorted(set(body) - OPENAI_FIELDS)
+        if unknown:
+            self._json(400, {"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+                                       "type": "invalid_request_error", "param": None, "code": None}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for choice in ({"delta": {"role": "assistant", "content": "Hi."}, "finish_reason": None},
+                       {"delta": {}, "finish_reason": "stop"}):
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "strict",
+                     "choices": [{"index": 0, **choice}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@contextmanager
+def strict_server():
+    StrictServer.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StrictServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", StrictServer.bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_default_chat_sends_only_openai_fields_and_the_others_only_when_set():
+    """OpenAI's names always (a strict server takes a default chat); vLLM's extras only when not default."""
+    with strict_server() as (url, bodies):
+        backend = RemoteBackend(url)
+        try:
+            plain = ChatSettings(presence_penalty=0.5, frequency_penalty=-0.25, seed=9).params()
+            done = backend.submit(HI, plain).result(30)
+            assert done.error is None and done.finish_reason == "stop"
+            assert {k: bodies[-1][k] for k in ("presence_penalty", "frequency_penalty", "seed", "temperature",
+                                               "top_p", "max_tokens")} == \
+                {"presence_penalty": 0.5, "frequency_penalty": -0.25, "seed": 9, "temperature": 0.7, "top_p": 0.95,
+                 "max_tokens": 1024}
+            assert not {"repetition_penalty", "min_tokens", "top_k"} & set(bodies[-1])
+
+            extras = ChatSettings(repetition_penalty=1.2, min_tokens=3, top_k=40).params()
+            done = backend.submit(HI, extras).result(30)
+            assert {k: bodies[-1][k] for k in ("repetition_penalty", "min_tokens", "top_k")} == \
+                {"repetition_penalty": 1.2, "min_tokens": 3, "top_k": 40}
+            # the strict server's refusal names the field: the reply says why instead of ignoring it
+            assert done.finish_reason == "error" and "min_tokens" in done.error and "400" in done.error
+        finally:
+            backend.shutdown()
+
+
+def test_penalties_reach_pagedchat_serve(server):
+    """The chat's penalties and min_tokens, sent by the app's client, are what `pagedchat serve` generates
+    with: the same reply as the same fields sent by hand, and not the reply without them."""
+    fields = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=3.0, min_tokens=12)
+
+    def by_hand(**extra) -> str:
+        body = {"messages": HI, "max_tokens": 12, "temperature": 0, **extra}
+        response = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    backend = RemoteBackend(server.url)
+    try:
+        done = backend.submit(HI, ChatSettings(max_tokens=12, temperature=0.0, **fields).params()).result(60)
+    finally:
+        backend.shutdown()
+    assert done.error is None and done.generated_tokens == 12
+    assert done.text == by_hand(**fields) != by_hand()

@@ -190,6 +190,30 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
     assert ok.usage.completion_tokens >= 1
 
 
+def test_the_servers_sampling_ranges_are_the_declared_ones(server):
+    """Each declared sampling field's bounds hold on the wire too: a bound itself is taken, a step past it is a
+    400 naming the field (top_k keeps vLLM's -1 for off, below the engine's 0)."""
+    from pagedchat.engine.params import SAMPLING_FIELDS
+
+    def answer(name, value):
+        return server.http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, name: value})
+
+    for f in SAMPLING_FIELDS:
+        if f.name == "top_k":
+            continue
+        step = 1 if f.kind is int else 0.5
+        ends = []   # (a value just past the bound, the nearest value inside)
+        if f.low is not None:
+            ends.append((f.low, f.low + step) if f.low_open else (f.low - step, f.low))
+        if f.high is not None:
+            ends.append((f.high, f.high - step) if f.high_open else (f.high + step, f.high))
+        for past, inside in ends:
+            refused = answer(f.name, past)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == f.name, (f.name, past)
+            assert answer(f.name, inside).status_code == 200, (f.name, inside)
+    assert answer("top_k", -1).status_code == 200 and answer("top_k", -2).json()["error"]["param"] == "top_k"
+
+
 def test_a_top_p_below_float32s_smallest_number_fails_no_one(server):
     """7e-46 rounds to 0 in float32: the sampler once found no token to keep, and every stream in that step
     failed. Now the hostile request gets its reply and the stream beside it the tokens it has alone."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,27 @@ def test_rollback_journal_no_mmap_and_busy_timeout(tmp_path):
     assert not (tmp_path / (DB_NAME + "-shm")).exists()
     assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 1500
     assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_chats_saved_before_the_penalties_load_with_their_defaults(tmp_path):
+    """A settings row written before presence/frequency/repetition penalties and min_tokens existed."""
+    store = Store.open(tmp_path)
+    store.save_chat(_chat())
+    store.close()
+    old = '{"max_tokens": 32, "temperature": 0.3, "top_p": 0.9, "top_k": 5, "seed": 7}'
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        db.execute("UPDATE chats SET settings = ?", (old,))
+    store = Store.open(tmp_path)
+    [loaded] = store.load_chats()
+    assert loaded.settings == ChatSettings(max_tokens=32, temperature=0.3, top_p=0.9, top_k=5, seed=7)
+    assert (loaded.settings.presence_penalty, loaded.settings.frequency_penalty, loaded.settings.repetition_penalty,
+            loaded.settings.min_tokens) == (0.0, 0.0, 1.0, 0)
+    # and the new fields are saved and read back
+    penalised = ChatSettings(max_tokens=32, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3,
+                             min_tokens=4)
+    store.save_chat(replace(loaded, settings=penalised))
+    store.close()
+    assert Store.open(tmp_path).load_chats()[0].settings == penalised
 
 
 def test_order_and_closed_chats(tmp_path):

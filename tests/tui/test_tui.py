@@ -283,6 +283,25 @@ async def test_settings_rename_copy_export(config, monkeypatch):
         assert session.record.system_prompt == "Answer in one line."
         assert session.record.settings.max_tokens == 12 and session.record.settings.top_p == 0.9
 
+        await pilot.press("f3")   # the penalties: shown with their values, refused beyond OpenAI's range
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatSettingsScreen), "the settings dialog")
+        assert app.screen.query_one("#max_tokens").value == "12"
+        assert app.screen.query_one("#repetition_penalty").value == "1.0"
+        app.screen.query_one("#presence_penalty").value = "3"
+        await pilot.press("ctrl+s")
+        assert "presence_penalty must be a number in [-2, 2] (got 3.0)" in str(app.screen.query_one("#error").content)
+        app.screen.query_one("#presence_penalty").value = "0.5"
+        app.screen.query_one("#repetition_penalty").value = "1.1"
+        app.screen.query_one("#min_tokens").value = "x"
+        await pilot.press("ctrl+s")
+        assert "min_tokens must be a whole number >= 0 (got 'x')" in str(app.screen.query_one("#error").content)
+        app.screen.query_one("#min_tokens").value = "2"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen), "the dialog to close")
+        s = session.record.settings
+        assert (s.presence_penalty, s.repetition_penalty, s.min_tokens, s.max_tokens) == (0.5, 1.1, 2, 12)
+        assert s.params().presence_penalty == 0.5   # what a reply is generated with
+
         await pilot.press("f4")
         await wait_for(pilot, lambda: isinstance(app.screen, RenameScreen), "the rename dialog")
         app.screen.query_one("#title").value = "Renamed"

@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 from textual.widgets.option_list import Option
 
+from pagedchat.engine.params import CHAT_FIELDS
 from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatSettings
 
@@ -87,16 +88,11 @@ class ChatSettingsScreen(Dialog):
             yield Label("System prompt")
             yield TextArea(visible_controls(self._system), id="system", soft_wrap=True, tab_behavior="focus")
             with Grid(classes="settings-grid"):
-                yield Label("Max tokens")
-                yield Input(str(s.max_tokens), id="max_tokens", type="integer", compact=True)
-                yield Label("Temperature (0 = greedy)")
-                yield Input(str(s.temperature), id="temperature", type="number", compact=True)
-                yield Label("Top p")
-                yield Input(str(s.top_p), id="top_p", type="number", compact=True)
-                yield Label("Top k (0 = off)")
-                yield Input(str(s.top_k), id="top_k", type="integer", compact=True)
-                yield Label("Seed (empty = random)")
-                yield Input("" if s.seed is None else str(s.seed), id="seed", type="integer", compact=True)
+                for f in CHAT_FIELDS:
+                    value = getattr(s, f.name)
+                    yield Label(f.help)
+                    yield Input("" if value is None else str(value), id=f.name,
+                                type="integer" if f.kind is int else "number", compact=True)
             yield Label("", id="error", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -104,16 +100,8 @@ class ChatSettingsScreen(Dialog):
             yield Label("ctrl+s saves · Esc cancels", classes="dialog-hint")
 
     def _read(self) -> ChatSettings:
-        def val(name: str) -> str:
-            return self.query_one(f"#{name}", Input).value.strip()
-
-        try:
-            seed = val("seed")
-            numbers = dict(max_tokens=int(val("max_tokens")), temperature=float(val("temperature")),
-                           top_p=float(val("top_p")), top_k=int(val("top_k")), seed=int(seed) if seed else None)
-        except ValueError:
-            raise ValueError("every field needs a number") from None
-        return ChatSettings(**numbers)  # refuses, with its reason, exactly what a request would
+        """The settings typed; ValueError names the first field that is wrong, as a request would."""
+        return ChatSettings(**{f.name: f.parse(self.query_one(f"#{f.name}", Input).value) for f in CHAT_FIELDS})
 
     def action_save(self) -> None:
         try:
