@@ -266,10 +266,15 @@ class RemoteBackend:
                                    timeout=openai.Timeout(READ_S, connect=CONNECT_S))
 
     async def _close(self) -> None:
-        for task in asyncio.all_tasks(self._loop) - {asyncio.current_task()}:
+        tasks = asyncio.all_tasks(self._loop) - {asyncio.current_task()}
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.close()
         await self._http.aclose()
+        # A stream's chunk iterator left by a reply that ended is closed by a task the loop would never run once
+        # stopped ("Task was destroyed but it is pending!" at exit): close them all while it still runs.
+        await self._loop.shutdown_asyncgens()
 
     async def _get(self, url: str):
         import httpx
