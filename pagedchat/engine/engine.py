@@ -28,6 +28,7 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import FinishReason
 from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Completion, Sampled, Sequence, StreamDelta
@@ -237,7 +238,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the engine. Every request in flight or queued ends at once as "cancelled"."""
-        self._end_all("cancelled", None)
+        self._end_all(FinishReason.CANCELLED, None)
         self._wake.set()
         self._compute.close()
 
@@ -304,7 +305,7 @@ class Engine:
                     self._wake.clear()
         except BaseException as exc:  # the loop itself broke: say so to every request, never hang one
             log.exception("the engine loop stopped")
-            self._end_all("error", f"{type(exc).__name__}: {exc}")
+            self._end_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
 
     def step(self) -> list[StreamDelta]:
         """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
@@ -348,7 +349,7 @@ class Engine:
             out = self.core.abort_step(exc)
         self._blameless_faults = 0 if out else self._blameless_faults + 1
         if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
-            self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
+            self._end_all(FinishReason.ERROR, f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
                                    f"({type(exc).__name__}: {exc})")
         return out
 
@@ -390,7 +391,7 @@ class Engine:
                 handle._deliver(delta)
         return [delta for _, delta in out]
 
-    def _end_all(self, reason: str, error: str | None) -> None:
+    def _end_all(self, reason: FinishReason, error: str | None) -> None:
         """The engine stops: every request still in flight or queued ends now, with reason."""
         with self._lock:
             if error is not None and self.failure is None:
