@@ -138,13 +138,8 @@ class Engine:
         if isinstance(prompt, str):
             ids = encode_up_to(self.tokenizer, prompt, counted)
         elif prompt and all(isinstance(m, dict) for m in prompt):
-            if not self.tokenizer.chat_template:
-                raise RequestError("this model has no chat template: pass the prompt as plain text")
-            try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
-                                      max_length=counted)
-            except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
-                raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
+            ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
+                                  max_length=counted)
         else:
             ids = [int(t) for t in prompt]
         self._validate(ids)
