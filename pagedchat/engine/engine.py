@@ -232,7 +232,7 @@ class Engine:
             return self.core.sequence(request_id)
 
     def shutdown(self) -> None:
-        """Stop the engine. Every request in flight or queued ends at once as "cancelled"."""
+        """Stop the engine. Every request in flight or queued ends at once as CANCELLED."""
         self._end_all(FinishReason.CANCELLED, None)
         self._wake.set()
         self._compute.close()

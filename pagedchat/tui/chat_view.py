@@ -306,7 +306,7 @@ class ChatView(Vertical):
         self.save(ending.index)
 
     def stop(self) -> None:
-        """Cancel the live reply; its final update arrives as "cancelled" with its stats."""
+        """Cancel the live reply; its final update arrives as CANCELLED with its stats."""
         if self.session.busy:
             self.session.reply.handle.cancel()
 

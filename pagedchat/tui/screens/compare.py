@@ -240,7 +240,7 @@ class CompareScreen(Screen):
     def action_stop(self) -> None:
         for side in self.sides:
             if side.running:
-                side.reply.handle.cancel()   # the final update arrives as "cancelled"
+                side.reply.handle.cancel()   # the final update arrives as CANCELLED
 
     def action_back(self) -> None:
         self.action_stop()
