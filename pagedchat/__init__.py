@@ -1,9 +1,9 @@
 """pagedchat: a terminal chat app on its own paged KV-cache engine."""
 
-__all__ = ["Engine", "SamplingParams", "Completion"]
+__all__ = ["Engine", "SamplingParams", "Completion", "FinishReason"]
 
 _LAZY = {"Engine": "pagedchat.engine.engine", "Completion": "pagedchat.engine.engine",
-         "SamplingParams": "pagedchat.engine.params"}
+         "SamplingParams": "pagedchat.engine.params", "FinishReason": "pagedchat.engine.records"}
 
 
 def __getattr__(name):

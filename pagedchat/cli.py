@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedchat.argtypes import non_negative_float, positive_float, positive_int, size_bytes
+from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
 
@@ -208,7 +209,7 @@ class AskResult:
 
     model: str
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None   # written as its word
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

@@ -93,3 +93,17 @@ def test_no_circles_between_packages():
         graphlib.TopologicalSorter(package_graph(import_graph())).prepare()
     except graphlib.CycleError as exc:
         raise AssertionError(f"package circle: {' -> '.join(exc.args[1])}") from None
+
+
+# The engine's modules the app may name: plain records (sampling settings, finish reasons, page states). The
+# rest reaches the app through a Backend, so the app never depends on how the engine computes.
+ENGINE_RECORDS_FOR_THE_APP = {"pagedchat.engine.params", "pagedchat.engine.records"}
+
+
+def test_the_app_imports_only_records_from_the_engine():
+    graph = import_graph()
+    reached = {(module, target) for module, targets in graph.items() if module.startswith("pagedchat.tui")
+               for target in targets if package_of(target) == "pagedchat.engine"}
+    assert {target for _, target in reached} <= ENGINE_RECORDS_FOR_THE_APP, sorted(
+        (m, t) for m, t in reached if t not in ENGINE_RECORDS_FOR_THE_APP)
+    assert ("pagedchat.tui.inspector_parts", "pagedchat.engine.records") in reached   # the check sees them

@@ -263,7 +263,8 @@ class ScriptedEngine:
         self.cancelled.add(request_id)
 
     def memory(self):
-        from pagedchat.engine.block_manager import MemoryCounters, PageState
+        from pagedchat.engine.block_manager import MemoryCounters
+        from pagedchat.engine.records import PageState
         from pagedchat.engine.memory import MemorySnapshot
 
         return MemorySnapshot(num_pages=4, free_pages=4, cached_pages=0, block_size=self.block_size,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 
 from pagedchat.backends.metrics import ServerMetrics
+from pagedchat.engine.records import FinishReason
 
 if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
     from pagedchat.engine.memory import MemorySnapshot, PoolUsage
@@ -38,7 +39,7 @@ class Outcome:
 
     request_id: str
     text: str = ""
-    finish_reason: str | None = None   # stop, length, cancelled, error
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefilled_tokens: int = 0          # prompt tokens it computed (past prompt - cached after a recompute)
@@ -92,7 +93,7 @@ class ReplyHandle(Protocol):
     request_id: str
 
     def cancel(self) -> None:
-        """Stop the reply; its final Update (finish_reason "cancelled") still comes."""
+        """Stop the reply; its final Update (FinishReason.CANCELLED) still comes."""
 
     def so_far(self) -> Outcome:
         """The figures up to now, for a reply abandoned before its final update."""

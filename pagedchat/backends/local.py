@@ -9,7 +9,6 @@ from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Update
 from pagedchat.engine.chat import chat_prompt_ids, count_limit
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage
 from pagedchat.engine.sequence import Completion, StreamDelta
-from pagedchat.errors import PagedChatError
 
 
 def outcome_of(c: Completion) -> Outcome:
@@ -87,12 +86,8 @@ class LocalBackend:
         # Chat ids are not checked here: the app compares their count with the context itself, and submit checks.
         # Past count_limit a prompt is only too long: its ids are not all built.
         counted = count_limit(self.engine.config.max_position_embeddings) + 1
-        try:
-            return chat_prompt_ids(self.engine.tokenizer, prompt, list(previous.token_ids) if previous else None,
-                                   continue_final, self.engine.config.family.system_role,
-                                   max_length=counted)
-        except Exception as exc:  # a template problem (no chat template, a role it refuses)
-            raise PagedChatError(f"Cannot build the prompt: {exc}") from exc
+        return chat_prompt_ids(self.engine.tokenizer, prompt, list(previous.token_ids) if previous else None,
+                               continue_final, self.engine.config.family.system_role, max_length=counted)
 
     def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int:
         return len(self.prompt_ids(messages, previous))

@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedchat import interpreter
 from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Progress, Update
+from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError
 
 CALL_TIMEOUT_S = 30.0     # a call the engine process does not answer in this long is given up on
@@ -64,7 +65,7 @@ class ProcessReply:
     def end(self, error: str) -> None:
         """The engine process is gone: the last update, with the text and the figures so far."""
         outcome = replace(self._figures or Outcome(self.request_id), text="".join(self._text),
-                          finish_reason="error", generated_tokens=self._tokens, error=error)
+                          finish_reason=FinishReason.ERROR, generated_tokens=self._tokens, error=error)
         self.deliver(Update(self.request_id, "", outcome=outcome))
 
     def cancel(self) -> None:

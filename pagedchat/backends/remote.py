@@ -28,6 +28,7 @@ from pagedchat.backends.metrics import ServerMetrics, parse_metrics
 from pagedchat.config import API_KEY_ENV
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.engine.params import SAMPLING_FIELDS
+from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError
 
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
@@ -36,7 +37,16 @@ REFRESH_S = 0.25       # the inspector's page map is at most this old (plus one 
 METRICS_REFRESH_S = 1.0  # /metrics: server-wide totals, a larger page that every client would poll
 LOADING_S = 600.0      # how long to wait for a server that answers 503 while it loads its model
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
-FINISH_REASONS = {"abort": "cancelled"}   # vLLM's (and pagedchat serve's) word for a request it cancelled
+# Wire words that are not FinishReason's own: vLLM's (and pagedchat serve's) for a cancelled request, and
+# OpenAI's older word for a tool call.
+FINISH_REASONS = {"abort": FinishReason.CANCELLED, "function_call": FinishReason.TOOL_CALLS}
+
+
+def finish_reason_of(word: str, stop_reason: object = None) -> FinishReason:
+    """A chunk's finish_reason, with vLLM's stop_reason extra, which tells the context limit from max_tokens."""
+    if stop_reason == "context_full":
+        return FinishReason.CONTEXT_FULL
+    return FINISH_REASONS.get(word) or FinishReason.read(word)
 
 
 class ServerUnavailable(PagedChatError):
@@ -89,7 +99,7 @@ class RemoteReply:
         self.text = ""
         self.tokens = 0
         self.usage = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.pages: tuple[int, ...] = ()    # its block table as last seen in /v1/memory
         self.started = time.perf_counter()
         self.first_at: float | None = None
@@ -141,9 +151,8 @@ class RemoteReply:
         for choice in chunk.choices:
             text = (choice.delta.content or "") if choice.delta else ""
             if choice.finish_reason:
-                self.finish_reason = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
-                if (choice.model_extra or {}).get("stop_reason") == "context_full":  # vLLM's word, in an extra
-                    self.finish_reason = "context_full"
+                extra = choice.model_extra or {}
+                self.finish_reason = finish_reason_of(choice.finish_reason, extra.get("stop_reason"))
             if text:
                 now = time.perf_counter()
                 self.first_at = self.first_at or now
@@ -164,7 +173,7 @@ class RemoteReply:
         self._emit(Update(self.request_id, "", notice="This server cannot continue a partial reply, so the "
                                                       "branch answers the question afresh."))
 
-    def _figures(self, reason: str | None, error: str | None) -> Outcome:
+    def _figures(self, reason: FinishReason | None, error: str | None) -> Outcome:
         usage = self.usage
         details = getattr(usage, "prompt_tokens_details", None) if usage else None
         tps = None
@@ -177,7 +186,7 @@ class RemoteReply:
                        time_to_first_token=(self.first_at - self.started) if self.first_at else None,
                        tokens_per_s=tps, error=error, pages=self.pages, counted=usage is not None)
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self._outcome = self._figures(reason, error)
         self._backend.by_server.pop(self.server_id, None)
         self._done.set()
@@ -359,16 +368,16 @@ class RemoteBackend:
                 reply.restart_fresh()
                 await self._read(reply, prefill=False)
         except asyncio.CancelledError:
-            reply.finish("cancelled")
+            reply.finish(FinishReason.CANCELLED)
         except openai.APIStatusError as exc:
-            reply.finish("error", f"the server answered {exc.status_code}: {_status_message(exc)}")
+            reply.finish(FinishReason.ERROR, f"the server answered {exc.status_code}: {_status_message(exc)}")
         except _transport_errors() as exc:
             where = "went away mid-reply" if reply.text else "could not be reached"
-            reply.finish("error", f"the server at {self.base} {where} ({_reason(exc)})")
+            reply.finish(FinishReason.ERROR, f"the server at {self.base} {where} ({_reason(exc)})")
         except Exception as exc:  # anything else ends this reply only, with its text kept
-            reply.finish("error", f"{type(exc).__name__}: {exc}")
+            reply.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         else:
-            reply.finish(reply.finish_reason or "stop")
+            reply.finish(reply.finish_reason or FinishReason.STOP)
 
     async def _read(self, reply: RemoteReply, prefill: bool) -> None:
         stream = await self._client.chat.completions.create(**reply.request(prefill=prefill))

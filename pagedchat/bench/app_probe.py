@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 
 from pagedchat.bench.config import BenchError
 from pagedchat.bench.stats import median
+from pagedchat.engine.records import FinishReason
 
 # A reply the default model writes at length: a guide, mostly one long list (the costliest Markdown to grow).
 LONG_PROMPT = "Write a long, detailed step-by-step guide to planning a two-week trip to Japan, with many tips."
@@ -152,6 +153,9 @@ class AppReport:
         return median([r.app.tokens_per_s / r.engine.tokens_per_s for r in self.rounds])
 
 
+FINAL = (FinishReason.STOP, FinishReason.LENGTH)   # a probe reply ends so; any other ending is not final yet
+
+
 def finished_reply(data_dir: Path):
     """The first chat's record once its reply is final (None before: the app saves a streaming reply too).
     Polled while the app writes, so read-only: the probe never migrates, checks or salvages the app's file."""
@@ -169,7 +173,7 @@ def finished_reply(data_dir: Path):
         store.close()
     for chat in chats:
         last = chat.messages[-1] if chat.messages else None
-        if last and last.role == "assistant" and last.stats and last.stats.finish_reason in ("stop", "length"):
+        if last and last.role == "assistant" and last.stats and last.stats.finish_reason in FINAL:
             return chat
     return None
 

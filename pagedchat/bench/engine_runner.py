@@ -12,6 +12,7 @@ from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.memory import PeakAccounting, Sharing, peak_accounting
 from pagedchat.bench.stats import RunStats, median, timing_stats
 from pagedchat.bench.workload import WARM_QUESTION, Workload
+from pagedchat.engine.records import FinishReason
 
 WARM_REPEATS = 3
 
@@ -95,9 +96,9 @@ def run_engine_level(backend: TokenBackend, prompts: list[list[int]], max_tokens
     start = time.perf_counter()
     replies = backend.submit_ids(prompts, params, on_update=on_update, request_ids=ids)
     outcomes = [r.result() for r in replies]
-    bad = [o for o in outcomes if o.finish_reason != "length"]
+    bad = [o for o in outcomes if o.finish_reason is not FinishReason.LENGTH]
     if bad:
-        raise BenchError(f"request {bad[0].request_id} ended with {bad[0].finish_reason!r}"
+        raise BenchError(f"request {bad[0].request_id} ended with {bad[0].finish_reason}"
                          f"{': ' + bad[0].error if bad[0].error else ''}")
     acct = peak_accounting(peak.snap, backend.info.context_length)
     sharing = Sharing(pages_with=acct.pages_with_sharing, pages_without=acct.pages_without_sharing,

@@ -10,14 +10,14 @@ runner performs them (see CopyPlan).
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted, require
+from pagedchat.engine.records import PageState
 from pagedchat.engine.sequence import Sequence
 
-__all__ = ["BlockManager", "CopyPlan", "MemoryCounters", "Page", "PageState", "PoolCorrupted"]
+__all__ = ["BlockManager", "CopyPlan", "MemoryCounters", "Page", "PoolCorrupted"]
 
 
 def page_hash(parent: int | None, tokens: list[int]) -> int:
@@ -60,12 +60,6 @@ class MemoryCounters:
     swap_ins: int = 0
     recomputes: int = 0         # sequences preempted by dropping their pages
     cow_copies: int = 0
-
-
-class PageState(enum.Enum):
-    FREE = "free"        # holds nothing reusable
-    USED = "used"        # mapped by at least one block table (or pinned as a copy source)
-    CACHED = "cached"    # no user left, content kept under its hash until evicted
 
 
 @dataclass(eq=False, slots=True)

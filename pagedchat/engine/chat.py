@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pagedchat.errors import RequestError, first_line
+
 # Prompts are tokenized up to this many contexts' worth of tokens: past it a prompt is only "more than" that. A
 # text of megabytes would otherwise become a list of millions of ids, built holding the interpreter lock.
 COUNTED_CONTEXTS = 4
@@ -50,14 +52,20 @@ def encode_up_to(tokenizer, text: str, max_length: int | None, add_special_token
 def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None,
                     continue_final: bool = False, system_role: bool = True,
                     max_length: int | None = None) -> list[int]:
-    """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated).
+    """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated):
+    every chat becomes ids here. Raises RequestError when the model has no template or it refuses them.
 
     Re-tokenising a reply's text need not give back the ids the model generated, and then nothing after the
     first difference hits the cache. So when the template renders the earlier ids' text unchanged as a
     prefix, those exact ids are kept and only the new text is tokenised. max_length: at most this many ids (a
     caller that refuses longer prompts anyway need not build a list of millions).
     """
-    text = render_chat(tokenizer, messages, continue_final, system_role)
+    if not tokenizer.chat_template:
+        raise RequestError("this model has no chat template, so it takes a plain-text prompt, not chat messages")
+    try:
+        text = render_chat(tokenizer, messages, continue_final, system_role)
+    except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
+        raise RequestError(f"the chat template cannot render these messages: {first_line(exc)}") from exc
     if previous_ids:
         before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if text.startswith(before):

@@ -18,6 +18,7 @@ from typing import Callable
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import FinishReason
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Sampled, SeqStatus, Sequence, StreamDelta
 from pagedchat.errors import RequestError
@@ -126,7 +127,7 @@ class EngineCore:
             try:
                 self.check_fits(child.token_ids, child.params)
             except RequestError as exc:
-                return self._finish(child, "error", str(exc))
+                return self._finish(child, FinishReason.ERROR, str(exc))
         if parent is not None and parent.status is SeqStatus.RUNNING and \
                 len(self.scheduler.running) < self.scheduler.max_seqs:
             self.block_manager.fork(parent, child)
@@ -139,10 +140,10 @@ class EngineCore:
 
     def cancel(self, request_id: str) -> Output | None:
         seq = self._live.get(request_id)
-        return self._finish(seq, "cancelled") if seq is not None else None
+        return self._finish(seq, FinishReason.CANCELLED) if seq is not None else None
 
     def fail(self, seq: Sequence, error: str) -> Output:
-        return self._finish(seq, "error", error)
+        return self._finish(seq, FinishReason.ERROR, error)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -206,20 +207,20 @@ class EngineCore:
         reason = self._finish_reason(seq, token, stopped)
         self.fault(Phase.BOOKKEEPING, seq.request_id)
         if sampled.error is not None:
-            return self._finish(seq, "error", sampled.error, new_token=token, text=text)
+            return self._finish(seq, FinishReason.ERROR, sampled.error, new_token=token, text=text)
         logprobs = [sampled] if sampled.logprob is not None else []
         if reason is not None:
             return self._finish(seq, reason, new_token=token, text=text, logprobs=logprobs)
         return seq, StreamDelta(seq.request_id, [token], text, logprobs=logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> FinishReason | None:
         p = seq.params
         if stopped or (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if len(seq.token_ids) >= self.max_context:
-            return "context_full"
+            return FinishReason.CONTEXT_FULL
         return None
 
     def abort_step(self, exc: BaseException) -> list[Output]:
@@ -242,7 +243,7 @@ class EngineCore:
         self.block_manager.check_invariants([s.block_table for s in survivors], [s.cpu_table for s in survivors])
         return out
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, new_token: int | None = None,
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_token: int | None = None,
                 text: str = "", logprobs: list[Sampled] | None = None) -> Output:
         """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed

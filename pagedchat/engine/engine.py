@@ -28,6 +28,7 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import FinishReason
 from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Completion, Sampled, Sequence, StreamDelta
@@ -137,13 +138,8 @@ class Engine:
         if isinstance(prompt, str):
             ids = encode_up_to(self.tokenizer, prompt, counted)
         elif prompt and all(isinstance(m, dict) for m in prompt):
-            if not self.tokenizer.chat_template:
-                raise RequestError("this model has no chat template: pass the prompt as plain text")
-            try:
-                ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
-                                      max_length=counted)
-            except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
-                raise RequestError(f"the chat template cannot render these messages: {exc}") from exc
+            ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
+                                  max_length=counted)
         else:
             ids = [int(t) for t in prompt]
         self._validate(ids)
@@ -236,8 +232,8 @@ class Engine:
             return self.core.sequence(request_id)
 
     def shutdown(self) -> None:
-        """Stop the engine. Every request in flight or queued ends at once as "cancelled"."""
-        self._end_all("cancelled", None)
+        """Stop the engine. Every request in flight or queued ends at once as CANCELLED."""
+        self._end_all(FinishReason.CANCELLED, None)
         self._wake.set()
         self._compute.close()
 
@@ -304,7 +300,7 @@ class Engine:
                     self._wake.clear()
         except BaseException as exc:  # the loop itself broke: say so to every request, never hang one
             log.exception("the engine loop stopped")
-            self._end_all("error", f"{type(exc).__name__}: {exc}")
+            self._end_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
 
     def step(self) -> list[StreamDelta]:
         """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
@@ -348,7 +344,7 @@ class Engine:
             out = self.core.abort_step(exc)
         self._blameless_faults = 0 if out else self._blameless_faults + 1
         if self._blameless_faults >= MAX_BLAMELESS_FAULTS:
-            self._end_all("error", f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
+            self._end_all(FinishReason.ERROR, f"{self.core.phase.value} failed {MAX_BLAMELESS_FAULTS} times in a row "
                                    f"({type(exc).__name__}: {exc})")
         return out
 
@@ -390,7 +386,7 @@ class Engine:
                 handle._deliver(delta)
         return [delta for _, delta in out]
 
-    def _end_all(self, reason: str, error: str | None) -> None:
+    def _end_all(self, reason: FinishReason, error: str | None) -> None:
         """The engine stops: every request still in flight or queued ends now, with reason."""
         with self._lock:
             if error is not None and self.failure is None:

@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pagedchat.engine.records import FinishReason
 from pagedchat.engine.sequence import Completion, Sequence, StreamDelta
 
 log = logging.getLogger("pagedchat.engine")
@@ -73,7 +74,7 @@ class RequestHandle:
             except Exception:  # a broken listener must not stop the engine
                 log.exception("on_update callback failed for %s", self.request_id)
 
-    def _final_delta(self, reason: str | None = None, error: str | None = None) -> StreamDelta:
+    def _final_delta(self, reason: FinishReason | None = None, error: str | None = None) -> StreamDelta:
         """A final delta with what the request has so far, ending it with reason (default: the reason the
         engine gave it). Built under the engine's lock, so that the sequence does not move meanwhile."""
         seq = self._seq

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from pagedchat.engine.block_manager import BlockManager, MemoryCounters, PageState
+from pagedchat.engine.block_manager import BlockManager, MemoryCounters
+from pagedchat.engine.records import PageState
 from pagedchat.engine.scheduler import Scheduler
 
 

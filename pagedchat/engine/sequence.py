@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import FinishReason
 
 if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
     import torch
@@ -44,7 +45,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop", "length", "cancelled" or "error"
+    finish_reason: FinishReason | None
     cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache
     prefilled_tokens: int = 0   # prompt tokens this request computed
     time_to_first_token: float | None = None
@@ -81,7 +82,7 @@ class Sequence:
     generator: torch.Generator | None = None
     matcher: object | None = None        # llguidance.LLMatcher of a constrained reply (structured.py)
     sampled: list[Sampled] = field(default_factory=list)  # each output token's log-probabilities, if asked
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
     prefilled_tokens: int = 0

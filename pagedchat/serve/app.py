@@ -29,6 +29,7 @@ from starlette.routing import Route
 from pagedchat.backends.base import Outcome, TokenBackend
 from pagedchat.engine.chat import prompt_size
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
@@ -210,7 +211,7 @@ class Server:
             if not stream.running:   # the last of its n replies
                 self._open.pop(reply.id, None)
             self.metrics.observe(done, len(ids), time.perf_counter() - started)
-            if done.finish_reason != "error":
+            if done.finish_reason is not FinishReason.ERROR:
                 on_done(done)
 
         try:
@@ -226,7 +227,7 @@ class Server:
             stream.close()
         if outcomes is None:  # the client went away; its requests are cancelled and their pages freed
             return Response(status_code=499)
-        failed = next((o for o in outcomes if o.finish_reason == "error"), None)
+        failed = next((o for o in outcomes if o.finish_reason is FinishReason.ERROR), None)
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed.error}", kind="server_error")
         return JSONResponse(reply.whole(len(ids), outcomes))
@@ -236,7 +237,7 @@ class Server:
         for chunk in chunks.opening():
             yield chunk
         async for i, update in stream.updates():
-            if update.finished and update.outcome.finish_reason == "error":
+            if update.finished and update.outcome.finish_reason is FinishReason.ERROR:
                 yield sse(ApiError(500, f"generation failed: {update.outcome.error}", kind="server_error").body())
                 break
             for chunk in chunks.feed(i, update):

@@ -11,24 +11,27 @@ from typing import Callable
 
 from pagedchat.backends.base import Outcome
 from pagedchat.backends.base import Update
+from pagedchat.engine.records import FinishReason
 from pagedchat.serve.tools import OutputPlan, ReplyShape, ToolCall
 
-# The engine's finish reasons as OpenAI's, plus vLLM's extra `stop_reason` where OpenAI's word loses the
-# distinction: an OpenAI client sees "length" at the context limit, and a client that knows vLLM sees why.
+# Each finish reason a backend gives as OpenAI's word, plus vLLM's extra `stop_reason` where OpenAI's word loses
+# the distinction: an OpenAI client sees "length" at the context limit, and a client that knows vLLM sees why.
+# (INTERRUPTED is the app's own, never a backend's.)
 _FINISH = {
-    "stop": ("stop", None),
-    "length": ("length", None),
-    "context_full": ("length", "context_full"),
-    "cancelled": ("abort", None),   # vLLM's word for a request stopped before it finished
+    FinishReason.STOP: ("stop", None),
+    FinishReason.LENGTH: ("length", None),
+    FinishReason.CONTEXT_FULL: ("length", "context_full"),
+    FinishReason.TOOL_CALLS: ("tool_calls", None),
+    FinishReason.CANCELLED: ("abort", None),   # vLLM's word for a request stopped before it finished
+    FinishReason.ERROR: ("error", None),       # vLLM's; a failed reply is answered with an error body instead
 }
 
 TokenTexts = Callable[[list[int]], list[str]]
 
 
-def finish_fields(reason: str, calls: bool = False) -> dict:
-    finish, stop_reason = _FINISH.get(reason, (reason, None))
-    if calls and finish == "stop":
-        finish = "tool_calls"
+def finish_fields(reason: FinishReason, calls: bool = False) -> dict:
+    """A reply that ends with a plan's tool calls finishes with "tool_calls" (the engine stops with STOP)."""
+    finish, stop_reason = _FINISH[FinishReason.TOOL_CALLS if calls and reason is FinishReason.STOP else reason]
     return {"finish_reason": finish, "stop_reason": stop_reason}
 
 
@@ -94,7 +97,7 @@ class Reply:
 
     # ---- whole responses -----------------------------------------------------------------------------------
     def _calls(self, outcome: Outcome) -> list[ToolCall]:
-        return self.plan.tool_calls(outcome.text) if outcome.finish_reason == "stop" else []
+        return self.plan.tool_calls(outcome.text) if outcome.finish_reason is FinishReason.STOP else []
 
     def _whole_choice(self, index: int, outcome: Outcome) -> dict:
         logprobs = self.logprobs(outcome.logprobs)
@@ -113,7 +116,7 @@ class Reply:
         return self._envelope(self.kind.whole, choices, usage=usage(prompt_tokens, outcomes))
 
     # ---- stream chunks -------------------------------------------------------------------------------------
-    def chunk(self, index: int, text: str | None, *, finish_reason: str | None = None, role: bool = False,
+    def chunk(self, index: int, text: str | None, *, finish_reason: FinishReason | None = None, role: bool = False,
               with_usage: bool = False, sampled=(), calls: list[ToolCall] = ()) -> str:
         finish = finish_fields(finish_reason, bool(calls)) if finish_reason else {"finish_reason": None}
         logprobs = self.logprobs(sampled)
@@ -129,7 +132,7 @@ class Reply:
         extra = {"usage": None} if with_usage else {}
         return sse(self._envelope(self.kind.chunk, [choice], **extra))
 
-    def call_chunk(self, index: int, arguments: str, *, first: bool, finish_reason: str | None = None,
+    def call_chunk(self, index: int, arguments: str, *, first: bool, finish_reason: FinishReason | None = None,
                    with_usage: bool = False, sampled=()) -> str:
         """A piece of a named tool call's arguments, as they come; the first piece carries the call's id and
         name."""
@@ -180,7 +183,7 @@ class ChoiceChunks:
                 return [self.reply.chunk(i, None if self.held else update.text, with_usage=self.with_usage,
                                          sampled=update.logprobs)]
             return []
-        calls = self.reply.plan.tool_calls(self.texts[i]) if self.held and reason == "stop" else []
+        calls = self.reply.plan.tool_calls(self.texts[i]) if self.held and reason is FinishReason.STOP else []
         text = None if calls else (self.texts[i] if self.held else update.text) or None
         return [self.reply.chunk(i, text, finish_reason=reason, with_usage=self.with_usage, sampled=update.logprobs,
                                  calls=calls)]

@@ -3,8 +3,7 @@
 The app routes its keys for the chat in view (F3, F4, ctrl+r, ctrl+b), the palette and backend updates to the
 active or the addressed ChatView, which owns the rest: its own keys (Enter, Esc, alt+up) and its messages'
 (MessageActions), sending, its Reply's life on screen and on disk, regenerating, editing, branching and
-forking, copying, renaming and settings. What it needs from the app comes in as ChatServices, never read off
-the app.
+forking, copying, renaming and settings. What it needs from the app comes in as ChatServices, never read off it.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 
 from pagedchat.backends.base import Backend, Outcome, Update
+from pagedchat.engine.records import FinishReason
 from pagedchat.tui import context, copying
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import DeltaInbox
@@ -265,7 +265,7 @@ class ChatView(Vertical):
         """The final update: render the whole reply once, record its outcome and stats, then mark the chat idle."""
         session = self.session
         ending = session.reply.finish(outcome)
-        if outcome.finish_reason != "error":
+        if outcome.finish_reason is not FinishReason.ERROR:
             session.turns[ending.index] = outcome
         else:
             kept = "The text so far is kept; " if ending.content else ""
@@ -285,7 +285,7 @@ class ChatView(Vertical):
         self.services.changed(session)
         self.save(ending.index)
         self.show_fill()
-        if outcome.finish_reason == "context_full":
+        if outcome.finish_reason is FinishReason.CONTEXT_FULL:
             self.notify(context.CONTEXT_FULL, severity="warning", timeout=10)
 
     async def _show_ending(self, ending: Ending) -> None:
@@ -306,7 +306,7 @@ class ChatView(Vertical):
         self.save(ending.index)
 
     def stop(self) -> None:
-        """Cancel the live reply; its final update arrives as "cancelled" with its stats."""
+        """Cancel the live reply; its final update arrives as CANCELLED with its stats."""
         if self.session.busy:
             self.session.reply.handle.cancel()
 

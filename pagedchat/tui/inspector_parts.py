@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from textual.content import Content
 
-from pagedchat.engine.block_manager import PageState
+from pagedchat.engine.records import PageState
 from pagedchat.text import visible_controls
 
 FREE, USED, CACHED = PageState.FREE, PageState.USED, PageState.CACHED

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from pagedchat.engine.params import SamplingSettings
+from pagedchat.engine.records import FinishReason
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
@@ -54,10 +55,6 @@ class ChatSettings(SamplingSettings):
         return asdict(self)
 
 
-# A reply saved while it was still being written: what a crash, a closed terminal or SIGTERM leaves behind.
-INTERRUPTED = "interrupted"
-
-
 @dataclass
 class ReplyStats:
     """The quiet line under a reply."""
@@ -67,7 +64,7 @@ class ReplyStats:
     generated_tokens: int = 0
     ttft: float | None = None
     tokens_per_s: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     counted: bool = True     # False: the server reported no usage; prompt and cache are unknown, not 0
 
@@ -83,7 +80,8 @@ class ReplyStats:
         if not raw:
             return None
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        stats = cls(**{k: v for k, v in raw.items() if k in known})
+        return replace(stats, finish_reason=FinishReason.read(stats.finish_reason))
 
     def line(self) -> str:
         if self.counted:
@@ -96,8 +94,9 @@ class ReplyStats:
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
         stopped = "stopped" if self.generated_tokens else "stopped before the first token"
-        ending = {"length": "hit max tokens", "context_full": "context full", "cancelled": stopped,
-                  "error": f"error: {self.error}", INTERRUPTED: "interrupted"}
+        ending = {FinishReason.LENGTH: "hit max tokens", FinishReason.CONTEXT_FULL: "context full",
+                  FinishReason.CANCELLED: stopped, FinishReason.ERROR: f"error: {self.error}",
+                  FinishReason.INTERRUPTED: "interrupted"}
         if self.finish_reason in ending:
             parts.append(ending[self.finish_reason])
         return " · ".join(parts)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pagedchat.backends.base import Outcome, ReplyHandle, Update
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatSettings, ReplyStats
+from pagedchat.engine.records import FinishReason
+from pagedchat.tui.records import ChatMessage, ChatSettings, ReplyStats
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Reply:
         self.tokens += fed.tokens
         return fed
 
-    def stats(self, finish_reason: str, outcome: Outcome | None = None) -> ReplyStats:
+    def stats(self, finish_reason: FinishReason, outcome: Outcome | None = None) -> ReplyStats:
         """The stats line: final from the outcome, else the live figures as they stand, ended by finish_reason."""
         if outcome is not None:
             return ReplyStats.from_outcome(outcome)
@@ -93,7 +94,7 @@ class Reply:
     def abandon(self, shown: str) -> Ending:
         """Cancel without waiting for the final update. `shown` is the message's text now: a fork with no
         update yet keeps the parent's text it started with."""
-        stats = self.stats("cancelled")  # before the cancel: the figures as they stand
+        stats = self.stats(FinishReason.CANCELLED)  # before the cancel: the figures as they stand
         self.handle.cancel()
         self.stop_taking()
         return Ending(self.index, shown if self.inheriting else self.content, stats)
@@ -109,7 +110,7 @@ class Reply:
     def snapshot(self, message: ChatMessage) -> ChatMessage:
         """The reply as saved while it is written: its text so far, marked interrupted, which is what it is if
         the app dies before the next save. The final save replaces it under the same id."""
-        return ChatMessage(message.role, message.content, self.stats(INTERRUPTED), message.id)
+        return ChatMessage(message.role, message.content, self.stats(FinishReason.INTERRUPTED), message.id)
 
     def stop_taking(self) -> None:
         """Take no more updates (the app is exiting and does not wait for them)."""

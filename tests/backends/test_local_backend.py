@@ -9,7 +9,7 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.backends.base import Backend, Outcome, TokenBackend
 from pagedchat.backends.local import LocalBackend
 from pagedchat.engine.memory import MemorySnapshot
-from pagedchat.errors import PagedChatError
+from pagedchat.errors import PagedChatError, RequestError
 
 
 @pytest.fixture
@@ -54,6 +54,18 @@ def test_a_batch_with_one_request_that_cannot_run_starts_none(backend):
     with pytest.raises(PagedChatError, match="the prompt has 600 tokens but the model's context holds 512"):
         backend.submit_ids([ok, [5] * 600], SamplingParams(max_tokens=4))
     assert not backend.engine.has_work()
+
+
+def test_the_engine_and_the_backend_refuse_a_chat_with_one_error(backend):
+    """Chats become ids in one function (engine/chat.py): a chat the template refuses fails the same way whether
+    the engine's caller or the app's backend asked."""
+    refused = [{"role": "user", "content": None}]   # the template adds strings: None is refused
+    with pytest.raises(RequestError) as from_engine:
+        backend.engine.encode_prompt(refused)
+    with pytest.raises(RequestError) as from_backend:
+        backend.prompt_ids(refused)
+    assert str(from_engine.value) == str(from_backend.value)
+    assert str(from_engine.value).startswith("the chat template cannot render these messages: ")
 
 
 def test_chat_prompts_reuse_the_previous_turns_ids(backend):

@@ -15,6 +15,7 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.backends.base import Backend
 from pagedchat.backends.local import LocalBackend
 from pagedchat.backends.process import ProcessBackend
+from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError, RequestError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -81,6 +82,7 @@ def test_fork_cancel_and_so_far(remote):
     parent.cancel()
     forked, ended = fork.result(30), parent.result(30)
     assert forked.finish_reason == ended.finish_reason == "cancelled"
+    assert forked.finish_reason is FinishReason.CANCELLED   # the enum itself crossed the socket
     # The fork went on from the parent's reply: its prompt is the parent's prompt and tokens at the fork.
     assert fork_updates[0].inherited is not None and forked.prompt_tokens > ended.prompt_tokens
     assert forked.token_ids[:forked.prompt_tokens] == ended.token_ids[:forked.prompt_tokens]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from fake_engine import FakeEngine, isolated, toks
 from pagedchat.engine.core import Phase
+from pagedchat.engine.records import FinishReason
 
 BATCH = (Phase.SCHEDULE, Phase.COPY, Phase.FORWARD, Phase.SAMPLE)
 
@@ -166,6 +167,7 @@ def test_a_reply_that_fills_the_context_ends_as_context_full():
     full, short = eng.add(toks(8), 10), eng.add(toks(5, 1), 3)
     eng.drain()
     assert eng.ended[full].finish_reason == "context_full" and len(eng.ended[full].token_ids) == 4
+    assert eng.ended[full].finish_reason is FinishReason.CONTEXT_FULL
     assert eng.ended[short].finish_reason == "length"
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pagedchat.backends.base import MemoryUnavailable
 from pagedchat.backends.metrics import ServerMetrics
-from pagedchat.engine.block_manager import MemoryCounters, PageState
+from pagedchat.engine.block_manager import MemoryCounters
+from pagedchat.engine.records import PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.inspector import MAX_TABLE_ROWS, render_block_table, render_chats, render_map, render_sharing, \
     render_summary

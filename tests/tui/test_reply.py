@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedchat.backends.base import Outcome, Update
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatSettings
+from pagedchat.engine.records import FinishReason
+from pagedchat.tui.records import ChatMessage, ChatSettings
 from pagedchat.tui.reply import Reply
 
 
@@ -84,4 +85,4 @@ def test_the_snapshot_saved_while_streaming_is_marked_interrupted():
     reply.feed([Update("r1", "so far", tokens=2)])
     saved = reply.snapshot(ChatMessage("assistant", "so far", id="m1"))
     assert (saved.id, saved.content, saved.stats.finish_reason, saved.stats.generated_tokens) == \
-        ("m1", "so far", INTERRUPTED, 2)
+        ("m1", "so far", FinishReason.INTERRUPTED, 2)

@@ -13,7 +13,8 @@ import pytest
 
 from pty_app import AppProcess, saved, wait_until
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.records import INTERRUPTED, ChatMessage, ChatRecord
+from pagedchat.engine.records import FinishReason
+from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.store import DB_NAME, Store
 from tiny_models import make_tiny_model
 from tui_support import make_config, screen_text, wait_for
@@ -49,7 +50,8 @@ def launch(config, tmp_path):
 def partial_reply(data_dir):
     """The reply being written, once it has text: saved while it grows, marked interrupted until it ends."""
     replies = [m for m in saved(data_dir) if m.role == "assistant"]
-    return replies[-1] if replies and replies[-1].content and replies[-1].finish_reason == INTERRUPTED else None
+    last = replies[-1] if replies else None
+    return last if last and last.content and last.finish_reason == FinishReason.INTERRUPTED else None
 
 
 async def restarted_shows(config, text: str) -> None:
@@ -58,7 +60,7 @@ async def restarted_shows(config, text: str) -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.sessions and app.active_session.record.messages, "the restored chat")
         reply = app.active_session.record.messages[-1]
-        assert reply.content == text and reply.stats.finish_reason == INTERRUPTED
+        assert reply.content == text and reply.stats.finish_reason == FinishReason.INTERRUPTED
         await wait_for(pilot, lambda: "interrupted" in screen_text(app), "the interrupted mark on screen")
 
 

@@ -1,6 +1,7 @@
 """The SQLite store: round trips, per-message saves shared by two instances, locks, a full disk, migrations,
 a newer file refused untouched, and damaged files salvaged row by row."""
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pagedchat.engine.records import FinishReason
 from pagedchat.tui.migrations import SCHEMA_VERSION
-from pagedchat.tui.records import (INTERRUPTED, MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
+from pagedchat.tui.records import (MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
                                     ReplyStats, title_from)
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
@@ -443,8 +445,41 @@ def test_a_database_linked_to_a_device_is_refused(tmp_path):
     assert (tmp_path / DB_NAME).is_symlink()
 
 
+SAVED_BEFORE_THE_ENUM = [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH),
+                         ("context_full", FinishReason.CONTEXT_FULL), ("cancelled", FinishReason.CANCELLED),
+                         ("error", FinishReason.ERROR), ("interrupted", FinishReason.INTERRUPTED),
+                         ("tool_calls", FinishReason.TOOL_CALLS),
+                         ("content_filter", FinishReason.STOP)]   # a server's own word, once saved as it came
+
+
+@pytest.mark.parametrize("word, reason", SAVED_BEFORE_THE_ENUM)
+def test_finish_reasons_saved_as_words_load_as_the_enum_and_save_as_the_same_words(tmp_path, word, reason):
+    """chats.db keeps the finish reason as a word inside the stats JSON: an older file's words load unchanged."""
+    store = Store.open(tmp_path)
+    chat = _chat()
+    store.save_chat(chat)
+    store.close()
+    old = {"prompt_tokens": 5, "cached_tokens": 2, "generated_tokens": 3, "ttft": 0.01, "tokens_per_s": 99.0,
+           "finish_reason": word, "error": "boom" if word == "error" else None}   # an older version's row
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute("UPDATE messages SET stats = ? WHERE role = 'assistant'", (json.dumps(old),))
+    conn.commit()
+    conn.close()
+    store = Store.open(tmp_path)
+    [loaded] = store.load_chats()
+    stats = loaded.messages[1].stats
+    assert stats.finish_reason is reason
+    assert stats.line() == ReplyStats(5, 2, 3, 0.01, 99.0, reason, old["error"]).line()
+    store.save_chat(loaded)
+    store.close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    [(saved,)] = conn.execute("SELECT stats FROM messages WHERE role = 'assistant'").fetchall()
+    conn.close()
+    assert json.loads(saved)["finish_reason"] == reason.value
+
+
 def test_interrupted_replies_say_so():
-    stats = ReplyStats(12, 0, 40, 0.05, 20.0, INTERRUPTED)
+    stats = ReplyStats(12, 0, 40, 0.05, 20.0, FinishReason.INTERRUPTED)
     assert stats.line().endswith("· interrupted")
 
 

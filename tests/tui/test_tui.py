@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 
-from pagedchat.engine.block_manager import PageState
+from pagedchat.engine.records import PageState
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat_ops import export_chat

@@ -13,7 +13,8 @@ import pytest
 from textual.widgets import TextArea
 
 from pagedchat.backends.base import BackendInfo, Outcome
-from pagedchat.engine.block_manager import MemoryCounters, PageState
+from pagedchat.engine.block_manager import MemoryCounters
+from pagedchat.engine.records import PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats

@@ -19,6 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, TextArea
 
 from pagedchat.backends.base import Backend, Outcome, Update
+from pagedchat.engine.records import FinishReason
 from pagedchat.tui.bridge import DeltaInbox, DeltasReady
 from pagedchat.tui.chat import MessageView, action_name
 from pagedchat.tui.chat_view import BUSY_NOTICE
@@ -239,7 +240,7 @@ class CompareScreen(Screen):
     def action_stop(self) -> None:
         for side in self.sides:
             if side.running:
-                side.reply.handle.cancel()   # the final update arrives as "cancelled"
+                side.reply.handle.cancel()   # the final update arrives as CANCELLED
 
     def action_back(self) -> None:
         self.action_stop()
@@ -264,7 +265,7 @@ class CompareScreen(Screen):
                             settings=deepcopy(side.variant.settings), messages=deepcopy(self.history) + [reply])
         session = ChatSession(record)
         index = len(record.messages) - 1
-        if done.finish_reason != "error":
+        if done.finish_reason is not FinishReason.ERROR:
             session.turns[index] = done
         session.pages = done.pages
         session.page_tokens = done.total_tokens
