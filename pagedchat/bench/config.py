@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pagedchat.config import EngineOptions
 from pagedchat.errors import PagedChatError
 
 DEFAULT_CHATS = (1, 2, 4, 8, 16)
@@ -48,3 +49,10 @@ class BenchConfig:
     dtype: str | None = None
     device: str | None = None
     startup: bool = True  # time "start to model ready" in fresh processes
+
+    @property
+    def engine(self) -> EngineOptions:
+        """The engine measured, from the same record the app, ask and serve build theirs from; without a CPU tier,
+        so the pool measured is the KV cache alone."""
+        return EngineOptions(model=self.model, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
+                             device=self.device, swap_space=0)

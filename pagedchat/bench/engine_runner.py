@@ -18,9 +18,9 @@ WARM_REPEATS = 3
 
 
 def engine_kwargs(cfg: BenchConfig, max_chats: int) -> dict:
-    """Engine's keyword arguments for this run: also what the startup probe's fresh process is given."""
-    return {"kv_cache_memory": cfg.kv_cache_memory, "dtype": cfg.dtype, "device": cfg.device, "swap_space": 0,
-            "max_seqs": max(64, max_chats)}
+    """Engine's keyword arguments for this run (the model included): also what the startup probe's fresh process
+    is given."""
+    return {**cfg.engine.kwargs(), "max_seqs": max(64, max_chats)}
 
 
 def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]):
@@ -29,7 +29,7 @@ def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]
     from pagedchat.engine.engine import Engine
 
     describe("loading the engine")
-    engine = Engine(cfg.model, **engine_kwargs(cfg, max_chats))
+    engine = Engine(**engine_kwargs(cfg, max_chats))
     if engine.model.runs_int4:
         from pagedchat.model import int4_kernel
 

@@ -171,8 +171,7 @@ def _cold_first_tokens(work: Workload, cold_warm, peers: list[Peer], progress) -
 
 def startup_times(cfg: BenchConfig, top: int, peers: list[Peer], progress) -> tuple[Timed, ...]:
     """Start to model ready in fresh processes, with the model cached; --repeat rounds, runners alternating."""
-    probes = [(PAGEDCHAT, lambda: time_to_ready(["-c", ENGINE_READY, cfg.model or "",
-                                                   json.dumps(engine_kwargs(cfg, top))]))]
+    probes = [(PAGEDCHAT, lambda: time_to_ready(["-c", ENGINE_READY, json.dumps(engine_kwargs(cfg, top))]))]
     probes += [(p.name, p.startup) for p in peers if p.startup is not None]
     times: dict[str, list[float]] = {name: [] for name, _ in probes}
     for r in range(cfg.repeat):

@@ -142,10 +142,12 @@ def run(args) -> int:
     """The `pagedchat bench --serve` entry point."""
     from pagedchat.backends.local import LocalBackend
     from pagedchat.bench.workload import build_workload
+    from pagedchat.config import EngineOptions
     from pagedchat.engine.engine import Engine
 
-    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                    device=getattr(args, "device", None))
+    options = EngineOptions(model=args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                            device=getattr(args, "device", None))
+    engine = Engine(**options.kwargs())
     # The workload is cut from the model's own tokenizer, as `pagedchat bench` cuts it (bench/workload.py).
     prompts = build_workload(engine.tokenizer, args.system_tokens, CLIENTS, args.seed).prompts
     report = run_serve_bench(LocalBackend(engine), prompts, args.max_tokens, args.repeat, args.system_tokens)

@@ -16,7 +16,7 @@ READY = 'print("ready", repr(__import__("time").time()), flush=True)'
 ENGINE_READY = f"""\
 import json, sys
 from pagedchat.engine.engine import Engine
-engine = Engine(sys.argv[1] or None, **json.loads(sys.argv[2]))
+engine = Engine(**json.loads(sys.argv[1]))
 {READY}
 engine.shutdown()
 """
