@@ -24,6 +24,7 @@ from textual._wait import wait_for_idle
 from pagedchat.backends.base import BackendInfo, MemoryView
 from pagedchat.backends.local import LocalBackend
 from pagedchat.config import AppConfig, load_config
+from pagedchat.engine.records import FinishReason
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatSettings
 from pagedchat.errors import PagedChatError
@@ -249,7 +250,8 @@ class ScriptedEngine:
             time.sleep(0.02)
             sent.append(piece)
             handle.deliver(StreamDelta(handle.request_id, [i], piece))
-        reason = "cancelled" if handle.request_id in self.cancelled else "error" if error else "stop"
+        reason = (FinishReason.CANCELLED if handle.request_id in self.cancelled
+                  else FinishReason.ERROR if error else FinishReason.STOP)
         done = Completion(handle.request_id, handle.prompt_token_ids, list(range(len(sent))), "".join(sent), reason,
                           time_to_first_token=0.02, decode_tokens_per_s=50.0, error=error)
         handle.deliver(StreamDelta(handle.request_id, [], "", finished=True, completion=done))
