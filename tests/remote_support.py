@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -73,3 +76,46 @@ def running_server(model: Path, log_dir: Path, port: int | None = None):
         yield server
     finally:
         server.stop()
+
+
+class StubOpenAI(BaseHTTPRequestHandler):
+    """The plumbing of a stub OpenAI-compatible server: subclasses say what each request gets."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def json_reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def read_body(self) -> dict:
+        return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+
+    def stream_chat(self, model: str, pieces: list[str]) -> None:
+        """pieces as a streamed chat completion ending with "stop", without a usage chunk."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        choices = [{"delta": {"role": "assistant", "content": piece}, "finish_reason": None} for piece in pieces]
+        choices.append({"delta": {}, "finish_reason": "stop"})
+        for choice in choices:
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": model,
+                     "choices": [{"index": 0, **choice}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@contextmanager
+def stub_server(handler: type[StubOpenAI]):
+    """handler served on 127.0.0.1 on a thread; yields its /v1 base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()

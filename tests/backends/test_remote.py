@@ -6,13 +6,10 @@ the server's real /v1/memory, and a real process is killed under it mid-reply.
 
 from __future__ import annotations
 
-import json
 import re
-import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -28,7 +25,7 @@ from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.records import ChatSettings
 from pagedchat.tui.store import Store
-from remote_support import free_port, running_server
+from remote_support import StubOpenAI, free_port, running_server, stub_server
 from tiny_models import make_tiny_model
 from tui_support import make_config, notices, send, static_text, wait_for
 
@@ -253,54 +250,30 @@ OPENAI_FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", 
                  "stop", "presence_penalty", "frequency_penalty"}
 
 
-class StrictServer(BaseHTTPRequestHandler):
+class StrictServer(StubOpenAI):
     """An OpenAI-like server that refuses fields it does not know, as OpenAI does; it keeps each body it got."""
 
     bodies: list[dict] = []
 
-    def log_message(self, *args) -> None:
-        pass
-
-    def _json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._json(200, {"object": "list", "data": [{"id": "strict", "object": "model"}]})
+        self.json_reply(200, {"object": "list", "data": [{"id": "strict", "object": "model"}]})
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        body = self.read_body()
         self.bodies.append(body)
         unknown = sorted(set(body) - OPENAI_FIELDS)
         if unknown:
-            self._json(400, {"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
-                                       "type": "invalid_request_error", "param": None, "code": None}})
+            self.json_reply(400, {"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+                                            "type": "invalid_request_error", "param": None, "code": None}})
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for choice in ({"delta": {"role": "assistant", "content": "Hi."}, "finish_reason": None},
-                       {"delta": {}, "finish_reason": "stop"}):
-            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "strict",
-                     "choices": [{"index": 0, **choice}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+        self.stream_chat("strict", ["Hi."])
 
 
 @contextmanager
 def strict_server():
     StrictServer.bodies = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StrictServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", StrictServer.bodies
-    finally:
-        server.shutdown()
-        server.server_close()
+    with stub_server(StrictServer) as url:
+        yield url, StrictServer.bodies
 
 
 def test_a_default_chat_sends_only_openai_fields_and_the_others_only_when_set():

@@ -164,10 +164,21 @@ async def test_one_letter_keys_act_only_on_a_focused_message(tmp_path):
             await pilot.press(*"ebrck")
             assert app.screen_stack[-1] is app.screen_stack[0] and app.focused.text == "ebrck"
             app.focused.text = ""
-            app.chats.show(session)
-            await app.chats.activated(session)
+            await show(app, session)
         await screen_is_disk(pilot)
 
+
+async def show(app, session) -> None:
+    app.chats.show(session)
+    await app.chats.activated(session)
+
+
+async def key_or_palette(pilot, by_keys: bool, key: str, command: str) -> None:
+    """The same action through its key or through the command palette."""
+    if by_keys:
+        await pilot.press(key)
+    else:
+        await palette(pilot, command)
 
 
 @pytest.mark.parametrize("how", ["keys", "palette"])
@@ -198,10 +209,7 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
 
         # Regenerate the last reply.
         before = contents(first)
-        if by_keys:
-            await pilot.press("ctrl+r")
-        else:
-            await palette(pilot, "Regenerate last reply")
+        await key_or_palette(pilot, by_keys, "ctrl+r", "Regenerate last reply")
         await wait_for(pilot, lambda: contents(first)[-1] != before[-1] and not first.busy, "the new reply")
         assert contents(first)[:-1] == before[:-1]
         await screen_is_disk(pilot)
@@ -221,19 +229,14 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
         await screen_is_disk(pilot)
 
         # Continue in a new chat (the palette only).
-        app.chats.show(first)
-        await app.chats.activated(first)
+        await show(app, first)
         await palette(pilot, "Continue in a new chat")
         await wait_for(pilot, lambda: len(app.sessions) == 3, "the continued chat")
         await screen_is_disk(pilot)
 
         # Compare, and keep B.
-        app.chats.show(first)
-        await app.chats.activated(first)
-        if by_keys:
-            await pilot.press("f5")
-        else:
-            await palette(pilot, "Compare")
+        await show(app, first)
+        await key_or_palette(pilot, by_keys, "f5", "Compare")
         await wait_for(pilot, lambda: isinstance(app.screen, CompareSetupScreen), "the compare form")
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen), "the split view")
@@ -258,12 +261,8 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
         await screen_is_disk(pilot)
 
         # Delete the branch.
-        app.chats.show(branch)
-        await app.chats.activated(branch)
-        if by_keys:
-            await pilot.press("f8")
-        else:
-            await palette(pilot, "Delete chat")
+        await show(app, branch)
+        await key_or_palette(pilot, by_keys, "f8", "Delete chat")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
         await pilot.press("y")
         await wait_for(pilot, lambda: branch.id not in app.sessions, "the delete")
