@@ -5,6 +5,7 @@ GGUF form: what the GGUF loading, quantized-weight and llama.cpp tests read."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -84,7 +85,10 @@ def write_tiny_gguf(folder: Path, out: Path, *, quantized=QUANTIZED,
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, the pretraining context in rope.*
-        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        original = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg["max_position_embeddings"] / original  # the converter's attention factor, always written
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.add_vocab_size(cfg["vocab_size"])
