@@ -21,21 +21,44 @@ from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeK
 from pagedchat.model.linear import Builder, Placement, nbytes
 
 
-def rope_table(rope: Rope, head_dim: int, positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, rotary_dim] for a rotary table, sin's first half negated (see apply_rope).
+def rope_table(rope: Rope, head_dim: int, positions: int, max_positions: int, device,
+               dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, rotary_dim] for a rotary table of a model with max_positions, sin's first half
+    negated (see apply_rope). A position's row does not depend on how many rows are built.
 
     LongRoPE switches to its long factors past the original context: here by position (a token at or past it
     turns with the long table), where transformers switches a whole forward pass by its longest position."""
-    inv_freq, scale = rope.inv_freq(head_dim, positions)
+    inv_freq, scale = rope.inv_freq(head_dim, max_positions)
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     if rope.kind is RopeKind.LONGROPE and rope.original_max_positions < positions:
-        long, _ = rope.inv_freq(head_dim, positions, long=True)
+        long, _ = rope.inv_freq(head_dim, max_positions, long=True)
         past = torch.arange(rope.original_max_positions, positions, dtype=torch.float32)[:, None]
         freqs[rope.original_max_positions:] = past * long[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     sin[:, : inv_freq.shape[0]].neg_()
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+class RotaryTable:
+    """One rotary table, built only as far as the longest context a step has reached (doubling as it grows).
+    Built to the model's whole context up front, a 128k-position table would take more memory than the KV
+    pages of many chats."""
+
+    FIRST_ROWS = 1024
+
+    def __init__(self, rope: Rope, head_dim: int, max_positions: int, device, dtype):
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.device, self.dtype = device, dtype
+        self.cos = self.sin = torch.empty(0, device=device, dtype=dtype)
+
+    def at(self, positions: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, rotary_dim] at positions, each below longest."""
+        if longest > self.cos.shape[0]:
+            rows = max(longest, min(max(2 * self.cos.shape[0], self.FIRST_ROWS), self.max_positions))
+            self.cos, self.sin = rope_table(self.rope, self.head_dim, rows, self.max_positions, self.device,
+                                            self.dtype)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,7 +160,7 @@ class DecoderModel:
         kv_size = config.num_kv_heads * config.head_dim
         self.qk_size = q_size + kv_size
         self.scale = config.attention_scale or config.head_dim ** -0.5
-        tables = {spec.rope: rope_table(spec.rope, config.head_dim, config.max_position_embeddings, device, dtype)
+        tables = {spec.rope: RotaryTable(spec.rope, config.head_dim, config.max_position_embeddings, device, dtype)
                   for spec in config.layers if spec.rope is not None}
         self.rope_tables = [tables.get(spec.rope) for spec in config.layers]
         self.use_triton = backend(device) == "triton"
@@ -212,7 +235,7 @@ class DecoderModel:
                 qk = norm(qk, layer.qk_norm, eps)
             if table is not None:
                 if id(table) not in turns:
-                    turns[id(table)] = (table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1))
+                    turns[id(table)] = table.at(positions, meta.max_context_len)
                 qk = apply_rope(qk, *turns[id(table)])
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
