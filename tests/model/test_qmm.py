@@ -79,11 +79,11 @@ def reference(x: torch.Tensor, blocks: np.ndarray, kind: str) -> tuple[torch.Ten
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("make", [quantized, random_blocks], ids=["quantizer", "random-bits"])
 def test_matmul_is_ggufs_weights_times_the_int8_activations(level, kind, make):
-    """For 1 row (one chat's decode) through 8, 16 and a ragged 37 (a batch, and the tiles' remainders): the
-    kernel's float32 sums of the same products, to float32 rounding; and within int8's error of the float
-    product itself."""
+    """For 1 row (one chat's decode) through 8, 16 and a ragged 37 (a batch, and the tiles' remainders), on 43
+    weight rows (panels of 8 and a remainder): the kernel's float32 sums of the same products, to float32
+    rounding; and within int8's error of the float product itself."""
     for k in widths(kind):
-        n = 40
+        n = 43
         blocks = make(kind, n, k, seed=k)
         linear = BlockLinear(torch.from_numpy(blocks), kind)
         for rows in (1, 8, 16, 37):
