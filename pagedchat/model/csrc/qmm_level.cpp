@@ -448,6 +448,11 @@ constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 register
 constexpr int PANEL = 8;       // weight rows per panel, one per 32-bit lane
 constexpr int PANEL_TILE = 5;  // activation rows per pass: two accumulators each, two weight vectors, in 16 registers
 constexpr int PANEL_MIN_ROWS = 4;  // fewer activation rows do not pay for building the panel
+#if defined(__AVXVNNI__)
+constexpr bool PANEL_DPBUSD = true;
+#else
+constexpr bool PANEL_DPBUSD = false;
+#endif
 
 template <int T>
 constexpr int HALVES = TWO_OFFSETS<T> ? 2 : 1;  // scale units per block: Q6_K has one per 16 weights
@@ -497,11 +502,16 @@ void build_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, co
     float* c = p.c + 16 * j;
     for (int r = 0; r < PANEL; ++r) {
       const Block b = block<T>(w + (n0 + r) * row_bytes, j);
-      u[r] = b.u;
       a[r] = _mm256_cvtss_f32(b.a);
       a[8 + r] = _mm_cvtss_f32(_mm256_extractf128_ps(b.a, 1));
-      c[r] = b.c0;
-      c[8 + r] = b.c1;
+      if constexpr (SIGNED<T>) {  // Q8_0: w = a q = a (q + 128) - 128 a, unsigned codes and an offset
+        u[r] = _mm256_xor_si256(b.u, _mm256_set1_epi8(char(0x80)));
+        c[r] = c[8 + r] = -128 * a[r];
+      } else {
+        u[r] = b.u;
+        c[r] = b.c0;
+        c[8 + r] = b.c1;
+      }
     }
     transpose8x8_epi32(u);
     for (int d = 0; d < 8; ++d) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes + 256 * j + 32 * d), u[d]);
@@ -521,7 +531,7 @@ inline void panel_pair(const uint8_t* codes, const Activations& x, int64_t i0, i
 #if defined(__AVXVNNI__)
     sum[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum[r], w0, q0), w1, q1);
 #else
-    // Two maddubs pairs per lane (each at most 2 * 63 * 127) fit int16 before they widen to int32.
+    // Two maddubs pairs per lane (each at most 2 * 63 * 127, Q8_0 aside) fit int16 before they widen to int32.
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, q0), _mm256_maddubs_epi16(w1, q1));
     sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
@@ -615,8 +625,9 @@ template <int T>
 void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                float* y, int64_t ldy, uint8_t* scratch) {
 #if !defined(__AVX512F__)
-  // Q8_0's signed codes have no unsigned form whose maddubs pairs fit int16: it keeps the per-row tiles.
-  if (!SIGNED<T> && m >= PANEL_MIN_ROWS)
+  // Q8_0's codes made unsigned reach 255, whose maddubs pairs overflow int16: without VNNI's dpbusd, which
+  // sums in int32, it keeps the per-row tiles.
+  if ((!SIGNED<T> || PANEL_DPBUSD) && m >= PANEL_MIN_ROWS)
     for (; n0 + PANEL <= n1; n0 += PANEL) panel_rows<T>(w, row_bytes, n0, x, m, y, ldy, scratch);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
