@@ -27,7 +27,7 @@ struct Level {
   void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16,
                    float* s32);
   // y[i * ldy + n] = x_i . W_n for weight rows n in [n0, n1) and every activation row i. scratch holds
-  // scratch_bytes(k) bytes: one weight row decoded, or a panel of 8 (qmm_level.cpp).
+  // scratch_bytes(k) bytes: one weight row decoded, or a panel of 8 or 16 (qmm_level.cpp).
   void (*matmul)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
                  int64_t m, float* y, int64_t ldy, uint8_t* scratch);
   // rows weight rows, dequantized exactly (the file's d * q + m in float32) into out [rows][k].
@@ -35,7 +35,7 @@ struct Level {
                      uint8_t* scratch);
 };
 
-inline int64_t scratch_bytes(int64_t k) { return 12 * k + 256; }
+inline int64_t scratch_bytes(int64_t k) { return 24 * k + 256; }
 
 // 0 where the type is not one of Type's.
 int64_t block_values(int type);

@@ -382,6 +382,36 @@ void store(const float* partial, int64_t i0, float* y, int64_t ldy) {
 
 constexpr int ROWS = 16;  // 16 accumulators and two blocks fit in AVX-512's 32 registers
 
+// The panel's vectors on AVX-512: 16 weight rows, one per 32-bit lane; 12 activation rows a pass.
+struct PanelIsa {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int ROWS = 16, TILE = 12;
+#if defined(__AVX512VNNI__)
+  static constexpr bool DPBUSD = true;
+#else
+  static constexpr bool DPBUSD = false;
+#endif
+  static I load(const uint8_t* p) { return _mm512_load_si512(p); }
+  static I bcast4(const int8_t* q) { return _mm512_broadcastd_epi32(_mm_loadu_si32(q)); }
+  static I dot2(I sum, I w0, I q0, I w1, I q1) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, w0, q0), w1, q1);
+#else
+    const I pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w0, q0), _mm512_maddubs_epi16(w1, q1));
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+  }
+  static I izero() { return _mm512_setzero_si512(); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F loadf(const float* p) { return _mm512_load_ps(p); }
+  static F bcastf(const float* p) { return _mm512_set1_ps(*p); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
 inline __m512i dot512(__m512i u, __m512i q) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q);
@@ -440,150 +470,36 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 
 constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 registers
 
-// Batched steps on AVX2: a panel of 8 weight rows, their blocks decoded once per call and transposed so that each
-// 32-byte vector holds 4 codes of each of the 8 rows (the layout of llama.cpp's repacked AVX2 GEMMs, built here
-// per call from the file's blocks). A maddubs against 4 broadcast activation codes then gives the 8 rows' partial
-// dots in 8 lanes: a block's sum stays in integer adds, and each conversion, scale and offset serves 8 outputs
-// where the per-row tile spends them on one.
-constexpr int PANEL = 8;       // weight rows per panel, one per 32-bit lane
-constexpr int PANEL_TILE = 5;  // activation rows per pass: two accumulators each, two weight vectors, in 16 registers
-constexpr int PANEL_MIN_ROWS = 4;  // fewer activation rows do not pay for building the panel
+// The panel's vectors on AVX2: 8 weight rows, one per 32-bit lane; 5 activation rows a pass (two accumulators
+// each and two weight vectors in 16 registers).
+struct PanelIsa {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int ROWS = 8, TILE = 5;
 #if defined(__AVXVNNI__)
-constexpr bool PANEL_DPBUSD = true;
+  static constexpr bool DPBUSD = true;
 #else
-constexpr bool PANEL_DPBUSD = false;
+  static constexpr bool DPBUSD = false;
 #endif
-
-template <int T>
-constexpr int HALVES = TWO_OFFSETS<T> ? 2 : 1;  // scale units per block: Q6_K has one per 16 weights
-
-// Where one call's panel lives in the scratch: per block, 8 vectors of codes, then per scale unit 8 scales and
-// 8 offsets (one per weight row).
-struct Panel {
-  uint8_t* codes;  // [blocks][8][32]
-  float* a;        // [blocks][2][8]
-  float* c;        // [blocks][2][8]
+  static I load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast4(const int8_t* q) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q)); }
+  static I dot2(I sum, I w0, I q0, I w1, I q1) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum, w0, q0), w1, q1);
+#else
+    const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, q0), _mm256_maddubs_epi16(w1, q1));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F loadf(const float* p) { return _mm256_load_ps(p); }
+  static F bcastf(const float* p) { return _mm256_broadcast_ss(p); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
-
-Panel panel_layout(uint8_t* scratch, int64_t k) {
-  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
-  const int64_t nb = k / 32;
-  Panel p;
-  p.codes = base;
-  p.a = reinterpret_cast<float*>(base + nb * 256);
-  p.c = p.a + nb * 16;
-  return p;
-}
-
-// u[r] holds row r's 8 dwords; afterwards u[d] holds dword d of rows 0..7.
-inline void transpose8x8_epi32(__m256i* u) {
-  __m256i t[8], s[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(u[i], u[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(u[i], u[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    s[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    s[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    s[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[i] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x20);
-    u[i + 4] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x31);
-  }
-}
-
-template <int T>
-void build_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const Panel& p) {
-  for (int64_t j = 0; j < nb; ++j) {
-    __m256i u[PANEL];
-    float* a = p.a + 16 * j;
-    float* c = p.c + 16 * j;
-    for (int r = 0; r < PANEL; ++r) {
-      const Block b = block<T>(w + (n0 + r) * row_bytes, j);
-      a[r] = _mm256_cvtss_f32(b.a);
-      a[8 + r] = _mm_cvtss_f32(_mm256_extractf128_ps(b.a, 1));
-      if constexpr (SIGNED<T>) {  // Q8_0: w = a q = a (q + 128) - 128 a, unsigned codes and an offset
-        u[r] = _mm256_xor_si256(b.u, _mm256_set1_epi8(char(0x80)));
-        c[r] = c[8 + r] = -128 * a[r];
-      } else {
-        u[r] = b.u;
-        c[r] = b.c0;
-        c[8 + r] = b.c1;
-      }
-    }
-    transpose8x8_epi32(u);
-    for (int d = 0; d < 8; ++d) _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes + 256 * j + 32 * d), u[d]);
-  }
-}
-
-// Codes d and d + 1 of a scale unit against R activation rows, added into the rows' int32 sums.
-template <int R>
-inline void panel_pair(const uint8_t* codes, const Activations& x, int64_t i0, int64_t at, __m256i* sum) {
-  const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
-  const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32));
-  for (int r = 0; r < R; ++r) {
-    // vbroadcastss from memory is a load alone, where set1 of a loaded int costs a shuffle too.
-    const auto* q = reinterpret_cast<const float*>(x.q + (i0 + r) * x.k + at);
-    const __m256i q0 = _mm256_castps_si256(_mm256_broadcast_ss(q));
-    const __m256i q1 = _mm256_castps_si256(_mm256_broadcast_ss(q + 1));
-#if defined(__AVXVNNI__)
-    sum[r] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum[r], w0, q0), w1, q1);
-#else
-    // Two maddubs pairs per lane (each at most 2 * 63 * 127, Q8_0 aside) fit int16 before they widen to int32.
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, q0), _mm256_maddubs_epi16(w1, q1));
-    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-  }
-}
-
-template <int T, int R>
-void panel_tile(const Panel& p, const Activations& x, int64_t i0, int64_t nb, float* y, int64_t ldy) {
-  const int64_t k = x.k, m = x.m;
-  constexpr int UNIT = 8 / HALVES<T>;  // code vectors per scale unit
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nb; ++j) {
-    for (int h = 0; h < HALVES<T>; ++h) {
-      __m256i sum[R];
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-      for (int d = h * UNIT; d < (h + 1) * UNIT; d += 2)
-        panel_pair<R>(p.codes + 256 * j + 32 * d, x, i0, 32 * j + 4 * d, sum);
-      const __m256 a = _mm256_load_ps(p.a + 16 * j + 8 * h), c = _mm256_load_ps(p.c + 16 * j + 8 * h);
-      const float* sums = HALVES<T> == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-      for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(a, _mm256_broadcast_ss(x.d8 + (i0 + r) * k / 4 + 8 * j));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(sums + i0 + r), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (i0 + r) * ldy, acc[r]);
-}
-
-template <int T, int R>
-void panel_rest(const Panel& p, const Activations& x, int64_t i0, int64_t m, int64_t nb, float* y, int64_t ldy) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      panel_tile<T, R>(p, x, i0, nb, y, ldy);
-    } else {
-      panel_rest<T, R - 1>(p, x, i0, m, nb, y, ldy);
-    }
-  }
-}
-
-// Weight rows [n0, n0 + 8) against every activation row.
-template <int T>
-void panel_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, const Activations& x, int64_t m, float* y,
-                int64_t ldy, uint8_t* scratch) {
-  const int64_t nb = x.k / 32;
-  const Panel p = panel_layout(scratch, x.k);
-  build_panel<T>(w, row_bytes, n0, nb, p);
-  int64_t i = 0;
-  for (; i + PANEL_TILE <= m; i += PANEL_TILE) panel_tile<T, PANEL_TILE>(p, x, i, nb, y + n0, ldy);
-  panel_rest<T, PANEL_TILE - 1>(p, x, i, m - i, nb, y + n0, ldy);
-}
 
 template <int T, int R>
 void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_t ldy) {
@@ -609,6 +525,135 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 
 #endif
 
+// Batched steps: a panel of PanelIsa::ROWS weight rows, their blocks decoded once per call and transposed so
+// that each vector holds 4 codes of every row (the layout of llama.cpp's repacked x86 GEMMs, built here per call
+// from the file's blocks, so the resident bytes stay the file's). A maddubs (or dpbusd) against 4 broadcast
+// activation codes then gives every row's partial dot in its own lane: a block's sum stays in integer adds, and
+// each conversion, scale and offset serves a lane per weight row where the per-row tiles spend them on one.
+constexpr int PANEL = PanelIsa::ROWS;
+constexpr int PANEL_MIN_ROWS = 4;  // fewer activation rows do not pay for building the panel
+
+template <int T>
+constexpr int HALVES = TWO_OFFSETS<T> ? 2 : 1;  // scale units per block: Q6_K has one per 16 weights
+
+// Where one call's panel lives in the scratch: per block, 8 code vectors of PANEL * 4 bytes, then per block and
+// scale unit PANEL scales and PANEL offsets.
+struct Panel {
+  uint8_t* codes;  // [blocks][8][PANEL * 4]
+  float* a;        // [blocks][2][PANEL]
+  float* c;        // [blocks][2][PANEL]
+};
+
+Panel panel_layout(uint8_t* scratch, int64_t k) {
+  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  const int64_t nb = k / 32;
+  Panel p;
+  p.codes = base;
+  p.a = reinterpret_cast<float*>(base + nb * 32 * PANEL);
+  p.c = p.a + nb * 2 * PANEL;
+  return p;
+}
+
+// u[r] holds row r's 8 dwords; afterwards u[d] holds dword d of rows 0..7.
+inline void transpose8x8_epi32(__m256i* u) {
+  __m256i t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(u[i], u[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(u[i], u[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    s[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    s[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    s[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x20);
+    u[i + 4] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x31);
+  }
+}
+
+template <int T>
+void build_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const Panel& p) {
+  for (int64_t j = 0; j < nb; ++j) {
+    float* a = p.a + 2 * PANEL * j;
+    float* c = p.c + 2 * PANEL * j;
+    for (int g = 0; g < PANEL; g += 8) {  // eight rows at a time: one 8x8 transpose of their dwords
+      __m256i u[8];
+      for (int r = g; r < g + 8; ++r) {
+        const Block b = block<T>(w + (n0 + r) * row_bytes, j);
+        a[r] = _mm256_cvtss_f32(b.a);
+        a[PANEL + r] = _mm_cvtss_f32(_mm256_extractf128_ps(b.a, 1));
+        if constexpr (SIGNED<T>) {  // Q8_0: w = a q = a (q + 128) - 128 a, unsigned codes and an offset
+          u[r - g] = _mm256_xor_si256(b.u, _mm256_set1_epi8(char(0x80)));
+          c[r] = c[PANEL + r] = -128 * a[r];
+        } else {
+          u[r - g] = b.u;
+          c[r] = b.c0;
+          c[PANEL + r] = b.c1;
+        }
+      }
+      transpose8x8_epi32(u);
+      for (int d = 0; d < 8; ++d)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes + 4 * PANEL * (8 * j + d) + 4 * g), u[d]);
+    }
+  }
+}
+
+template <int T, int R>
+void panel_tile(const Panel& p, const Activations& x, int64_t i0, int64_t nb, float* y, int64_t ldy) {
+  using V = PanelIsa;
+  const int64_t k = x.k, m = x.m;
+  constexpr int UNIT = 8 / HALVES<T>;  // code vectors per scale unit
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::zero();
+  for (int64_t j = 0; j < nb; ++j) {
+    for (int h = 0; h < HALVES<T>; ++h) {
+      typename V::I sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = V::izero();
+      for (int d = h * UNIT; d < (h + 1) * UNIT; d += 2) {
+        const uint8_t* codes = p.codes + 4 * PANEL * (8 * j + d);
+        const typename V::I w0 = V::load(codes), w1 = V::load(codes + 4 * PANEL);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + (i0 + r) * k + 32 * j + 4 * d;
+          sum[r] = V::dot2(sum[r], w0, V::bcast4(q), w1, V::bcast4(q + 4));
+        }
+      }
+      const typename V::F a = V::loadf(p.a + 2 * PANEL * j + PANEL * h), c = V::loadf(p.c + 2 * PANEL * j + PANEL * h);
+      const float* sums = HALVES<T> == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+      for (int r = 0; r < R; ++r) {
+        const typename V::F scale = V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j));
+        acc[r] = V::fmadd(V::cvt(sum[r]), scale, acc[r]);
+        acc[r] = V::fmadd(c, V::bcastf(sums + i0 + r), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
+}
+
+template <int T, int R>
+void panel_rest(const Panel& p, const Activations& x, int64_t i0, int64_t m, int64_t nb, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (m == R) {
+      panel_tile<T, R>(p, x, i0, nb, y, ldy);
+    } else {
+      panel_rest<T, R - 1>(p, x, i0, m, nb, y, ldy);
+    }
+  }
+}
+
+// Weight rows [n0, n0 + PANEL) against every activation row.
+template <int T>
+void panel_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, const Activations& x, int64_t m, float* y,
+                int64_t ldy, uint8_t* scratch) {
+  const int64_t nb = x.k / 32;
+  const Panel p = panel_layout(scratch, x.k);
+  build_panel<T>(w, row_bytes, n0, nb, p);
+  int64_t i = 0;
+  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE) panel_tile<T, PanelIsa::TILE>(p, x, i, nb, y + n0, ldy);
+  panel_rest<T, PanelIsa::TILE - 1>(p, x, i, m - i, nb, y + n0, ldy);
+}
+
 // The last m < ROWS rows: the tile of exactly that height.
 template <int T, int R>
 void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
@@ -624,12 +669,10 @@ void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float
 template <int T>
 void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                float* y, int64_t ldy, uint8_t* scratch) {
-#if !defined(__AVX512F__)
-  // Q8_0's codes made unsigned reach 255, whose maddubs pairs overflow int16: without VNNI's dpbusd, which
-  // sums in int32, it keeps the per-row tiles.
-  if ((!SIGNED<T> || PANEL_DPBUSD) && m >= PANEL_MIN_ROWS)
+  // Q8_0's codes made unsigned reach 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127
+  // for every other type): without VNNI's dpbusd, which sums in int32, it keeps the per-row tiles.
+  if ((!SIGNED<T> || PanelIsa::DPBUSD) && m >= PANEL_MIN_ROWS)
     for (; n0 + PANEL <= n1; n0 += PANEL) panel_rows<T>(w, row_bytes, n0, x, m, y, ldy, scratch);
-#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     int64_t i = 0;
