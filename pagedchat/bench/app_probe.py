@@ -89,11 +89,6 @@ class Terminal:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
-    def hang_up(self) -> None:
-        """Close the terminal, as closing the window does: the kernel sends SIGHUP."""
-        os.close(self.fd)
-        self.fd = -1
-
     def wait(self, timeout: float = 20.0) -> int:
         """The exit code (negative: killed by that signal)."""
         def done():

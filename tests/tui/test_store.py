@@ -67,7 +67,8 @@ def test_round_trip(tmp_path):
     store = Store.open(tmp_path)
     chat = _chat()
     store.save_chat(chat)
-    store.set_state("theme", "pagedchat-light")
+    with store.transaction():   # as the saver writes state
+        store.put_state("theme", "pagedchat-light")
     store.close()
     store = Store.open(tmp_path)
     assert store.notice is None
@@ -148,7 +149,8 @@ def test_order_and_closed_chats(tmp_path):
     for r in (a, b, c):
         store.save_chat(r)
     store.save_order([c.id, a.id, b.id])
-    store.set_open(a.id, False)
+    a.is_open = False   # as the app closes a tab: the record saved closed
+    store.save_chat(a)
     assert [r.title for r in store.load_chats(open_only=True)] == ["c", "b"]
     assert [r.title for r in store.load_chats(open_only=False)] == ["a"]
     assert store.closed_chats() == [(a.id, "a", 2)]
@@ -518,7 +520,8 @@ def test_search_survives_the_migration_of_an_old_database(tmp_path):
     saver.message(chat, 2)
     saver.flush()
     assert store.search("climbs") == [] and len(store.search("sleeps")) == 1
-    store.set_open("c1", False)  # closed chats are searched too
+    chat.is_open = False  # closed chats are searched too
+    store.save_chat(chat)
     assert [h.is_open for h in store.search("sleeps")] == [False]
 
     saver.delete_chat("c1")

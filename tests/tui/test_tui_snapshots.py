@@ -89,7 +89,8 @@ def saved_chats(config) -> list[ChatRecord]:
     store = Store.open(config.data_dir)
     for record in (idle, live, branch):
         store.save_chat(record)
-    store.set_state("active_chat", idle.id)
+    with store.transaction():
+        store.put_state("active_chat", idle.id)
     store.close()
     return [idle, live, branch]
 
