@@ -246,11 +246,6 @@ class Engine:
         with self._lock:
             return not self._inbox.empty() or self.core.has_work()
 
-    def sequence(self, request_id: str) -> Sequence | None:
-        """A live request's sequence (tokens, block table), for inspection between steps."""
-        with self._lock:
-            return self.core.sequence(request_id)
-
     def shutdown(self) -> None:
         """Stop the engine. Every request in flight or queued ends at once as CANCELLED."""
         self._end_all(FinishReason.CANCELLED, None)

@@ -43,8 +43,8 @@ def manual(folder, **kwargs) -> Engine:
 def step(engine: Engine) -> dict[str, list[int]]:
     """One step (it delivers to the handles); returns the new token ids per request."""
     got: dict[str, list[int]] = {}
-    for delta in engine.step():
-        got.setdefault(delta.request_id, []).extend(delta.token_ids)
+    for update in engine.step():
+        got.setdefault(update.request_id, []).extend(update.token_ids)
     return got
 
 
@@ -106,12 +106,14 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
 def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny_llama, tiny_llama_ref):
     eng = manual(tiny_llama, kv_cache_memory="2MiB")
     prompt = ids_of(eng.tokenizer, 40)
-    parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    reply: list[int] = []
+    parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True),
+                        on_update=lambda u: reply.extend(u.token_ids))
     step(eng)
-    while len(eng.sequence(parent.request_id).output_ids) < 11:  # 51 tokens, 50 computed: page 3 is partial
+    while len(reply) < 11:  # 51 tokens, 50 computed: page 3 is partial
         step(eng)
-    before = list(eng.sequence(parent.request_id).block_table)
-    history = list(eng.sequence(parent.request_id).token_ids)
+    before = list(eng.memory().seqs[parent.request_id].pages)
+    history = prompt + reply
     child = eng.fork(parent.request_id, SamplingParams(max_tokens=20, ignore_eos=True))
     step(eng)
     snap = eng.memory()
@@ -140,11 +142,13 @@ def test_a_forks_first_update_tells_the_reply_text_it_continues(tiny_llama):
     """The parent may grow between fork() and the engine taking the fork in: the first update says from where."""
     eng = manual(tiny_llama, kv_cache_memory="2MiB")
     decode = lambda ids: eng.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    parent = eng.submit(ids_of(eng.tokenizer, 20), SamplingParams(max_tokens=12, ignore_eos=True))
+    streamed: list[int] = []
+    parent = eng.submit(ids_of(eng.tokenizer, 20), SamplingParams(max_tokens=12, ignore_eos=True),
+                        on_update=lambda u: streamed.extend(u.token_ids))
     for _ in range(6):
         step(eng)
     live = eng.fork(parent.request_id, SamplingParams(max_tokens=3, ignore_eos=True))
-    reply_so_far = list(eng.sequence(parent.request_id).output_ids)   # the next step takes the fork in first
+    reply_so_far = list(streamed)   # as it stands: the next step takes the fork in first
     drain(eng)
     updates = list(live)
     assert reply_so_far and updates[0].inherited == decode(reply_so_far)
@@ -259,7 +263,7 @@ def test_long_prefill_is_chunked_and_never_stalls_decodes(tiny_llama, tiny_llama
     assert len(long_prompt) == 400
     c = eng.submit(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     prefill_steps = 0
-    while not eng.sequence(c.request_id) or not eng.sequence(c.request_id).output_ids:
+    while not c.so_far().generated_tokens:
         before = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}
         got = step(eng)
         after = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}
