@@ -1,8 +1,9 @@
 """The one face the app sees of whatever writes its replies.
 
 A backend takes chat messages (with the outcome of the turn before, so it can reuse what that turn computed),
-streams Updates (engine/records.py, the one vocabulary of a reply) to a callback on a thread of its own, forks a live reply, and reports memory. The app never
-tokenizes, never reads an engine's internals and never asks which kind of backend it holds.
+streams Updates (engine/records.py, the one vocabulary of a reply) to a callback on a thread of its own, forks a
+live reply, and reports memory. The app never tokenizes, never reads an engine's internals and never asks which
+kind of backend it holds.
 """
 
 from __future__ import annotations

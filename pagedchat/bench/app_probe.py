@@ -205,7 +205,8 @@ def engine_reply(backend, chat, max_tokens: int) -> ReplyTiming:
     outcome = backend.submit(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0)).result()
     if outcome.error:
         raise BenchError(f"the engine alone failed: {outcome.error}")
-    return ReplyTiming(outcome.text, outcome.prompt_tokens, outcome.generated_tokens, outcome.decode_tokens_per_s or 0.0)
+    return ReplyTiming(outcome.text, outcome.prompt_tokens, outcome.generated_tokens,
+                       outcome.decode_tokens_per_s or 0.0)
 
 
 def run_app_probe(model: str | None, repeat: int, max_tokens: int = DEFAULT_MAX_TOKENS,

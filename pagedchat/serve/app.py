@@ -160,7 +160,8 @@ class Server:
         def remember(done: Outcome) -> None:
             self.exchanges.remember(messages, continued, done.text, done.history_ids)
 
-        builder = ResponseBuilder.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req), plan)
+        builder = ResponseBuilder.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name,
+                                      _namer(backend, req), plan)
         return await self._respond(request, backend, builder, ids, req, "messages", remember, grammar)
 
     async def completions(self, request: Request) -> Response:
