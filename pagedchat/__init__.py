@@ -1,9 +1,10 @@
 """pagedchat: a terminal chat app on its own paged KV-cache engine."""
 
-__all__ = ["Engine", "SamplingParams", "Completion", "FinishReason"]
+__all__ = ["Engine", "SamplingParams", "Outcome", "Update", "FinishReason"]
 
-_LAZY = {"Engine": "pagedchat.engine.engine", "Completion": "pagedchat.engine.engine",
-         "SamplingParams": "pagedchat.engine.params", "FinishReason": "pagedchat.engine.records"}
+_LAZY = {"Engine": "pagedchat.engine.engine", "SamplingParams": "pagedchat.engine.params",
+         "Outcome": "pagedchat.engine.records", "Update": "pagedchat.engine.records",
+         "FinishReason": "pagedchat.engine.records"}
 
 
 def __getattr__(name):

@@ -225,7 +225,7 @@ class AskResult:
         return cls(model=model, text=done.text, finish_reason=done.finish_reason,
                    prompt_tokens=done.prompt_tokens, completion_tokens=done.generated_tokens,
                    cached_tokens=done.cached_tokens, prefilled_tokens=done.prefilled_tokens,
-                   time_to_first_token_s=done.time_to_first_token, decode_tokens_per_s=done.tokens_per_s,
+                   time_to_first_token_s=done.time_to_first_token, decode_tokens_per_s=done.decode_tokens_per_s,
                    total_s=total_s, error=done.error)
 
     def to_json(self) -> str:

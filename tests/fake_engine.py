@@ -3,8 +3,8 @@
 PageContents records, slot by slot, which token history each K/V slot was computed from. Every read of the
 cache is checked against the history it should hold, so a page handed out while still needed, a copy planned
 in the wrong place or a stale hash shows up as a wrong "K/V", exactly as it would as a wrong token with a
-real model. FakeEngine runs the real EngineCore (scheduling, bookkeeping, stops, forks, fault recovery) with
-PageContents as its forward pass.
+real model. FakeEngine runs the real EngineCore's step (EngineCore.run_step: scheduling, bookkeeping, stops,
+forks, fault recovery) over FakeModel, whose forward pass is PageContents.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.sampling import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import Completion, SeqStatus, Sequence
+from pagedchat.engine.records import Outcome
+from pagedchat.engine.sequence import SeqStatus, Sequence
 from pagedchat.errors import RequestError
 
 
@@ -115,8 +116,43 @@ class DigitTokenizer:
         return "".join(f" {t}" for t in ids)
 
 
+class FakeModel:
+    """The model's part of a step (core.ModelStep) over PageContents, checking every plan it is given."""
+
+    def __init__(self, core: EngineCore, sim: PageContents) -> None:
+        self.core = core
+        self.sim = sim
+        self.bm = sim.bm
+
+    def copy_pages(self, ops) -> None:
+        plan = self.core.scheduler.plan
+        assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
+        # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
+        budget = self.core.scheduler.max_tokens_per_step
+        assert plan.num_tokens <= budget or all(i.num_tokens == 1 for i in plan.scheduled)
+        self.sim.apply(ops)
+
+    def forward(self, plan) -> None:
+        # A forward pass can fail before it writes any K/V (the worst case for recovery): the hook's turn here
+        # too, as well as after the pass.
+        self.core.fault(Phase.FORWARD)
+        for item in plan.scheduled:  # every layer writes its K/V before attention reads them
+            s = item.seq
+            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
+        pages_written = [p for item in plan.scheduled
+                         for p in {item.seq.block_table[pos // self.bm.block_size]
+                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
+        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
+        for item in plan.scheduled:
+            s = item.seq
+            self.sim.check(s, s.num_computed + item.num_tokens)
+
+    def sample(self, plan, logits) -> list[int]:
+        return [next_token(self.sim.keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
+
+
 class FakeEngine:
-    """The engine's step (engine.py: schedule -> run -> sample -> postprocess) with PageContents as the model."""
+    """The engine's step (EngineCore.run_step, as Engine.step runs it) with FakeModel as the model."""
 
     def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4,
                  fault_hook: FaultHook | None = None, max_context: int = 10**6):
@@ -126,7 +162,8 @@ class FakeEngine:
         self.core = EngineCore(self.bm, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
                                fault_hook)
         self.sim = PageContents(self.bm)
-        self.ended: dict[str, Completion] = {}  # every request that ended, once each
+        self.model = FakeModel(self.core, self.sim)
+        self.ended: dict[str, Outcome] = {}  # every request that ended, once each
         self.known: dict[int, list[int]] = {}  # page hash -> the K/V keys its content must hold
         self.done: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output), finished by length
         self.n = 0
@@ -164,51 +201,24 @@ class FakeEngine:
 
     def step(self) -> list[Output]:
         try:
-            out = self._step()
+            out = self.core.run_step(self.model)
         except Exception as exc:  # what Engine.step does with a fault in a batch phase
             out = self.core.abort_step(exc)
         self._collect(out)
         self.check()
         return out
 
-    def _step(self) -> list[Output]:
-        plan = self.core.schedule()
-        assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
-        # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
-        assert plan.num_tokens <= self.sched.max_tokens_per_step or all(i.num_tokens == 1 for i in plan.scheduled)
-        self.sim.apply(plan.ops)
-        self.core.fault(Phase.COPY)
-        tokens = []
-        if plan.scheduled:
-            self.core.fault(Phase.FORWARD)  # here, before any K/V is written: the worst forward-pass fault
-            self._forward(plan)
-            tokens = [next_token(self.sim.keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
-            self.core.fault(Phase.SAMPLE)
-        return self.core.postprocess(plan, tokens, 0.0)
-
-    def _forward(self, plan) -> None:
-        for item in plan.scheduled:  # every layer writes its K/V before attention reads them
-            s = item.seq
-            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
-        pages_written = [p for item in plan.scheduled
-                         for p in {item.seq.block_table[pos // self.bm.block_size]
-                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
-        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
-        for item in plan.scheduled:
-            s = item.seq
-            self.sim.check(s, s.num_computed + item.num_tokens)
-
     def _collect(self, out: list[Output]) -> None:
-        for seq, delta in out:
-            if not delta.finished:
+        for seq, update in out:
+            if not update.finished:
                 continue
             assert seq.request_id not in self.ended, f"{seq.request_id} ended twice"
             assert not self.live(seq.request_id) and not seq.block_table and not seq.cpu_table
             self._learn(seq)
-            completion = delta.completion
-            self.ended[seq.request_id] = completion
-            if completion.finish_reason == "length":
-                self.done[seq.request_id] = (completion.prompt_token_ids, completion.token_ids)
+            outcome = update.outcome
+            self.ended[seq.request_id] = outcome
+            if outcome.finish_reason == "length":
+                self.done[seq.request_id] = (outcome.prompt_token_ids, outcome.token_ids)
 
     def check(self) -> None:
         seqs = self.sched.all_seqs()

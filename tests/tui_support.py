@@ -192,7 +192,7 @@ class StandInBackend:
 
 class ScriptedEngine:
     """A stand-in for Engine in app and CLI tests: each reply is the next scripted text, streamed from a thread of
-    its own in a few deltas, the way the engine's compute thread calls on_update. No model runs. Use it where a
+    its own in a few updates, the way the engine's compute thread calls on_update. No model runs. Use it where a
     test needs exact model output (markup, escape sequences) that a random tiny model cannot be made to write.
     A reply given as (text, error) streams text, then fails with that error.
     """
@@ -227,7 +227,8 @@ class ScriptedEngine:
 
             prompt = chat_prompt_ids(self.tokenizer, prompt)
         self.count += 1
-        handle = ScriptedHandle(request_id or f"scripted-{self.count}", list(prompt), on_update)
+        rid = request_id or f"scripted-{self.count}"
+        handle = ScriptedHandle(rid, list(prompt), on_update, engine=self)
         self.prompts.append(handle.prompt_token_ids)
         self.params.append(params)
         reply = self.replies.pop(0) if self.replies else ""
@@ -236,7 +237,7 @@ class ScriptedEngine:
         return handle
 
     def stream(self, handle: ScriptedHandle, text: str, error: str | None) -> None:
-        from pagedchat.engine.sequence import Completion, StreamDelta
+        from pagedchat.engine.records import Outcome, Update
 
         step = max(1, -(-len(text) // self.chunks))
         pieces = [text[i:i + step] for i in range(0, len(text), step)]
@@ -249,12 +250,13 @@ class ScriptedEngine:
                 break
             time.sleep(0.02)
             sent.append(piece)
-            handle.deliver(StreamDelta(handle.request_id, [i], piece))
+            handle.deliver(Update(handle.request_id, piece, 1, (i,)))
         reason = (FinishReason.CANCELLED if handle.request_id in self.cancelled
                   else FinishReason.ERROR if error else FinishReason.STOP)
-        done = Completion(handle.request_id, handle.prompt_token_ids, list(range(len(sent))), "".join(sent), reason,
-                          time_to_first_token=0.02, decode_tokens_per_s=50.0, error=error)
-        handle.deliver(StreamDelta(handle.request_id, [], "", finished=True, completion=done))
+        done = Outcome(handle.request_id, "".join(sent), reason, error, prompt_tokens=len(handle.prompt_token_ids),
+                       generated_tokens=len(sent), time_to_first_token=0.02, decode_tokens_per_s=50.0,
+                       prompt_token_ids=handle.prompt_token_ids, token_ids=list(range(len(sent))))
+        handle.deliver(Update(handle.request_id, outcome=done))
 
     def fork(self, request_id, params=None, *, on_update=None):
         from pagedchat.errors import RequestError
@@ -281,37 +283,41 @@ class ScriptedEngine:
 
 @dataclass(eq=False)
 class ScriptedHandle:
-    """What the app and `ask` use of a RequestHandle: its figures, iteration, result()."""
+    """What the app and `ask` use of a RequestHandle: a ReplyHandle (engine/records.py) and its iteration."""
 
     request_id: str
     prompt_token_ids: list[int]
     on_update: object = None
-    cached_tokens: int = 0
-    time_to_first_token: float | None = None
-    decode_tokens_per_s: float | None = None
-    deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    completion: object = None
+    engine: object = None
+    updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    outcome: object = None
     finished: threading.Event = field(default_factory=threading.Event)
 
-    def deliver(self, delta) -> None:
-        if delta.finished:
-            self.completion = delta.completion
-            self.time_to_first_token = delta.completion.time_to_first_token
-            self.decode_tokens_per_s = delta.completion.decode_tokens_per_s
-        self.deltas.put(delta)
+    def deliver(self, update) -> None:
+        if update.finished:
+            self.outcome = update.outcome
+        self.updates.put(update)
         if self.on_update is not None:
-            self.on_update(delta)
-        if delta.finished:
+            self.on_update(update)
+        if update.finished:
             self.finished.set()
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+    def so_far(self):
+        from pagedchat.engine.records import Outcome
+
+        return self.outcome or Outcome(self.request_id, prompt_tokens=len(self.prompt_token_ids))
 
     def __iter__(self):
         while True:
-            delta = self.deltas.get(timeout=WAIT_S)
-            yield delta
-            if delta.finished:
+            update = self.updates.get(timeout=WAIT_S)
+            yield update
+            if update.finished:
                 return
 
     def result(self, timeout: float | None = WAIT_S):
         if not self.finished.wait(timeout):
             raise TimeoutError(f"{self.request_id} still running")
-        return self.completion
+        return self.outcome

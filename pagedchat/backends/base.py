@@ -1,8 +1,9 @@
 """The one face the app sees of whatever writes its replies.
 
 A backend takes chat messages (with the outcome of the turn before, so it can reuse what that turn computed),
-streams Updates to a callback on a thread of its own, forks a live reply, and reports memory. The app never
-tokenizes, never reads an engine's internals and never asks which kind of backend it holds.
+streams Updates (engine/records.py, the one vocabulary of a reply) to a callback on a thread of its own, forks a
+live reply, and reports memory. The app never tokenizes, never reads an engine's internals and never asks which
+kind of backend it holds.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 
 from pagedchat.backends.metrics import ServerMetrics
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import Outcome, ReplyHandle, Update
 
 if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
     from pagedchat.engine.memory import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
-    from pagedchat.engine.sequence import Sampled
     from pagedchat.engine.structured import CompiledGrammar, GrammarSpec
 
 
@@ -34,47 +34,6 @@ class BackendInfo:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """A reply's figures: final in the last Update, or so far (finish_reason None) from ReplyHandle.so_far()."""
-
-    request_id: str
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0          # prompt tokens it computed (past prompt - cached after a recompute)
-    generated_tokens: int = 0
-    time_to_first_token: float | None = None
-    tokens_per_s: float | None = None
-    error: str | None = None
-    pages: tuple[int, ...] = ()        # its block table when it ended, where the backend can see it
-    token_ids: tuple[int, ...] = ()    # prompt and reply ids, where known: the next turn's prompt reuses them
-    counted: bool = True               # False: a server sent no usage, so the token figures are not counts
-    logprobs: tuple["Sampled", ...] = ()   # each reply token's log-probabilities, where asked for
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.generated_tokens
-
-
-@dataclass(frozen=True)
-class Update:
-    """What a reply added since the last update. A fork's first update says what text it inherited."""
-
-    request_id: str
-    text: str
-    tokens: int = 0
-    inherited: str | None = None      # a fork's first update: the parent reply's text it continues ("" = none)
-    notice: str | None = None         # something the user should be told about this reply
-    outcome: Outcome | None = None    # set on the last update only
-    logprobs: tuple["Sampled", ...] = ()   # this update's tokens' log-probabilities, where asked for
-
-    @property
-    def finished(self) -> bool:
-        return self.outcome is not None
-
-
-@dataclass(frozen=True)
 class MemoryUnavailable:
     """The backend can show no memory picture; `reason` is the one line the inspector prints."""
 
@@ -86,20 +45,6 @@ class MemoryUnavailable:
 MemoryView = Union["MemorySnapshot", ServerMetrics, "MemoryUnavailable"]
 OnUpdate = Callable[[Update], None]
 Progress = Callable[[str, "float | None"], None]   # (stage, fraction done or None) while a backend loads
-
-
-@runtime_checkable
-class ReplyHandle(Protocol):
-    request_id: str
-
-    def cancel(self) -> None:
-        """Stop the reply; its final Update (FinishReason.CANCELLED) still comes."""
-
-    def so_far(self) -> Outcome:
-        """The figures up to now, for a reply abandoned before its final update."""
-
-    def result(self, timeout: float | None = None) -> Outcome:
-        """Wait for the final outcome."""
 
 
 @runtime_checkable

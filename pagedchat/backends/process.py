@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from pagedchat import interpreter
-from pagedchat.backends.base import BackendInfo, OnUpdate, Outcome, Progress, Update
-from pagedchat.engine.records import FinishReason
+from pagedchat.backends.base import BackendInfo, OnUpdate, Progress
+from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.errors import PagedChatError
 
 CALL_TIMEOUT_S = 30.0     # a call the engine process does not answer in this long is given up on
 STOP_TIMEOUT_S = 10.0     # then it is killed
 
 
-class ProcessReply:
+class ProcessHandle:
     """One reply in the engine process, followed here from the updates it sends."""
 
     def __init__(self, backend: "ProcessBackend", key: int, on_update: OnUpdate | None) -> None:
@@ -132,7 +132,7 @@ class ProcessBackend:
         self._send_lock = threading.Lock()
         self._keys = itertools.count(1)
         self._calls: dict[int, Future] = {}
-        self._replies: dict[int, ProcessReply] = {}
+        self._replies: dict[int, ProcessHandle] = {}
         self._memory_asked = False
         self._closing = False
         self.failure: str | None = None
@@ -249,9 +249,9 @@ class ProcessBackend:
 
     # -- the backend face
 
-    def _start(self, name: str, args: tuple, on_update: OnUpdate | None) -> ProcessReply:
+    def _start(self, name: str, args: tuple, on_update: OnUpdate | None) -> ProcessHandle:
         # Registered before it is sent: its first update can come before the call's answer.
-        reply = ProcessReply(self, next(self._keys), on_update)
+        reply = ProcessHandle(self, next(self._keys), on_update)
         self._replies[reply.key] = reply
         try:
             reply.started(*self.call(name, reply.key, *args))
@@ -261,10 +261,10 @@ class ProcessBackend:
         return reply
 
     def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
-               on_update: OnUpdate | None = None) -> ProcessReply:
+               on_update: OnUpdate | None = None) -> ProcessHandle:
         return self._start("submit", (messages, params, previous), on_update)
 
-    def fork(self, parent: ProcessReply, params, *, on_update: OnUpdate | None = None) -> ProcessReply:
+    def fork(self, parent: ProcessHandle, params, *, on_update: OnUpdate | None = None) -> ProcessHandle:
         return self._start("fork", (parent.key, params), on_update)
 
     def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int:

@@ -23,12 +23,12 @@ from dataclasses import replace
 from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
-from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate, Outcome, Update
+from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate
 from pagedchat.backends.metrics import ServerMetrics, parse_metrics
 from pagedchat.config import API_KEY_ENV
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.engine.params import SAMPLING_FIELDS
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.errors import PagedChatError
 
 CONNECT_S = 5.0        # a server that does not accept a connection in this time is reported as down
@@ -83,7 +83,7 @@ def _rekey(snap: MemorySnapshot, names: dict[str, str]) -> MemorySnapshot:
                    shared_pages={p: [n(r) for r in ids] for p, ids in snap.shared_pages.items()})
 
 
-class RemoteReply:
+class RemoteHandle:
     """One streamed chat completion. Its fields change on the backend's loop thread only."""
 
     def __init__(self, backend: "RemoteBackend", request_id: str, messages: list[dict], params,
@@ -170,8 +170,8 @@ class RemoteReply:
     def restart_fresh(self) -> None:
         """The fork fallback: no partial reply to continue, so the branch answers the question afresh."""
         self.prefill, self._inherited = "", ""
-        self._emit(Update(self.request_id, "", notice="This server cannot continue a partial reply, so the "
-                                                      "branch answers the question afresh."))
+        self._emit(Update(self.request_id, "", notices=("This server cannot continue a partial reply, so the "
+                                                        "branch answers the question afresh.",)))
 
     def _figures(self, reason: FinishReason | None, error: str | None) -> Outcome:
         usage = self.usage
@@ -184,7 +184,7 @@ class RemoteReply:
                        cached_tokens=(getattr(details, "cached_tokens", 0) or 0) if details else 0,
                        generated_tokens=(usage.completion_tokens or self.tokens) if usage else self.tokens,
                        time_to_first_token=(self.first_at - self.started) if self.first_at else None,
-                       tokens_per_s=tps, error=error, pages=self.pages, counted=usage is not None)
+                       decode_tokens_per_s=tps, error=error, pages=self.pages, counted=usage is not None)
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self._outcome = self._figures(reason, error)
@@ -205,7 +205,7 @@ class RemoteBackend:
         self.root = server_root(self.base)
         self._api_key = api_key
         self._ids = itertools.count()
-        self.by_server: dict[str, RemoteReply] = {}
+        self.by_server: dict[str, RemoteHandle] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagedchat-remote", daemon=True)
         self._thread.start()
@@ -223,9 +223,9 @@ class RemoteBackend:
 
     # ---- the face ----
     def submit(self, messages: list[dict], params, *, previous: Outcome | None = None,
-               on_update: OnUpdate | None = None) -> RemoteReply:
+               on_update: OnUpdate | None = None) -> RemoteHandle:
         # `previous` goes unused: the server keeps its own prefix cache and re-renders the template itself.
-        reply = RemoteReply(self, f"remote-{next(self._ids)}", list(messages), params, on_update)
+        reply = RemoteHandle(self, f"remote-{next(self._ids)}", list(messages), params, on_update)
         reply._future = asyncio.run_coroutine_threadsafe(self._stream(reply, fork=False), self._loop)
         return reply
 
@@ -233,10 +233,10 @@ class RemoteBackend:
         # The server's tokenizer and template are not ours to run: its own 400 says when a prompt is too long.
         return None
 
-    def fork(self, parent: RemoteReply, params, *, on_update: OnUpdate | None = None) -> RemoteReply:
+    def fork(self, parent: RemoteHandle, params, *, on_update: OnUpdate | None = None) -> RemoteHandle:
         # Read on the UI thread while the parent streams: a str is swapped whole, so this is one consistent value.
         text = parent.text
-        reply = RemoteReply(self, f"remote-{next(self._ids)}", parent.messages, params, on_update,
+        reply = RemoteHandle(self, f"remote-{next(self._ids)}", parent.messages, params, on_update,
                             prefill=parent.prefill + text, inherited=text)
         reply._future = asyncio.run_coroutine_threadsafe(self._stream(reply, fork=True), self._loop)
         return reply
@@ -356,7 +356,7 @@ class RemoteBackend:
             self._refreshed = time.monotonic()
             self._refreshing = False
 
-    async def _stream(self, reply: RemoteReply, fork: bool) -> None:
+    async def _stream(self, reply: RemoteHandle, fork: bool) -> None:
         import openai
 
         try:
@@ -379,7 +379,7 @@ class RemoteBackend:
         else:
             reply.finish(reply.finish_reason or FinishReason.STOP)
 
-    async def _read(self, reply: RemoteReply, prefill: bool) -> None:
+    async def _read(self, reply: RemoteHandle, prefill: bool) -> None:
         stream = await self._client.chat.completions.create(**reply.request(prefill=prefill))
         async with stream:
             async for chunk in stream:

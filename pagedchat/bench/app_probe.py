@@ -89,11 +89,6 @@ class Terminal:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
-    def hang_up(self) -> None:
-        """Close the terminal, as closing the window does: the kernel sends SIGHUP."""
-        os.close(self.fd)
-        self.fd = -1
-
     def wait(self, timeout: float = 20.0) -> int:
         """The exit code (negative: killed by that signal)."""
         def done():
@@ -199,7 +194,7 @@ def app_round(model: str | None, prompt: str, max_tokens: int, options: Mapping[
             term.close()
     last = chat.messages[-1]
     return chat, ReplyTiming(last.content, last.stats.prompt_tokens, last.stats.generated_tokens,
-                             last.stats.tokens_per_s or 0.0)
+                             last.stats.decode_tokens_per_s or 0.0)
 
 
 def engine_reply(backend, chat, max_tokens: int) -> ReplyTiming:
@@ -210,7 +205,8 @@ def engine_reply(backend, chat, max_tokens: int) -> ReplyTiming:
     outcome = backend.submit(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0)).result()
     if outcome.error:
         raise BenchError(f"the engine alone failed: {outcome.error}")
-    return ReplyTiming(outcome.text, outcome.prompt_tokens, outcome.generated_tokens, outcome.tokens_per_s or 0.0)
+    return ReplyTiming(outcome.text, outcome.prompt_tokens, outcome.generated_tokens,
+                       outcome.decode_tokens_per_s or 0.0)
 
 
 def run_app_probe(model: str | None, repeat: int, max_tokens: int = DEFAULT_MAX_TOKENS,

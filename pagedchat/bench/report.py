@@ -73,9 +73,6 @@ class Level:
     def peer(self, runner: str) -> PeerFigures:
         return next(p for p in self.peers if p.runner == runner)
 
-    def round_stats(self, runner: str) -> list[RunStats]:
-        return [r.stats for rnd in self.rounds for r in rnd if r.runner == runner]
-
 
 @dataclass(frozen=True)
 class Timed:

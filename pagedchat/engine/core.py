@@ -1,8 +1,10 @@
 """The engine's rules, free of torch: requests in, one step's bookkeeping, finished requests out.
 
 Engine (engine.py) wraps this core with its compute thread, the model runner and the sampler; the tests'
-FakeEngine wraps it with a fake forward pass, so both run the same rules for num_computed, token appends,
-stops, frees, forks and faults. The caller holds the engine's lock around every call.
+FakeEngine wraps it with a fake model, so both run the same step (run_step: the phases in order, over a
+ModelStep) and the same rules for num_computed, token appends, stops, frees, forks and faults. The caller holds
+the engine's lock around every call but run_step, which takes the lock and holds it only around the
+bookkeeping, not the model's work.
 
 A fault in a phase that serves the whole batch (planning, page copies, forward, sampling) fails the requests
 of that step and those whose pages its copies were moving; a fault in a phase of one request (sampling its row,
@@ -11,16 +13,18 @@ detokenizing, its bookkeeping) fails that request. Every other request carries o
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from typing import Callable
+import time
+from typing import Callable, ContextManager, Protocol
 
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Sampled, Update
 from pagedchat.engine.scheduler import Scheduler, StepPlan
-from pagedchat.engine.sequence import Sampled, SeqStatus, Sequence, StreamDelta
+from pagedchat.engine.sequence import SeqStatus, Sequence
 from pagedchat.errors import RequestError
 
 log = logging.getLogger("pagedchat.engine")
@@ -42,7 +46,21 @@ class Phase(enum.Enum):
 # Called as each phase ends, with the request id for the per-request phases: a test's hook raises there to
 # inject a fault with everything that phase changed left in place (the hardest point to recover from).
 FaultHook = Callable[[Phase, "str | None"], None]
-Output = tuple[Sequence, StreamDelta]
+Output = tuple[Sequence, Update]
+
+
+class ModelStep(Protocol):
+    """The model's part of a step, run without the engine's lock: the Engine's ModelRunner and Sampler, or the
+    tests' fake model. A phase raises to fail the step's requests (EngineCore.abort_step)."""
+
+    def copy_pages(self, ops) -> None:
+        """The plan's page copies: swap-outs, swap-ins, copy-on-write."""
+
+    def forward(self, plan: StepPlan) -> object:
+        """One forward pass over every scheduled chunk: its logits."""
+
+    def sample(self, plan: StepPlan, logits: object) -> list[Sampled | Exception]:
+        """A token per sampling row (or the exception that row raised, which fails that request only)."""
 
 
 class EngineCore:
@@ -58,7 +76,7 @@ class EngineCore:
         self.steps = 0                          # steps that ran a forward pass
         self._live: dict[str, Sequence] = {}
         self._outputs: list[Output] = []        # postprocess's outputs so far: a fault there must not lose them
-        self._history: dict[str, list[int]] = {}
+        self._history: dict[str, tuple[list[int], int]] = {}   # finished: (tokens, prompt length)
         # n > 1: the siblings of a parent request, waiting for its prompt to be computed to fork from it.
         self._pending: dict[str, list[Sequence]] = {}
 
@@ -70,7 +88,9 @@ class EngineCore:
     def tokens_of(self, request_id: str) -> list[int] | None:
         """A live request's tokens so far, or a recently finished one's: what fork() continues."""
         seq = self._live.get(request_id)
-        return list(seq.token_ids) if seq is not None else self._history.get(request_id)
+        if seq is not None:
+            return list(seq.token_ids)
+        return list(self._history[request_id][0]) if request_id in self._history else None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -124,6 +144,12 @@ class EngineCore:
         if parent is not None:  # the parent may have grown since fork() checked the size
             child.token_ids = list(parent.token_ids)
             child.num_prompt_tokens = len(child.token_ids)
+            reply_start = parent.num_prompt_tokens
+        else:
+            reply_start = self._history[parent_id][1] if parent_id in self._history else child.num_prompt_tokens
+        # Told in its first update: the parent's reply may have grown since the caller last saw it.
+        child.inherited = self.detokenizer.decode(child.token_ids[reply_start:child.num_prompt_tokens])
+        if parent is not None:
             try:
                 self.check_fits(child.token_ids, child.params)
             except RequestError as exc:
@@ -146,6 +172,22 @@ class EngineCore:
         return self._finish(seq, FinishReason.ERROR, error)
 
     # ---- one step ----------------------------------------------------------------------------------------
+    def run_step(self, model: ModelStep, lock: ContextManager = contextlib.nullcontext()) -> list[Output]:
+        """schedule -> page copies -> forward -> sample -> postprocess, each phase's fault hook as it ends. A
+        batch phase's exception propagates: the caller hands it to abort_step."""
+        with lock:
+            plan = self.schedule()
+        model.copy_pages(plan.ops)  # even for a step that computes nothing: preemptions may plan swap-outs
+        self.fault(Phase.COPY)
+        tokens: list[Sampled | Exception] = []
+        if plan.scheduled:
+            logits = model.forward(plan)
+            self.fault(Phase.FORWARD)
+            tokens = model.sample(plan, logits)
+            self.fault(Phase.SAMPLE)
+        with lock:
+            return self.postprocess(plan, tokens, time.perf_counter())
+
     def schedule(self) -> StepPlan:
         self.phase = Phase.SCHEDULE
         plan = self.scheduler.schedule()
@@ -211,7 +253,7 @@ class EngineCore:
         logprobs = [sampled] if sampled.logprob is not None else []
         if reason is not None:
             return self._finish(seq, reason, new_token=token, text=text, logprobs=logprobs)
-        return seq, StreamDelta(seq.request_id, [token], text, logprobs=logprobs)
+        return seq, seq.update(text, [token], logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> FinishReason | None:
         p = seq.params
@@ -245,20 +287,19 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_token: int | None = None,
                 text: str = "", logprobs: list[Sampled] | None = None) -> Output:
-        """Release seq's pages at once and build its final delta (text: what this step already decoded)."""
+        """Release seq's pages at once and build its final update (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed
             self._release_siblings(seq)
         text += self.detokenizer.flush(seq)
         seq.finish_reason = reason
         seq.error = error
-        completion = seq.completion()
+        outcome = seq.outcome()
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         if self._live.get(seq.request_id) is seq:
             del self._live[seq.request_id]
-        self._history[seq.request_id] = list(seq.token_ids)
+        self._history[seq.request_id] = (list(seq.token_ids), seq.num_prompt_tokens)
         if len(self._history) > HISTORY_LIMIT:
             self._history.pop(next(iter(self._history)))
         tokens = [new_token] if new_token is not None else []
-        return seq, StreamDelta(seq.request_id, tokens, text, finished=True, completion=completion,
-                                logprobs=logprobs or [])
+        return seq, seq.update(text, tokens, logprobs or (), outcome)

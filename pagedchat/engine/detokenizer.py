@@ -14,14 +14,14 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def step(self, seq: Sequence) -> tuple[str, bool]:
         """Fold seq's newest token into seq.text. Returns (text to stream now, whether a stop string hit)."""
         out = seq.output_ids
-        before = self._decode(out[seq.prefix_offset:seq.read_offset])
-        after = self._decode(out[seq.prefix_offset:])
+        before = self.decode(out[seq.prefix_offset:seq.read_offset])
+        after = self.decode(out[seq.prefix_offset:])
         checked_from = len(seq.text)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             seq.text += after[len(before):]

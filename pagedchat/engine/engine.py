@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one background thread (see compute_thread) stepping the model.
 
 Data path: submit() -> inbox -> EngineCore (Scheduler: block tables, copy plan) -> ModelRunner (one forward
-over every scheduled chunk) -> Sampler -> EngineCore.postprocess (Detokenizer, stops) -> StreamDelta to each
+over every scheduled chunk) -> Sampler -> EngineCore.postprocess (Detokenizer, stops) -> an Update to each
 request's handle and callback. Other threads never touch the core directly: they post to the inbox, which
 each step drains first, so a cancel can never free pages a running forward pass still reads.
 """
@@ -12,7 +12,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Union
@@ -28,10 +27,10 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
-from pagedchat.engine.sequence import Completion, Sampled, Sequence, StreamDelta
+from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
@@ -44,7 +43,7 @@ from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, 
 log = logging.getLogger("pagedchat.engine")
 
 Prompt = Union[str, list[int], list[dict]]
-__all__ = ["Engine", "Completion", "RequestHandle", "StreamDelta"]
+__all__ = ["Engine", "Outcome", "RequestHandle", "Update"]
 
 # Steps in a row that failed and failed no request: the engine is stuck on something no request explains.
 MAX_BLAMELESS_FAULTS = 3
@@ -68,6 +67,26 @@ class _Cancel:
 
 
 _Message = Union[_Add, _Fork, _Cancel]  # what other threads post to the inbox
+
+
+@dataclass(frozen=True)
+class _Model:
+    """The model's part of a step (core.ModelStep): the runner's copies and forward, the sampler's rows."""
+
+    runner: ModelRunner
+    sampler: Sampler
+    core: EngineCore
+
+    def copy_pages(self, ops) -> None:
+        self.runner.copy_pages(ops)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        return self.runner.execute(plan)
+
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Sampled | Exception]:
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher) for seq in sampling]
+        return self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
 
 
 class Engine:
@@ -110,6 +129,7 @@ class Engine:
         self.core = EngineCore(self.block_manager, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)
+        self._model = _Model(self.runner, self.sampler, self.core)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.tokenizer.eos_token_id)
         self.failure: str | None = None          # why the engine stopped, if it could not go on
         self._autostart = autostart
@@ -146,7 +166,7 @@ class Engine:
         return ids
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               on_update: Callable[[StreamDelta], None] | None = None, request_id: str | None = None) -> RequestHandle:
+               on_update: Callable[[Update], None] | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue a request; tokens stream to the handle (and on_update, on the engine thread) as they come."""
         return self.submit_many([prompt], params, on_update=on_update, request_ids=[request_id])[0]
 
@@ -177,7 +197,7 @@ class Engine:
         return self.grammars.compile(spec)
 
     def fork(self, request_id: str, params: SamplingParams | None = None, *,
-             on_update: Callable[[StreamDelta], None] | None = None) -> RequestHandle:
+             on_update: Callable[[Update], None] | None = None) -> RequestHandle:
         """Continue request_id's tokens (prompt and output so far) as a new request.
 
         A live parent shares all its pages with the child, copy-on-write; a finished one is resumed from the
@@ -202,7 +222,7 @@ class Engine:
         self._inbox.put(_Cancel(request_id))
         self._kick()
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[Completion]:
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None) -> list[Outcome]:
         """Run prompts concurrently and wait for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
@@ -225,11 +245,6 @@ class Engine:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""
         with self._lock:
             return not self._inbox.empty() or self.core.has_work()
-
-    def sequence(self, request_id: str) -> Sequence | None:
-        """A live request's sequence (tokens, block table), for inspection between steps."""
-        with self._lock:
-            return self.core.sequence(request_id)
 
     def shutdown(self) -> None:
         """Stop the engine. Every request in flight or queued ends at once as CANCELLED."""
@@ -302,41 +317,18 @@ class Engine:
             log.exception("the engine loop stopped")
             self._end_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
 
-    def step(self) -> list[StreamDelta]:
+    def step(self) -> list[Update]:
         """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
         if self._stopped:
             return []
         with self._lock:
             out = self._drain_inbox()
         try:
-            with self._lock:
-                plan = self.core.schedule()
-            tokens = self._sample(plan, self._run(plan))
-            with self._lock:
-                out += self.core.postprocess(plan, tokens, time.perf_counter())
+            out += self.core.run_step(self._model, self._lock)
             self._blameless_faults = 0
         except Exception as exc:  # a batch phase failed: the core fails the requests it concerns
             out += self._recover(exc)
         return self._deliver(out)
-
-    def _run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Page copies (preemptions may plan swap-outs even for a step that computes nothing), then the forward."""
-        self.runner.copy_pages(plan.ops)
-        self.core.fault(Phase.COPY)
-        if not plan.scheduled:
-            return None
-        logits = self.runner.execute(plan)
-        self.core.fault(Phase.FORWARD)
-        return logits
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> list[Sampled | Exception]:
-        if logits is None:
-            return []
-        sampling = [s.seq for s in plan.scheduled if s.samples]
-        rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher) for seq in sampling]
-        tokens = self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
-        self.core.fault(Phase.SAMPLE)
-        return tokens
 
     def _recover(self, exc: Exception) -> list[Output]:
         log.exception("engine step failed in %s", self.core.phase.value)
@@ -377,14 +369,14 @@ class Engine:
             return output
         return self.core.cancel(msg.request_id)
 
-    def _deliver(self, out: list[Output]) -> list[StreamDelta]:
+    def _deliver(self, out: list[Output]) -> list[Update]:
         with self._lock:
-            claimed = [(self._handles.pop(seq.request_id, None) if delta.finished
-                        else self._handles.get(seq.request_id), delta) for seq, delta in out]
-        for handle, delta in claimed:  # outside the lock: listeners may call memory()
+            claimed = [(self._handles.pop(seq.request_id, None) if update.finished
+                        else self._handles.get(seq.request_id), update) for seq, update in out]
+        for handle, update in claimed:  # outside the lock: listeners may call memory()
             if handle is not None:
-                handle._deliver(delta)
-        return [delta for _, delta in out]
+                handle._deliver(update)
+        return [update for _, update in out]
 
     def _end_all(self, reason: FinishReason, error: str | None) -> None:
         """The engine stops: every request still in flight or queued ends now, with reason."""
@@ -393,6 +385,6 @@ class Engine:
                 self.failure = error
             self._stopped = True
             handles, self._handles = list(self._handles.values()), {}
-            finals = [h._final_delta(reason, f"engine stopped: {error}" if error else None) for h in handles]
-        for handle, delta in zip(handles, finals):  # outside the lock: listeners may call memory()
-            handle._deliver(delta)
+            finals = [h._final_update(reason, f"engine stopped: {error}" if error else None) for h in handles]
+        for handle, update in zip(handles, finals):  # outside the lock: listeners may call memory()
+            handle._deliver(update)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sequence import Sampled, TokenLogprob
+from pagedchat.engine.records import Sampled, TokenLogprob
 
 __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 

@@ -1,14 +1,14 @@
-"""A request's tokens, its place in the cache, and what it reports back."""
+"""A request's tokens, its place in the cache, and what it reports back (an Outcome, engine/records.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 
 if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
     import torch
@@ -19,52 +19,6 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"    # holds GPU pages
     SWAPPED = "swapped"    # preempted; its pages sit in the CPU tier
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """The token a row picked; its log-probability and the likeliest alternatives where asked for."""
-
-    token: int
-    logprob: TokenLogprob | None = None
-    top: tuple[TokenLogprob, ...] = ()
-    error: str | None = None   # the grammar refused the token: the request fails with this
-
-
-@dataclass
-class Completion:
-    """The result of one request. token_ids holds the generated ids only (the EOS id included, as transformers)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None
-    cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache
-    prefilled_tokens: int = 0   # prompt tokens this request computed
-    time_to_first_token: float | None = None
-    decode_tokens_per_s: float | None = None
-    error: str | None = None
-    pages: list[int] = field(default_factory=list)  # the block table just before the pages were released
-    logprobs: list[Sampled] = field(default_factory=list)  # one per generated token, where asked for
-
-
-@dataclass
-class StreamDelta:
-    """What one engine step added to a request; handed to on_update callbacks and stream iterators."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    completion: Completion | None = None
-    logprobs: list[Sampled] = field(default_factory=list)  # this step's tokens', where asked for
 
 
 @dataclass(eq=False)
@@ -94,6 +48,7 @@ class Sequence:
     read_offset: int = 0
     emitted: int = 0                     # characters of text already streamed
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
+    inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
@@ -117,19 +72,22 @@ class Sequence:
             tps = (n_out - 1) / span if span > 0 else None
         return ttft, tps
 
-    def completion(self) -> Completion:
+    def figures(self) -> Outcome:
+        """The figures so far, without the ids (which would copy every token on every step)."""
         ttft, tps = self.timing()
-        return Completion(
-            request_id=self.request_id,
-            prompt_token_ids=self.token_ids[:self.num_prompt_tokens],
-            token_ids=list(self.output_ids),
-            text=self.text,
-            finish_reason=self.finish_reason,
-            cached_tokens=self.cached_tokens,
-            prefilled_tokens=self.prefilled_tokens,
-            time_to_first_token=ttft,
-            decode_tokens_per_s=tps,
-            error=self.error,
-            pages=list(self.block_table),
-            logprobs=list(self.sampled),
-        )
+        return Outcome(self.request_id, prompt_tokens=self.num_prompt_tokens, cached_tokens=self.cached_tokens,
+                       prefilled_tokens=self.prefilled_tokens,
+                       generated_tokens=len(self.token_ids) - self.num_prompt_tokens,
+                       time_to_first_token=ttft, decode_tokens_per_s=tps)
+
+    def outcome(self) -> Outcome:
+        """Everything it has: the final Outcome once it has a finish reason."""
+        return replace(self.figures(), text=self.text, finish_reason=self.finish_reason, error=self.error,
+                       prompt_token_ids=self.token_ids[:self.num_prompt_tokens], token_ids=list(self.output_ids),
+                       pages=tuple(self.block_table), logprobs=tuple(self.sampled))
+
+    def update(self, text: str, token_ids=(), logprobs=(), outcome: Outcome | None = None) -> Update:
+        """What a step added; a fork's first also says what it inherited."""
+        inherited, self.inherited = self.inherited, None
+        return Update(self.request_id, text, len(token_ids), tuple(token_ids), tuple(logprobs), inherited=inherited,
+                      outcome=outcome)

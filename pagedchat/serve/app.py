@@ -26,17 +26,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedchat.backends.base import Outcome, TokenBackend
+from pagedchat.backends.base import TokenBackend
 from pagedchat.engine.chat import prompt_size
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
-from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, Reply, sse
-from pagedchat.serve.stream import ReplyStream, until_disconnect
+from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, ResponseBuilder, sse
+from pagedchat.serve.stream import ChoiceStream, until_disconnect
 
 log = logging.getLogger("pagedchat.serve")
 
@@ -44,7 +44,7 @@ log = logging.getLogger("pagedchat.serve")
 class EventStream(StreamingResponse):
     """An SSE response that cancels its engine request however it ends: done, client gone, or server stopping."""
 
-    def __init__(self, content, stream: ReplyStream):
+    def __init__(self, content, stream: ChoiceStream):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.stream = stream
 
@@ -89,7 +89,7 @@ class Server:
         self.exchanges = ExchangeMemory()
         self.metrics = ServeMetrics(model_name, lambda: self.backend.memory() if self.backend else None)
         self._tokenizing: anyio.CapacityLimiter | None = None
-        self._open: dict[str, ReplyStream] = {}   # replies not finished yet, by id: what a shutdown ends
+        self._open: dict[str, ChoiceStream] = {}   # replies not finished yet, by id: what a shutdown ends
 
     # ---- life cycle: listen first, load the model on a thread, so /health can say "loading" ---------------
     def _load(self) -> None:
@@ -158,10 +158,11 @@ class Server:
                 raise ApiError(400, str(exc), param="tools" if plan.calls_tools else "response_format") from None
 
         def remember(done: Outcome) -> None:
-            self.exchanges.remember(messages, continued, done.text, done.token_ids)
+            self.exchanges.remember(messages, continued, done.text, done.history_ids)
 
-        reply = Reply.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req), plan)
-        return await self._respond(request, backend, reply, ids, req, "messages", remember, grammar)
+        builder = ResponseBuilder.new(Kind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", self.model_name,
+                                      _namer(backend, req), plan)
+        return await self._respond(request, backend, builder, ids, req, "messages", remember, grammar)
 
     async def completions(self, request: Request) -> Response:
         backend = self._ready_backend()
@@ -171,8 +172,8 @@ class Server:
             ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
-        reply = Reply.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))
-        return await self._respond(request, backend, reply, ids, req, "prompt", lambda done: None)
+        builder = ResponseBuilder.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))
+        return await self._respond(request, backend, builder, ids, req, "prompt", lambda done: None)
 
     def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str, grammar) -> SamplingParams:
         """The request's sampling; max_tokens defaults to all that the context and the cache leave. A context
@@ -202,25 +203,25 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def _respond(self, request: Request, backend: TokenBackend, reply: Reply, ids: list[int], req,
+    async def _respond(self, request: Request, backend: TokenBackend, builder: ResponseBuilder, ids: list[int], req,
                        prompt_field, on_done: Callable[[Outcome], None], grammar=None) -> Response:
         params = self._params(backend, ids, req, prompt_field, grammar)
         started = time.perf_counter()
 
         def finished(done: Outcome) -> None:
             if not stream.running:   # the last of its n replies
-                self._open.pop(reply.id, None)
+                self._open.pop(builder.id, None)
             self.metrics.observe(done, len(ids), time.perf_counter() - started)
             if done.finish_reason is not FinishReason.ERROR:
                 on_done(done)
 
         try:
-            stream = ReplyStream(backend, ids, params, reply.id, finished, req.n)
+            stream = ChoiceStream(backend, ids, params, builder.id, finished, req.n)
         except PagedChatError as exc:  # e.g. max_tokens more than the cache can ever hold
             raise ApiError(400, str(exc), param="max_tokens") from None
-        self._open[reply.id] = stream   # finished() runs on this loop, so never before this line
+        self._open[builder.id] = stream   # finished() runs on this loop, so never before this line
         if req.stream:
-            return EventStream(self._events(reply, stream, len(ids), req), stream)
+            return EventStream(self._events(builder, stream, len(ids), req), stream)
         try:
             outcomes = await until_disconnect(request, stream.outcomes())
         finally:
@@ -230,10 +231,10 @@ class Server:
         failed = next((o for o in outcomes if o.finish_reason is FinishReason.ERROR), None)
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed.error}", kind="server_error")
-        return JSONResponse(reply.whole(len(ids), outcomes))
+        return JSONResponse(builder.whole(len(ids), outcomes))
 
-    async def _events(self, reply: Reply, stream: ReplyStream, prompt_tokens: int, req):
-        chunks = ChoiceChunks(reply, req.n, req.include_usage)
+    async def _events(self, builder: ResponseBuilder, stream: ChoiceStream, prompt_tokens: int, req):
+        chunks = ChoiceChunks(builder, req.n, req.include_usage)
         for chunk in chunks.opening():
             yield chunk
         async for i, update in stream.updates():

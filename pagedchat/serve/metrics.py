@@ -12,7 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedchat.backends.base import Outcome
+from pagedchat.engine.records import Outcome
 from pagedchat.engine.memory import MemorySnapshot
 
 PREFIX = "pagedchat:"

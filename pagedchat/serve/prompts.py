@@ -14,7 +14,8 @@ import threading
 from array import array
 from collections import OrderedDict
 
-from pagedchat.backends.base import Outcome, TokenBackend
+from pagedchat.backends.base import TokenBackend
+from pagedchat.engine.records import Outcome
 
 
 def _key(messages: list[dict], continue_final: bool, reply_text: str) -> bytes:
@@ -60,5 +61,5 @@ def build_chat_prompt(backend: TokenBackend, messages: list[dict], memory: Excha
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
     if last > 0:  # an exchange before the last assistant message may be one this server answered
         ids = memory.recall(messages[:last], False, messages[last]["content"])
-        previous = Outcome("", token_ids=tuple(ids)) if ids else None
+        previous = Outcome(prompt_token_ids=list(ids)) if ids else None
     return backend.prompt_ids(messages, previous, continue_final=continue_final)

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from pagedchat.backends.base import Outcome
-from pagedchat.backends.base import Update
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.serve.tools import OutputPlan, ReplyShape, ToolCall
 
 # Each finish reason a backend gives as OpenAI's word, plus vLLM's extra `stop_reason` where OpenAI's word loses
@@ -56,7 +54,7 @@ class Kind(Enum):
 
 
 @dataclass(frozen=True)
-class Reply:
+class ResponseBuilder:
     """One response's fixed parts; its methods build the bodies sent for it."""
 
     kind: Kind
@@ -68,7 +66,7 @@ class Reply:
 
     @classmethod
     def new(cls, kind: Kind, request_id: str, model: str, token_texts: TokenTexts,
-            plan: OutputPlan | None = None) -> "Reply":
+            plan: OutputPlan | None = None) -> "ResponseBuilder":
         return cls(kind, request_id, model, int(time.time()), token_texts, plan or OutputPlan())
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
@@ -153,19 +151,19 @@ class ChoiceChunks:
     named tool call's arguments as tool_calls deltas; a reply that may or may not be a call (tool_choice
     required or auto) held to its end, then sent as one tool_calls delta, or as text when it calls nothing."""
 
-    def __init__(self, reply: Reply, n: int, with_usage: bool):
-        self.reply = reply
+    def __init__(self, builder: ResponseBuilder, n: int, with_usage: bool):
+        self.builder = builder
         self.with_usage = with_usage
-        self.named = reply.plan.shape is ReplyShape.TOOL_NAMED
-        self.held = reply.plan.calls_tools and not self.named
+        self.named = builder.plan.shape is ReplyShape.TOOL_NAMED
+        self.held = builder.plan.calls_tools and not self.named
         self.texts = [""] * n
         self.called = [False] * n          # a named call's first delta (its id and name) is sent
         self.outcomes: list[Outcome | None] = [None] * n
 
     def opening(self) -> list[str]:
-        if self.reply.kind is not Kind.CHAT:
+        if self.builder.kind is not Kind.CHAT:
             return []
-        return [self.reply.chunk(i, "", role=True, with_usage=self.with_usage) for i in range(len(self.texts))]
+        return [self.builder.chunk(i, "", role=True, with_usage=self.with_usage) for i in range(len(self.texts))]
 
     def feed(self, i: int, update: Update) -> list[str]:
         """The chunks for reply i's update (never a failed one: the caller sends the error)."""
@@ -176,20 +174,20 @@ class ChoiceChunks:
             if not (update.text or update.finished):
                 return []
             first, self.called[i] = not self.called[i], True
-            return [self.reply.call_chunk(i, update.text, first=first, finish_reason=reason,
+            return [self.builder.call_chunk(i, update.text, first=first, finish_reason=reason,
                                           with_usage=self.with_usage, sampled=update.logprobs)]
         if not update.finished:
             if (update.text and not self.held) or update.logprobs:
-                return [self.reply.chunk(i, None if self.held else update.text, with_usage=self.with_usage,
+                return [self.builder.chunk(i, None if self.held else update.text, with_usage=self.with_usage,
                                          sampled=update.logprobs)]
             return []
-        calls = self.reply.plan.tool_calls(self.texts[i]) if self.held and reason is FinishReason.STOP else []
+        calls = self.builder.plan.tool_calls(self.texts[i]) if self.held and reason is FinishReason.STOP else []
         text = None if calls else (self.texts[i] if self.held else update.text) or None
-        return [self.reply.chunk(i, text, finish_reason=reason, with_usage=self.with_usage, sampled=update.logprobs,
+        return [self.builder.chunk(i, text, finish_reason=reason, with_usage=self.with_usage, sampled=update.logprobs,
                                  calls=calls)]
 
     def closing(self, prompt_tokens: int) -> list[str]:
-        return [self.reply.usage_chunk(prompt_tokens, self.outcomes)] if self.with_usage else []
+        return [self.builder.usage_chunk(prompt_tokens, self.outcomes)] if self.with_usage else []
 
 
 def sse(body: dict) -> str:

@@ -1,4 +1,4 @@
-"""One reply seen from the event loop: its updates as an async stream, and cancel-on-disconnect."""
+"""A request's n choices seen from the event loop: their updates as an async stream, and cancel-on-disconnect."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from typing import Awaitable, Callable, TypeVar
 import anyio
 from starlette.requests import Request
 
-from pagedchat.backends.base import Outcome, TokenBackend, Update
+from pagedchat.backends.base import TokenBackend
+from pagedchat.engine.records import Outcome, Update
 from pagedchat.engine.params import SamplingParams
 
 T = TypeVar("T")
 
 
-class ReplyStream:
+class ChoiceStream:
     """Submits ids to the backend for n replies; its thread's on_update puts each (choice index, Update) on this
     loop's queue.
 

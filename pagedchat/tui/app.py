@@ -4,8 +4,8 @@ The App routes: keys, the palette (commands.py) and backend updates go to the ch
 (chat_view.py) that owns its reply (reply.py) and its actions; the tabs (tabs.py) open, show and close chats;
 the backend link (backend_link.py) loads the backend and polls its memory.
 
-Threads: the backend streams on its own thread and hands updates to DeltaInbox, which wakes the UI with one
-DeltasReady message at a time; the backend starts (model load, or server connect) on a daemon thread.
+Threads: the backend streams on its own thread and hands updates to UpdateInbox, which wakes the UI with one
+UpdatesReady message at a time; the backend starts (model load, or server connect) on a daemon thread.
 Everything else, including SQLite writes (a few ms, when a chat changes and twice a second per streaming
 reply), runs on Textual's event loop, so no widget is ever touched off-thread. Everything that changes a chat
 (a key binding, wherever it is declared, and a batch of updates) runs on the App's own message loop, one at a
@@ -34,7 +34,7 @@ from pagedchat.config import DEFAULT_THEME, AppConfig
 from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
-from pagedchat.tui.bridge import DeltaInbox, DeltasReady, EngineFailed, EngineReady, LoadProgress
+from pagedchat.tui.bridge import UpdateInbox, UpdatesReady, EngineFailed, EngineReady, LoadProgress
 from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.commands import AppCommands
@@ -93,7 +93,7 @@ class PagedChatApp(App):
         self._open_store_at = open_store
         self.link = BackendLink(self, backend_factory or default_backend_factory(config),
                                 reconnect_s=RECONNECT_S if config.server else None)
-        self.inbox = DeltaInbox(self)
+        self.inbox = UpdateInbox(self)
         self.store: Store | None = None
         self.saver: Saver | None = None
         self.chats: ChatTabs | None = None
@@ -222,7 +222,7 @@ class PagedChatApp(App):
     async def _tab_activated(self) -> None:
         await self.chats.activated(self.active_session)
 
-    async def on_deltas_ready(self, _: DeltasReady) -> None:
+    async def on_updates_ready(self, _: UpdatesReady) -> None:
         batches: dict[str, list] = {}
         for _chat_id, update in self.inbox.take():
             batches.setdefault(update.request_id, []).append(update)

@@ -1,7 +1,7 @@
 """Between the engine's threads and Textual's event loop.
 
-The engine calls on_update on its own thread once per step per request. DeltaInbox collects those deltas
-under a lock and posts at most one DeltasReady message at a time: however fast the engine steps, the UI
+The engine calls on_update on its own thread once per step per request. UpdateInbox collects those updates
+under a lock and posts at most one UpdatesReady message at a time: however fast the engine steps, the UI
 queue holds one wake-up, and the UI takes everything that arrived since in one go. Loading the model runs on
 a daemon thread (not a Textual thread worker) so that quitting during a long first-run download is immediate.
 """
@@ -14,9 +14,11 @@ from typing import Callable
 from textual.app import App
 from textual.message import Message
 
+from pagedchat.engine.records import Update
 
-class DeltasReady(Message):
-    """Engine deltas are waiting in the inbox."""
+
+class UpdatesReady(Message):
+    """Updates are waiting in the inbox."""
 
 
 class LoadProgress(Message):
@@ -46,25 +48,25 @@ def _post(app: App, message: Message) -> bool:
         return False
 
 
-class DeltaInbox:
-    """Thread-safe hand-off of (chat id, StreamDelta) pairs from the engine thread to the UI thread."""
+class UpdateInbox:
+    """Thread-safe hand-off of (chat id, Update) pairs from the backend's thread to the UI thread."""
 
     def __init__(self, app: App) -> None:
         self._app = app
         self._lock = threading.Lock()
-        self._items: list[tuple[str, object]] = []
+        self._items: list[tuple[str, Update]] = []
         self._posted = False
 
-    def put(self, chat_id: str, delta) -> None:
-        """Engine thread. Never touches widgets."""
+    def put(self, chat_id: str, update: Update) -> None:
+        """The backend's thread. Never touches widgets."""
         with self._lock:
-            self._items.append((chat_id, delta))
+            self._items.append((chat_id, update))
             if self._posted:
                 return
             self._posted = True
-        _post(self._app, DeltasReady())
+        _post(self._app, UpdatesReady())
 
-    def take(self) -> list[tuple[str, object]]:
+    def take(self) -> list[tuple[str, Update]]:
         """UI thread: everything queued so far."""
         with self._lock:
             items, self._items = self._items, []
@@ -72,7 +74,7 @@ class DeltaInbox:
         return items
 
     def callback(self, chat_id: str) -> Callable:
-        return lambda delta: self.put(chat_id, delta)
+        return lambda update: self.put(chat_id, update)
 
 
 def start_loading(app: App, factory: Callable) -> threading.Thread:

@@ -1,7 +1,7 @@
 """The widgets inside a chat tab: one message, and the prompt input (the tab itself is chat_view.py).
 
 These widgets know nothing about the engine. The chat feeds a reply's text in with MessageView.feed() as
-engine deltas arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
+updates arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
 of the machine the engine runs on, and finish() replaces the streamed document with one full parse. Every piece
 of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
 the text exactly as written.
@@ -20,8 +20,9 @@ from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Label, Markdown, TextArea
 
+from pagedchat.engine.records import Outcome
 from pagedchat.text import plain, visible_controls
-from pagedchat.tui.records import ChatMessage, ReplyStats
+from pagedchat.tui.records import ChatMessage, stats_line
 
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
 # core, and an append costs more as the reply grows (Textual re-parses the last block and rebuilds a list or a
@@ -125,7 +126,7 @@ class MessageView(Vertical, can_focus=True):
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
-            yield Label(plain(stats.line() if stats else ""), classes="stats")
+            yield Label(plain(stats_line(stats) if stats else ""), classes="stats")
 
     @property
     def body(self) -> Markdown:
@@ -150,7 +151,7 @@ class MessageView(Vertical, can_focus=True):
         self.set_stats("waiting for the first token…  (Esc stops)")
 
     def feed(self, text: str, tokens: int) -> None:
-        """Queue text for the next flush; cheap, called once per batch of engine deltas."""
+        """Queue text for the next flush; cheap, called once per batch of updates."""
         self._streamed_tokens += tokens
         if text:
             self._pending.append(text)
@@ -174,7 +175,7 @@ class MessageView(Vertical, can_focus=True):
         if self._pending and self._streaming:
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
-    async def finish(self, content: str, stats: ReplyStats | None) -> None:
+    async def finish(self, content: str, stats: Outcome | None) -> None:
         """End streaming with one full parse of the final text and the stats line."""
         if self._flush_timer is not None:
             self._flush_timer.stop()
@@ -184,7 +185,7 @@ class MessageView(Vertical, can_focus=True):
         self.message.content = content
         self.message.stats = stats
         await self.body.update(visible_controls(content))
-        self.set_stats(stats.line() if stats else "")
+        self.set_stats(stats_line(stats) if stats else "")
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:

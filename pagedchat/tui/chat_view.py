@@ -18,11 +18,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 
-from pagedchat.backends.base import Backend, Outcome, Update
-from pagedchat.engine.records import FinishReason
+from pagedchat.backends.base import Backend
+from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.tui import context, copying
 from pagedchat.tui.backend_link import BackendLink
-from pagedchat.tui.bridge import DeltaInbox
+from pagedchat.tui.bridge import UpdateInbox
 from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.records import ChatMessage, title_from
@@ -42,7 +42,7 @@ class ChatServices:
 
     link: BackendLink
     saver: Saver
-    inbox: DeltaInbox
+    inbox: UpdateInbox
     history: PromptHistory
     open_chat: Callable[..., Awaitable[ChatView]]      # open_chat(session, after=...): a new tab, shown
     is_open: Callable[[str], bool]                     # the chat (by id) still has its tab

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import asdict
 from pathlib import Path
 
-from pagedchat.tui.records import ChatMessage, ReplyStats
+from pagedchat.engine.records import Outcome
+from pagedchat.tui.records import ChatMessage, stats_from_dict, stats_to_dict
 
 # How long a write waits for another instance's transaction (a few ms each) before it counts as failed and
 # is retried later. It blocks the UI thread while it waits, so it stays short.
@@ -71,8 +71,8 @@ def decode_message(role, content, stats, message_id) -> ChatMessage:
     """A messages row as a ChatMessage; ValueError/TypeError for a row that is not one."""
     if role not in ROLES or not isinstance(content, str) or not isinstance(message_id, str):
         raise ValueError(f"not a chat message: role {role!r}")
-    return ChatMessage(role, content, ReplyStats.from_dict(json.loads(stats) if stats else None), message_id)
+    return ChatMessage(role, content, stats_from_dict(json.loads(stats) if stats else None), message_id)
 
 
-def encode_stats(stats: ReplyStats | None) -> str | None:
-    return json.dumps(asdict(stats)) if stats is not None else None
+def encode_stats(stats: Outcome | None) -> str | None:
+    return json.dumps(stats_to_dict(stats)) if stats is not None else None

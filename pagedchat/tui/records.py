@@ -8,7 +8,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from pagedchat.engine.params import SamplingSettings
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome
 
 FENCE = re.compile(r"^(`{3,}|~{3,})[^\n]*\n(.*?)^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
@@ -55,51 +55,48 @@ class ChatSettings(SamplingSettings):
         return asdict(self)
 
 
-@dataclass
-class ReplyStats:
+# chats.db keeps a reply's figures (an Outcome's) in its stats column, under the names it has always used.
+SAVED_STATS = {"prompt_tokens": "prompt_tokens", "cached_tokens": "cached_tokens",
+               "generated_tokens": "generated_tokens", "ttft": "time_to_first_token",
+               "tokens_per_s": "decode_tokens_per_s", "finish_reason": "finish_reason", "error": "error",
+               "counted": "counted"}
+
+
+def reply_stats(outcome: Outcome) -> Outcome:
+    """What a message keeps of its reply's Outcome: the figures its stats line shows and chats.db saves."""
+    return Outcome(**{name: getattr(outcome, name) for name in SAVED_STATS.values()})
+
+
+def stats_to_dict(stats: Outcome) -> dict:
+    return {saved: getattr(stats, name) for saved, name in SAVED_STATS.items()}
+
+
+def stats_from_dict(raw: dict | None) -> Outcome | None:
+    if not raw:
+        return None
+    stats = Outcome(**{SAVED_STATS[k]: v for k, v in raw.items() if k in SAVED_STATS})
+    return replace(stats, finish_reason=FinishReason.read(stats.finish_reason))
+
+
+def stats_line(stats: Outcome) -> str:
     """The quiet line under a reply."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    ttft: float | None = None
-    tokens_per_s: float | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    counted: bool = True     # False: the server reported no usage; prompt and cache are unknown, not 0
-
-    @classmethod
-    def from_outcome(cls, o) -> ReplyStats:
-        """From a backend's Outcome (pagedchat.backends.base)."""
-        return cls(prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens, generated_tokens=o.generated_tokens,
-                   ttft=o.time_to_first_token, tokens_per_s=o.tokens_per_s, finish_reason=o.finish_reason,
-                   error=o.error, counted=o.counted)
-
-    @classmethod
-    def from_dict(cls, raw: dict | None) -> ReplyStats | None:
-        if not raw:
-            return None
-        known = {f.name for f in fields(cls)}
-        stats = cls(**{k: v for k, v in raw.items() if k in known})
-        return replace(stats, finish_reason=FinishReason.read(stats.finish_reason))
-
-    def line(self) -> str:
-        if self.counted:
-            parts = [f"prompt {self.prompt_tokens}", f"cached {self.cached_tokens}",
-                     f"generated {self.generated_tokens}"]
-        else:   # the streamed pieces, which servers send one per token, are the only figure left
-            parts = ["tokens not reported", f"{self.generated_tokens} pieces streamed"]
-        if self.ttft is not None:
-            parts.append(f"TTFT {self.ttft * 1000:.0f} ms" if self.ttft < 1 else f"TTFT {self.ttft:.2f} s")
-        if self.tokens_per_s is not None:
-            parts.append(f"{self.tokens_per_s:.1f} tok/s")
-        stopped = "stopped" if self.generated_tokens else "stopped before the first token"
-        ending = {FinishReason.LENGTH: "hit max tokens", FinishReason.CONTEXT_FULL: "context full",
-                  FinishReason.CANCELLED: stopped, FinishReason.ERROR: f"error: {self.error}",
-                  FinishReason.INTERRUPTED: "interrupted"}
-        if self.finish_reason in ending:
-            parts.append(ending[self.finish_reason])
-        return " · ".join(parts)
+    if stats.counted:
+        parts = [f"prompt {stats.prompt_tokens}", f"cached {stats.cached_tokens}",
+                 f"generated {stats.generated_tokens}"]
+    else:   # the streamed pieces, which servers send one per token, are the only figure left
+        parts = ["tokens not reported", f"{stats.generated_tokens} pieces streamed"]
+    ttft = stats.time_to_first_token
+    if ttft is not None:
+        parts.append(f"TTFT {ttft * 1000:.0f} ms" if ttft < 1 else f"TTFT {ttft:.2f} s")
+    if stats.decode_tokens_per_s is not None:
+        parts.append(f"{stats.decode_tokens_per_s:.1f} tok/s")
+    stopped = "stopped" if stats.generated_tokens else "stopped before the first token"
+    ending = {FinishReason.LENGTH: "hit max tokens", FinishReason.CONTEXT_FULL: "context full",
+              FinishReason.CANCELLED: stopped, FinishReason.ERROR: f"error: {stats.error}",
+              FinishReason.INTERRUPTED: "interrupted"}
+    if stats.finish_reason in ending:
+        parts.append(ending[stats.finish_reason])
+    return " · ".join(parts)
 
 
 def new_message_id() -> str:
@@ -112,7 +109,7 @@ class ChatMessage:
 
     role: str                      # "user" or "assistant"
     content: str
-    stats: ReplyStats | None = None
+    stats: Outcome | None = None   # its reply's figures (reply_stats), for an assistant message
     id: str = field(default_factory=new_message_id)
 
     def code_blocks(self) -> list[str]:
@@ -150,7 +147,7 @@ class ChatRecord:
         for m in self.messages:
             lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", close_fences(m.content.rstrip()), ""]
             if m.stats is not None:
-                lines += [f"*{m.stats.line()}*", ""]
+                lines += [f"*{stats_line(m.stats)}*", ""]
         return "\n".join(lines)
 
 

@@ -10,29 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pagedchat.backends.base import Outcome, ReplyHandle, Update
-from pagedchat.engine.records import FinishReason
-from pagedchat.tui.records import ChatMessage, ChatSettings, ReplyStats
-
-
-@dataclass(frozen=True)
-class Fed:
-    """What one batch of updates added to the reply."""
-
-    text: str
-    tokens: int
-    inherited: str | None             # a fork's first update: the text it carries over from its parent
-    notices: frozenset[str]
-    outcome: Outcome | None           # the final update's, when it came in this batch
+from pagedchat.engine.records import FinishReason, Outcome, ReplyHandle, Update
+from pagedchat.tui.records import ChatMessage, ChatSettings, reply_stats
 
 
 @dataclass(frozen=True)
 class Ending:
-    """How a reply ended: the message it wrote into, its final text and its stats line."""
+    """How a reply ended, as the chat shows it: the message it wrote into, that message's final text (a fork's
+    starts with its parent's), and the figures its stats line shows."""
 
     index: int
     content: str
-    stats: ReplyStats
+    stats: Outcome
 
 
 @dataclass(eq=False)
@@ -69,23 +58,21 @@ class Reply:
         self.end()
         self.handle, self.index, self.prefix, self.inheriting, self.taking = handle, index, prefix, inheriting, True
 
-    def feed(self, updates: list[Update]) -> Fed:
-        inherited = next((u.inherited for u in updates if u.inherited is not None), None)
-        if inherited is not None:
+    def feed(self, updates: list[Update]) -> Update:
+        """Take a batch of updates; what they add, as one."""
+        fed = Update.merge(updates)
+        if fed.inherited is not None:
             self.inheriting = False
-            self.prefix += inherited
-        fed = Fed("".join(u.text for u in updates), sum(u.tokens for u in updates), inherited,
-                  frozenset(u.notice for u in updates if u.notice), next((u.outcome for u in updates if u.finished), None))
+            self.prefix += fed.inherited
         self.text += fed.text
         self.tokens += fed.tokens
         return fed
 
-    def stats(self, finish_reason: FinishReason, outcome: Outcome | None = None) -> ReplyStats:
-        """The stats line: final from the outcome, else the live figures as they stand, ended by finish_reason."""
+    def stats(self, finish_reason: FinishReason, outcome: Outcome | None = None) -> Outcome:
+        """The stats line's figures: final from the outcome, else as they stand, ended by finish_reason."""
         if outcome is not None:
-            return ReplyStats.from_outcome(outcome)
-        return replace(ReplyStats.from_outcome(self.handle.so_far()), generated_tokens=self.tokens,
-                       finish_reason=finish_reason)
+            return reply_stats(outcome)
+        return replace(reply_stats(self.handle.so_far()), generated_tokens=self.tokens, finish_reason=finish_reason)
 
     def finish(self, outcome: Outcome) -> Ending:
         self.stop_taking()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from copy import deepcopy
 from dataclasses import dataclass, field
 
-from pagedchat.backends.base import Outcome
+from pagedchat.engine.records import Outcome
 from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.reply import Reply
 

@@ -277,15 +277,6 @@ class Store:
         with self.transaction():
             self.put_order(open_ids)
 
-    def set_open(self, chat_id: str, is_open: bool) -> None:
-        with self.transaction():
-            self.conn.execute("UPDATE chats SET is_open = ?, updated = ? WHERE id = ?",
-                              (int(is_open), time.time(), chat_id))
-
-    def set_state(self, key: str, value: str) -> None:
-        with self.transaction():
-            self.put_state(key, value)
-
     def remove_chat(self, chat_id: str) -> None:
         """The chat and its messages (a cascade), and so their words in the search index (its triggers)."""
         self.conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))

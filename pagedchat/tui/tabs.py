@@ -14,7 +14,7 @@ from textual.widgets import TabbedContent, TabPane
 
 from pagedchat.text import visible_controls
 from pagedchat.tui.backend_link import BackendLink
-from pagedchat.tui.bridge import DeltaInbox
+from pagedchat.tui.bridge import UpdateInbox
 from pagedchat.tui.chat import MessageView
 from pagedchat.tui.chat_view import ChatServices, ChatView
 from pagedchat.tui.history import PromptHistory
@@ -38,7 +38,7 @@ class TabHooks:
 
 
 class ChatTabs:
-    def __init__(self, tabbed: TabbedContent, link: BackendLink, saver: Saver, inbox: DeltaInbox,
+    def __init__(self, tabbed: TabbedContent, link: BackendLink, saver: Saver, inbox: UpdateInbox,
                  history: PromptHistory, hooks: TabHooks) -> None:
         self.tabbed = tabbed
         self.saver = saver

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.backends.base import Backend, Outcome, TokenBackend
+from pagedchat.backends.base import Backend, TokenBackend
+from pagedchat.engine.records import Outcome, ReplyHandle
 from pagedchat.backends.local import LocalBackend
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.errors import PagedChatError, RequestError
@@ -35,7 +36,7 @@ def test_prompts_submitted_together_are_admitted_in_one_step(backend):
     seen = []
     replies = backend.submit_ids(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
                                  request_ids=["a", "b", "c"], on_update=seen.append)
-    assert [r.request_id for r in replies] == ["a", "b", "c"]
+    assert [r.request_id for r in replies] == ["a", "b", "c"] and all(isinstance(r, ReplyHandle) for r in replies)
     backend.engine.step()
     assert {u.request_id for u in seen} == {"a", "b", "c"}, "each prompt's first token came from the first step"
     usage = backend.usage()
@@ -75,10 +76,10 @@ def test_chat_prompts_reuse_the_previous_turns_ids(backend):
     first = [{"role": "user", "content": "Hi there"}]
     generated = tok.encode("Hell", add_special_tokens=False) + tok.encode("o", add_special_tokens=False)
     assert generated != tok.encode("Hello", add_special_tokens=False)
-    done = Outcome("r", "Hello", token_ids=tuple(backend.prompt_ids(first) + generated))
+    done = Outcome("r", "Hello", prompt_token_ids=backend.prompt_ids(first), token_ids=generated)
     turn = first + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "And then?"}]
     ids = backend.prompt_ids(turn, done)
-    assert ids[:len(done.token_ids)] == list(done.token_ids)
+    assert ids[:len(done.history_ids)] == done.history_ids
     assert ids != backend.prompt_ids(turn), "without the previous turn its text is tokenized afresh"
     continued = backend.prompt_ids(first + [{"role": "assistant", "content": "Once"}], continue_final=True)
     assert backend.engine.tokenizer.decode(continued).endswith("Once")
@@ -108,3 +109,5 @@ def test_the_test_stand_ins_implement_the_face():
     assert isinstance(stand_in, Backend) and not isinstance(stand_in, TokenBackend)
     scripted = LocalBackend(ScriptedEngine(["ok"]))
     assert isinstance(scripted, Backend) and scripted.info.num_pages == 4
+    handle = scripted.submit([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4))
+    assert isinstance(handle, ReplyHandle) and handle.result().text == "ok"

@@ -15,7 +15,7 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.backends.base import Backend
 from pagedchat.backends.local import LocalBackend
 from pagedchat.backends.process import ProcessBackend
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, ReplyHandle
 from pagedchat.errors import PagedChatError, RequestError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -50,7 +50,9 @@ def wait_until(condition, timeout: float = 30.0):
 def test_the_same_reply_as_in_this_process(remote, local):
     assert isinstance(remote, Backend) and remote.info == local.info
     updates = []
-    outcome = remote.submit(QUESTION, GREEDY, on_update=updates.append).result(30)
+    handle = remote.submit(QUESTION, GREEDY, on_update=updates.append)
+    assert isinstance(handle, ReplyHandle)
+    outcome = handle.result(30)
     expected = local.submit(QUESTION, GREEDY).result(30)
     assert outcome.token_ids == expected.token_ids and outcome.text == expected.text
     assert "".join(u.text for u in updates) == outcome.text and updates[-1].outcome == outcome
@@ -85,7 +87,7 @@ def test_fork_cancel_and_so_far(remote):
     assert forked.finish_reason is FinishReason.CANCELLED   # the enum itself crossed the socket
     # The fork went on from the parent's reply: its prompt is the parent's prompt and tokens at the fork.
     assert fork_updates[0].inherited is not None and forked.prompt_tokens > ended.prompt_tokens
-    assert forked.token_ids[:forked.prompt_tokens] == ended.token_ids[:forked.prompt_tokens]
+    assert forked.prompt_token_ids == ended.history_ids[:forked.prompt_tokens]
     assert fork.so_far() == forked  # once ended, its figures are the final ones
     with pytest.raises(PagedChatError, match="finished"):
         remote.fork(parent, long)

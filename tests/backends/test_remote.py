@@ -21,6 +21,7 @@ from pagedchat.backends.base import Backend, MemoryUnavailable
 from pagedchat.backends.remote import RemoteBackend, ServerUnavailable, api_base, server_root
 from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.records import ReplyHandle
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.records import ChatSettings
@@ -66,7 +67,9 @@ def test_client_streams_forks_and_cancels(server):
         assert info.block_size == 16 and info.num_pages and info.page_bytes
 
         updates = []
-        first = backend.submit(HI, SamplingParams(max_tokens=12), on_update=updates.append).result(120)
+        handle = backend.submit(HI, SamplingParams(max_tokens=12), on_update=updates.append)
+        assert isinstance(handle, ReplyHandle)   # the one face of a reply in flight, as the engine's own
+        first = handle.result(120)
         assert first.finish_reason == "length" and first.generated_tokens == 12 and first.prompt_tokens > 16
         assert first.text == "".join(u.text for u in updates) and updates[-1].outcome == first
         # The same prompt again comes from the server's prefix cache, as usage.cached_tokens says.

@@ -297,7 +297,7 @@ def test_a_cancel_during_a_long_prefill_frees_its_pages_before_the_next_chunk(ti
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", max_tokens_per_step=64, autostart=False)
     handle = engine.submit(list(range(5, 305)), PARAMS)
     engine.step()
-    assert engine.sequence(handle.request_id).num_computed == 64
+    assert engine.memory().seqs[handle.request_id].num_computed == 64
     handle.cancel()
     steps = engine.steps
     engine.step()

@@ -43,8 +43,8 @@ def manual(folder, **kwargs) -> Engine:
 def step(engine: Engine) -> dict[str, list[int]]:
     """One step (it delivers to the handles); returns the new token ids per request."""
     got: dict[str, list[int]] = {}
-    for delta in engine.step():
-        got.setdefault(delta.request_id, []).extend(delta.token_ids)
+    for update in engine.step():
+        got.setdefault(update.request_id, []).extend(update.token_ids)
     return got
 
 
@@ -94,7 +94,7 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
     assert pages_b[:3] == pages_a[:3] and len(pages_b) == 4 and pages_b[3] not in pages_a
     assert [snap.ref_counts[p] for p in pages_a[:3]] == [2, 2, 2]
     assert snap.shared_pages == {p: [a.request_id, b.request_id] for p in pages_a[:3]}
-    assert b.cached_tokens == 48 and b.prefilled_tokens == 5
+    assert b.so_far().cached_tokens == 48 and b.so_far().prefilled_tokens == 5
     assert snap.used_pages == 5
     drain(eng)
     check_same(tiny_llama_ref, pa, a.result().token_ids, 8)
@@ -106,12 +106,14 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
 def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny_llama, tiny_llama_ref):
     eng = manual(tiny_llama, kv_cache_memory="2MiB")
     prompt = ids_of(eng.tokenizer, 40)
-    parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    reply: list[int] = []
+    parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True),
+                        on_update=lambda u: reply.extend(u.token_ids))
     step(eng)
-    while len(eng.sequence(parent.request_id).output_ids) < 11:  # 51 tokens, 50 computed: page 3 is partial
+    while len(reply) < 11:  # 51 tokens, 50 computed: page 3 is partial
         step(eng)
-    before = list(eng.sequence(parent.request_id).block_table)
-    history = list(eng.sequence(parent.request_id).token_ids)
+    before = list(eng.memory().seqs[parent.request_id].pages)
+    history = prompt + reply
     child = eng.fork(parent.request_id, SamplingParams(max_tokens=20, ignore_eos=True))
     step(eng)
     snap = eng.memory()
@@ -121,7 +123,7 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
     assert pp[3] != cp[3] and before[3] in (pp[3], cp[3]), "the partial page was copied for one writer"
     assert snap.ref_counts[pp[3]] == snap.ref_counts[cp[3]] == 1
     # the child's prompt is the parent's 51 tokens: 50 computed and shared, the last one its own to compute
-    assert snap.seqs[child.request_id].cached_tokens == 50 and child.prefilled_tokens == 1
+    assert snap.seqs[child.request_id].cached_tokens == 50 and child.so_far().prefilled_tokens == 1
     drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
     assert child.prompt_token_ids == history
     check_same(tiny_llama_ref, prompt, parent.result().token_ids, 30)
@@ -134,6 +136,27 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
     full = history + child.result().token_ids
     assert done.prompt_token_ids == full and done.cached_tokens == (len(full) - 1) // 16 * 16
     check_same(tiny_llama_ref, full, done.token_ids, 5)
+
+
+def test_a_forks_first_update_tells_the_reply_text_it_continues(tiny_llama):
+    """The parent may grow between fork() and the engine taking the fork in: the first update says from where."""
+    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    decode = lambda ids: eng.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    streamed: list[int] = []
+    parent = eng.submit(ids_of(eng.tokenizer, 20), SamplingParams(max_tokens=12, ignore_eos=True),
+                        on_update=lambda u: streamed.extend(u.token_ids))
+    for _ in range(6):
+        step(eng)
+    live = eng.fork(parent.request_id, SamplingParams(max_tokens=3, ignore_eos=True))
+    reply_so_far = list(streamed)   # as it stands: the next step takes the fork in first
+    drain(eng)
+    updates = list(live)
+    assert reply_so_far and updates[0].inherited == decode(reply_so_far)
+    assert all(u.inherited is None for u in updates[1:])
+    ended = eng.fork(parent.request_id, SamplingParams(max_tokens=2, ignore_eos=True))
+    drain(eng)
+    assert next(iter(ended)).inherited == decode(parent.result().token_ids)
+    assert all(u.inherited is None for u in parent)
 
 
 @pytest.mark.parametrize("prompt_len", [40, 33])   # the last prompt token mid-page, and first on its page
@@ -240,7 +263,7 @@ def test_long_prefill_is_chunked_and_never_stalls_decodes(tiny_llama, tiny_llama
     assert len(long_prompt) == 400
     c = eng.submit(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     prefill_steps = 0
-    while not eng.sequence(c.request_id) or not eng.sequence(c.request_id).output_ids:
+    while not c.so_far().generated_tokens:
         before = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}
         got = step(eng)
         after = {s.request_id: s.num_computed for s in eng.scheduler.all_seqs()}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedchat.backends.base import Outcome, Update
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.tui.records import ChatMessage, ChatSettings
 from pagedchat.tui.reply import Reply
 
@@ -36,8 +35,9 @@ def test_a_reply_takes_its_own_updates_until_it_ends():
     assert not reply.live and not reply.takes("r1")
     reply.start(Handle("r1"), index=3)
     assert reply.live and reply.takes("r1") and not reply.takes("r2")
-    fed = reply.feed([Update("r1", "Hel", tokens=1, notice="slow"), Update("r1", "lo", tokens=1, notice="slow")])
-    assert (fed.text, fed.tokens, fed.notices, fed.outcome) == ("Hello", 2, frozenset({"slow"}), None)
+    fed = reply.feed([Update("r1", "Hel", tokens=1, notices=("slow",)),
+                      Update("r1", "lo", tokens=1, notices=("slow",))])
+    assert (fed.text, fed.tokens, fed.notices, fed.outcome) == ("Hello", 2, ("slow",), None)
     assert reply.content == "Hello" and reply.tokens == 2 and reply.tokens_held() == 30 + 2
 
     final = Outcome("r1", text="Hello!", finish_reason="stop", prompt_tokens=30, generated_tokens=3)

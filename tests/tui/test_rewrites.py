@@ -17,6 +17,7 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.records import stats_line
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.compare import CompareScreen, CompareSetupScreen
 from pagedchat.tui.screens.modals import EditMessageScreen, PickScreen
@@ -287,7 +288,7 @@ async def test_esc_before_the_first_token_keeps_a_marked_reply(tmp_path):
         await wait_for(pilot, lambda: not session.busy, "the stop")
         reply = session.record.messages[-1]
         assert reply.role == "assistant" and reply.content == "" and reply.stats.finish_reason == "cancelled"
-        assert reply.stats.line().endswith("stopped before the first token")
+        assert stats_line(reply.stats).endswith("stopped before the first token")
         await screen_is_disk(pilot)
         engine.first_token_s = 0.0
         await turn(pilot, "second question")

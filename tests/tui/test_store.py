@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.tui.migrations import SCHEMA_VERSION
 from pagedchat.tui.records import (MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
-                                    ReplyStats, title_from)
+                                    stats_line, title_from)
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
 
@@ -32,12 +32,14 @@ PRAGMA user_version = 1;
 
 
 SIDE_FILES = ("-wal", "-shm", "-journal")
+STATS = Outcome(prompt_tokens=5, cached_tokens=2, generated_tokens=3, time_to_first_token=0.01,
+                decode_tokens_per_s=99.0, finish_reason=FinishReason.STOP)
 
 
 def _chat(title="A chat", **kw):
     return ChatRecord(title=title, system_prompt="Be brief.", settings=ChatSettings(max_tokens=32, seed=7),
                       messages=[ChatMessage("user", "hi"),
-                                ChatMessage("assistant", "hello", ReplyStats(5, 2, 3, 0.01, 99.0, "stop"))], **kw)
+                                ChatMessage("assistant", "hello", STATS)], **kw)
 
 
 class Reports(list):
@@ -65,7 +67,8 @@ def test_round_trip(tmp_path):
     store = Store.open(tmp_path)
     chat = _chat()
     store.save_chat(chat)
-    store.set_state("theme", "pagedchat-light")
+    with store.transaction():   # as the saver writes state
+        store.put_state("theme", "pagedchat-light")
     store.close()
     store = Store.open(tmp_path)
     assert store.notice is None
@@ -73,7 +76,7 @@ def test_round_trip(tmp_path):
     assert loaded.id == chat.id and loaded.title == "A chat" and loaded.system_prompt == "Be brief."
     assert loaded.settings == ChatSettings(max_tokens=32, seed=7)
     assert [(m.role, m.content, m.id) for m in loaded.messages] == [(m.role, m.content, m.id) for m in chat.messages]
-    assert loaded.messages[1].stats == ReplyStats(5, 2, 3, 0.01, 99.0, "stop")
+    assert loaded.messages[1].stats == STATS
     assert store.get_state("theme") == "pagedchat-light" and store.get_state("nothing", "x") == "x"
 
 
@@ -146,7 +149,8 @@ def test_order_and_closed_chats(tmp_path):
     for r in (a, b, c):
         store.save_chat(r)
     store.save_order([c.id, a.id, b.id])
-    store.set_open(a.id, False)
+    a.is_open = False   # as the app closes a tab: the record saved closed
+    store.save_chat(a)
     assert [r.title for r in store.load_chats(open_only=True)] == ["c", "b"]
     assert [r.title for r in store.load_chats(open_only=False)] == ["a"]
     assert store.closed_chats() == [(a.id, "a", 2)]
@@ -469,18 +473,20 @@ def test_finish_reasons_saved_as_words_load_as_the_enum_and_save_as_the_same_wor
     [loaded] = store.load_chats()
     stats = loaded.messages[1].stats
     assert stats.finish_reason is reason
-    assert stats.line() == ReplyStats(5, 2, 3, 0.01, 99.0, reason, old["error"]).line()
+    assert stats_line(stats) == stats_line(replace(STATS, finish_reason=reason, error=old["error"]))
     store.save_chat(loaded)
     store.close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
     [(saved,)] = conn.execute("SELECT stats FROM messages WHERE role = 'assistant'").fetchall()
     conn.close()
     assert json.loads(saved)["finish_reason"] == reason.value
+    assert set(json.loads(saved)) == set(old) | {"counted"}   # the names older versions read
 
 
 def test_interrupted_replies_say_so():
-    stats = ReplyStats(12, 0, 40, 0.05, 20.0, FinishReason.INTERRUPTED)
-    assert stats.line().endswith("· interrupted")
+    stats = Outcome(prompt_tokens=12, generated_tokens=40, time_to_first_token=0.05, decode_tokens_per_s=20.0,
+                    finish_reason=FinishReason.INTERRUPTED)
+    assert stats_line(stats).endswith("· interrupted")
 
 
 def test_markdown_export_and_titles():
@@ -514,7 +520,8 @@ def test_search_survives_the_migration_of_an_old_database(tmp_path):
     saver.message(chat, 2)
     saver.flush()
     assert store.search("climbs") == [] and len(store.search("sleeps")) == 1
-    store.set_open("c1", False)  # closed chats are searched too
+    chat.is_open = False  # closed chats are searched too
+    store.save_chat(chat)
     assert [h.is_open for h in store.search("sleeps")] == [False]
 
     saver.delete_chat("c1")

@@ -75,7 +75,7 @@ async def test_send_streams_a_reply_with_stats(config):
         assert view.body.source == visible_controls(reply.content) and not view.streaming
         stats = reply.stats
         assert stats.generated_tokens == LONG and stats.finish_reason == "length"
-        assert stats.prompt_tokens > 0 and stats.ttft is not None and stats.tokens_per_s > 0
+        assert stats.prompt_tokens > 0 and stats.time_to_first_token is not None and stats.decode_tokens_per_s > 0
         line = static_text(app, ".message.-assistant .stats")
         assert re.match(r"prompt \d+ · cached \d+ · generated 400 · TTFT .+ · [\d.]+ tok/s · hit max tokens", line)
 

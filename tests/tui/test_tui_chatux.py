@@ -10,7 +10,8 @@ from pagedchat.backends.base import BackendInfo, MemoryUnavailable
 from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.context import CHARS_PER_TOKEN, ContextFill, carried_messages, conversation_tokens
-from pagedchat.tui.records import ChatMessage, ChatRecord, ReplyStats
+from pagedchat.engine.records import Outcome
+from pagedchat.tui.records import ChatMessage, ChatRecord, stats_line
 from test_tui import SIZE, ready, replied, send
 from tiny_models import make_tiny_model
 from tui_support import (ScriptedEngine, StandInBackend, make_config, notices, quick_pilot, screen_text,  # noqa: F401
@@ -59,8 +60,8 @@ def test_a_backend_that_cannot_count_gets_an_estimate_for_carrying():
 
 
 def test_reply_line_says_context_full_apart_from_max_tokens():
-    assert ReplyStats(finish_reason="context_full").line().endswith("context full")
-    assert ReplyStats(finish_reason="length").line().endswith("hit max tokens")
+    assert stats_line(Outcome(finish_reason="context_full")).endswith("context full")
+    assert stats_line(Outcome(finish_reason="length")).endswith("hit max tokens")
 
 
 async def test_reply_shows_the_chat_against_the_context(config):

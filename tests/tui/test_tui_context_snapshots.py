@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.engine.records import Outcome
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings
 from pagedchat.tui.store import Store
 from test_tui_snapshots import _loaded, stand_in
 from tui_support import make_config
@@ -28,8 +29,8 @@ def context_backend(progress):
 def chat_at(config, used: int) -> None:
     messages = []
     if used:
-        stats = ReplyStats(prompt_tokens=used - 200, cached_tokens=used - 216, generated_tokens=200, ttft=0.05,
-                           tokens_per_s=40.0, finish_reason="stop")
+        stats = Outcome(prompt_tokens=used - 200, cached_tokens=used - 216, generated_tokens=200,
+                        time_to_first_token=0.05, decode_tokens_per_s=40.0, finish_reason="stop")
         messages = [ChatMessage("user", "Summarise the whole design document again."),
                     ChatMessage("assistant", "The design keeps the KV cache in pages of 16 tokens.", stats)]
     store = Store.open(config.data_dir)

@@ -14,7 +14,8 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.engine import Engine
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.commands import AppCommands
-from pagedchat.tui.records import ChatSettings, ReplyStats
+from pagedchat.engine.records import Outcome
+from pagedchat.tui.records import ChatSettings, stats_line
 from pagedchat.tui.screens.modals import ChatSettingsScreen
 from tiny_models import make_tiny_model
 from tui_support import make_config, static_text, wait_for
@@ -57,9 +58,9 @@ def test_chat_settings_follow_the_request_rule_and_old_saved_values_fall_back():
 
 
 def test_a_reply_at_the_context_limit_says_context_full():
-    stats = ReplyStats(prompt_tokens=2040, generated_tokens=8, finish_reason="context_full")
-    assert stats.line().endswith("· context full")
-    assert ReplyStats(finish_reason="length").line().endswith("· hit max tokens")
+    stats = Outcome(prompt_tokens=2040, generated_tokens=8, finish_reason="context_full")
+    assert stats_line(stats).endswith("· context full")
+    assert stats_line(Outcome(finish_reason="length")).endswith("· hit max tokens")
 
 
 async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_path, model):
@@ -80,7 +81,7 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
         await wait_for(pilot, lambda: app.backend.failure is not None and not session.busy, "the engine to stop")
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "error"
-        assert "engine stopped: Broken: the GPU fell off" in reply.stats.line()
+        assert "engine stopped: Broken: the GPU fell off" in stats_line(reply.stats)
         await wait_for(pilot, lambda: "engine stopped" in static_text(app, "#status"), "the status line")
         assert static_text(app, "#status") == "engine stopped: Broken: the GPU fell off"
 
@@ -111,7 +112,7 @@ async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_p
         await wait_for(pilot, lambda: not session.busy, "the reply to end")
         reply = session.record.messages[-1]
         assert reply.stats.finish_reason == "error" and reply.stats.generated_tokens >= 10
-        assert "killed by SIGKILL" in reply.stats.line()
+        assert "killed by SIGKILL" in stats_line(reply.stats)
         await wait_for(pilot, lambda: "engine stopped" in static_text(app, "#status"), "the status line")
         assert "the engine process was killed by SIGKILL" in static_text(app, "#status")
 

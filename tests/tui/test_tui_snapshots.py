@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import pytest
 from textual.widgets import TextArea
 
-from pagedchat.backends.base import BackendInfo, Outcome
+from pagedchat.backends.base import BackendInfo
 from pagedchat.engine.block_manager import MemoryCounters
-from pagedchat.engine.records import PageState
+from pagedchat.engine.records import Outcome, PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings
 from pagedchat.tui.store import Store
 from tui_support import StandInBackend, make_config
 
@@ -75,8 +75,8 @@ Two requests with the same prompt prefix can map the *same* physical pages."""
 
 
 def saved_chats(config) -> list[ChatRecord]:
-    stats = ReplyStats(prompt_tokens=42, cached_tokens=32, generated_tokens=61, ttft=0.031, tokens_per_s=187.4,
-                       finish_reason="stop")
+    stats = Outcome(prompt_tokens=42, cached_tokens=32, generated_tokens=61, time_to_first_token=0.031,
+                    decode_tokens_per_s=187.4, finish_reason="stop")
     settings = ChatSettings(max_tokens=256, temperature=0.0)
     system = "You are a helpful assistant."
     idle = ChatRecord(id="aaaaaaaaaaaa", title="Paged attention", system_prompt=system, settings=settings,
@@ -89,7 +89,8 @@ def saved_chats(config) -> list[ChatRecord]:
     store = Store.open(config.data_dir)
     for record in (idle, live, branch):
         store.save_chat(record)
-    store.set_state("active_chat", idle.id)
+    with store.transaction():
+        store.put_state("active_chat", idle.id)
     store.close()
     return [idle, live, branch]
 

@@ -111,40 +111,35 @@ void decode_k4_scales(const Decoded& d, const uint8_t* b, int64_t first_block) {
   }
 }
 
+// Q4_0, Q4_1, Q5_0 and Q5_1's blocks of 32 weights: the scale d (f16), the minimum (f16) where the format has
+// one, the fifth bits (u32) in Q5, then 16 bytes of nibbles. Without a stored minimum it is -d times half the
+// range (8 in 4 bits, 16 in 5).
+template <bool kMin, bool kFifth>
+void decode_block32(const uint8_t* row, int64_t nb, const Decoded& d) {
+  constexpr int head = 2 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* b = row + (head + 16) * j;
+    nibbles(b + head, d.u + 32 * j);
+    if (kFifth) fifth_bits(u32(b + head - 4), d.u + 32 * j);
+    const float dd = f16(b);
+    set32(d, j, dd, kMin ? f16(b + 2) : -(kFifth ? 16 : 8) * dd);
+  }
+}
+
 void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
   const int64_t nb = k / 32;
   switch (type) {
     case Q4_0:
-      for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* b = row + 18 * j;
-        nibbles(b + 2, d.u + 32 * j);
-        const float dd = f16(b);
-        set32(d, j, dd, -8 * dd);
-      }
+      decode_block32<false, false>(row, nb, d);
       break;
     case Q4_1:
-      for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* b = row + 20 * j;
-        nibbles(b + 4, d.u + 32 * j);
-        set32(d, j, f16(b), f16(b + 2));
-      }
+      decode_block32<true, false>(row, nb, d);
       break;
     case Q5_0:
-      for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* b = row + 22 * j;
-        nibbles(b + 6, d.u + 32 * j);
-        fifth_bits(u32(b + 2), d.u + 32 * j);
-        const float dd = f16(b);
-        set32(d, j, dd, -16 * dd);
-      }
+      decode_block32<false, true>(row, nb, d);
       break;
     case Q5_1:
-      for (int64_t j = 0; j < nb; ++j) {
-        const uint8_t* b = row + 24 * j;
-        nibbles(b + 8, d.u + 32 * j);
-        fifth_bits(u32(b + 4), d.u + 32 * j);
-        set32(d, j, f16(b), f16(b + 2));
-      }
+      decode_block32<true, true>(row, nb, d);
       break;
     case Q8_0:
       for (int64_t j = 0; j < nb; ++j) {

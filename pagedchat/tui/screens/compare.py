@@ -18,13 +18,13 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, TextArea
 
-from pagedchat.backends.base import Backend, Outcome, Update
-from pagedchat.engine.records import FinishReason
-from pagedchat.tui.bridge import DeltaInbox, DeltasReady
+from pagedchat.backends.base import Backend
+from pagedchat.engine.records import FinishReason, Outcome, Update
+from pagedchat.tui.bridge import UpdateInbox, UpdatesReady
 from pagedchat.tui.chat import MessageView, action_name
 from pagedchat.tui.chat_view import BUSY_NOTICE
 from pagedchat.tui.inspector import ChatPages, InspectorView
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, ReplyStats
+from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, reply_stats
 from pagedchat.tui.reply import Reply
 from pagedchat.tui.screens.modals import Dialog
 from pagedchat.tui.session import ChatSession
@@ -148,7 +148,7 @@ class CompareScreen(Screen):
         self.history = deepcopy(record.messages[:last_user + 1])
         self.sides = [Side(name, v, MessageView(ChatMessage("assistant", ""), last_user + 1))
                       for name, v in zip(SIDES, variants)]
-        self.inbox = DeltaInbox(self)
+        self.inbox = UpdateInbox(self)
 
     def compose(self) -> ComposeResult:
         question = " ".join(self.history[-1].content.split())
@@ -188,7 +188,7 @@ class CompareScreen(Screen):
         side.reply.start(handle, side.view.index)
         await side.view.start_stream()
 
-    async def on_deltas_ready(self, event: DeltasReady) -> None:
+    async def on_updates_ready(self, event: UpdatesReady) -> None:
         event.stop()   # this screen's inbox, not the app's
         batches: dict[str, list[Update]] = {}
         for name, update in self.inbox.take():
@@ -260,7 +260,7 @@ class CompareScreen(Screen):
         prompt reuses it)."""
         done = side.outcome
         parent = self.parent_session
-        reply = ChatMessage("assistant", done.text, ReplyStats.from_outcome(done))
+        reply = ChatMessage("assistant", done.text, reply_stats(done))
         record = ChatRecord(title=f"{side.name}: {parent.record.title}"[:40], system_prompt=side.variant.system_prompt,
                             settings=deepcopy(side.variant.settings), messages=deepcopy(self.history) + [reply])
         session = ChatSession(record)
