@@ -10,6 +10,7 @@ PageContents as its forward pass.
 from __future__ import annotations
 
 from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.sampling import SamplingParams
@@ -121,9 +122,10 @@ class FakeEngine:
     def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4,
                  fault_hook: FaultHook | None = None, max_context: int = 10**6):
         self.bm = BlockManager(num_pages, block_size, cpu_pages)
-        self.sched = Scheduler(self.bm, budget, max_seqs)
+        pages = PageGroups((self.bm,))
+        self.sched = Scheduler(pages, budget, max_seqs)
         self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
-        self.core = EngineCore(self.bm, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
+        self.core = EngineCore(pages, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
                                fault_hook)
         self.sim = PageContents(self.bm)
         self.ended: dict[str, Completion] = {}  # every request that ended, once each
