@@ -7,14 +7,12 @@ longer than the window is shared even after its early pages were evicted from th
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pagedchat.engine.pages import chain_hashes
+from pagedchat.engine.pages import MemoryCounters, chain_hashes
 from pagedchat.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from pagedchat.engine.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,21 @@ class Match:
         return self.skip + len(self.gpu) + len(self.cpu)
 
 
-def common_match(groups: tuple[BlockManager, ...], hashes: list[int], tokens: list[int]) -> list[Match]:
+class GroupPool(Protocol):
+    """What admission asks of each group's pool (engine/block_manager.py, BlockManager)."""
+
+    block_size: int
+    counters: MemoryCounters
+    recent_lookups: deque[tuple[int, int]]
+
+    def longest_match(self, hashes: list[int], limit: int) -> int: ...
+    def match(self, hashes: list[int], pages: int) -> Match | None: ...
+    def partial_match(self, tokens: list[int], hashes: list[int], match: Match) -> Match: ...
+    def fits(self, match: Match, num_tokens: int) -> bool: ...
+    def map_match(self, seq: Sequence, hashes: list[int], match: Match, num_tokens: int) -> None: ...
+
+
+def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int]) -> list[Match]:
     """Each group's part of the longest match all of them serve, with the longest partial page all extend it by.
     A window group serving n pages may not serve fewer (the earlier ones it then needs may be gone), so the
     length is lowered until every group agrees."""
@@ -49,7 +61,7 @@ def common_match(groups: tuple[BlockManager, ...], hashes: list[int], tokens: li
     return [replace(m, partial=partial, source=m.source if partial else None) for m in matches]
 
 
-def admit(groups: tuple[BlockManager, ...], seq: Sequence, token_budget: int) -> int:
+def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> int:
     """Map seq's cached prefix in every group and take pages for its first chunk.
 
     Returns the number of tokens to compute this step, or 0 (and changes nothing) when a group has no room.

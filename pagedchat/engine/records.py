@@ -34,3 +34,8 @@ class PageState(enum.Enum):
     FREE = "free"        # holds nothing reusable
     USED = "used"        # mapped by at least one block table (or pinned as a copy source)
     CACHED = "cached"    # no user left, content kept under its hash until evicted
+
+
+# A block table's entry for a page that a sliding window released: nothing is mapped there (the model runner
+# points the kernels at its layer group's null page instead; engine/block_manager.py, release_outside_window).
+NULL_PAGE = -1

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason
+from pagedchat.engine.records import NULL_PAGE, FinishReason
 
 if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
     import torch
@@ -65,11 +65,6 @@ class StreamDelta:
     finished: bool = False
     completion: Completion | None = None
     logprobs: list[Sampled] = field(default_factory=list)  # this step's tokens', where asked for
-
-
-# A block table's entry for a page released by a sliding window: nothing is mapped there, and the model runner
-# points the kernels at its group's null page instead (engine/block_manager.py, release_outside_window).
-NULL_PAGE = -1
 
 
 @dataclass
