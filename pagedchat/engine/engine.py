@@ -109,7 +109,8 @@ class Engine:
         weakref.finalize(self, self._compute.close, 0).atexit = False
         # One page pool per layer group (sliding-window layers release their passed pages; see page_groups.py).
         self.pages = PageGroups(tuple(BlockManager(g.num_pages, block_size, g.num_cpu_pages, group=i, window=g.window)
-                                      for i, g in enumerate(self.cache_plan.groups)))
+                                      for i, g in enumerate(self.cache_plan.groups)),
+                                max(max_tokens_per_step, max_seqs))
         self.block_manager = self.pages.first  # the first group's pool: the only one without windows
         self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs)
         self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,

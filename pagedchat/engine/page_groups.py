@@ -19,10 +19,12 @@ __all__ = ["PageGroups"]
 
 
 class PageGroups:
-    def __init__(self, groups: tuple[BlockManager, ...]):
+    def __init__(self, groups: tuple[BlockManager, ...], max_chunk: int = 512):
         """groups: one manager per layer group, the first one the global layers' where the model has any (its
-        counters count the prefix cache and preemptions, and its tables are a sequence's block_table)."""
+        counters count the prefix cache and preemptions, and its tables are a sequence's block_table);
+        max_chunk: the most tokens a sequence computes in one step (the scheduler's max_tokens_per_step)."""
         self.groups = groups
+        self.max_chunk = max_chunk
         self.first = groups[0]
         self.block_size = self.first.block_size
 
@@ -36,7 +38,13 @@ class PageGroups:
         return self.first.num_pages
 
     def pages_for(self, num_tokens: int) -> int:
-        return self.first.pages_for(num_tokens)
+        """The most pages a request of num_tokens holds at once in the first group: every one in a global group,
+        in a window group those that its window and a prefill chunk reach. The first group is the one to size a
+        request against: the global layers' where there are any, and else no group holds more."""
+        need = self.first.pages_for(num_tokens)
+        if self.first.window is None:
+            return need
+        return min(need, self.first.pages_for(self.first.window + self.max_chunk) + 1)
 
     # ---- sequences -------------------------------------------------------------------------------------
     def admit(self, seq: Sequence, token_budget: int) -> int:

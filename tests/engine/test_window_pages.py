@@ -5,12 +5,16 @@ stays equal to transformers' run of that chat alone."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from parity import assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 from pagedchat import Engine, SamplingParams
+from pagedchat.engine.memory import MemorySnapshot
 from pagedchat.engine.sequence import NULL_PAGE
+from pagedchat.errors import RequestError
 from pagedchat.model.config import ModelConfig
 
 NO_EOS = [10**9]
@@ -110,4 +114,21 @@ def test_f2s_snapshot_reports_each_groups_pages_in_bytes_and_the_released_ones(w
     assert snap.window_released_bytes == windowed[0].released_pages * windowed[0].page_bytes
     assert snap.paged_bytes == sum(g.used_pages * g.page_bytes for g in snap.groups)
     assert sum(g.page_bytes for g in snap.groups) == full_page(folder), "a block of every group is a full page"
+    assert MemorySnapshot.from_json(json.loads(json.dumps(snap.to_json()))) == snap, "as /v1/memory sends it"
     engine.shutdown()
+
+
+def test_a_chat_longer_than_the_pool_runs_when_every_layer_releases(tmp_path):
+    """With every layer windowed a chat never holds more than its window and one chunk: a 13-page chat runs in an
+    8-page pool, exactly, where keeping every page refuses it."""
+    folder = make_tiny_model(tmp_path / "mistral", **MODELS["mistral"])
+    ref = load_reference(folder)
+    prompt = [(3 * j) % 200 + 5 for j in range(40)]
+    engine = Engine(str(folder), kv_cache_memory=8 * full_page(folder), dtype="float32", max_tokens_per_step=CHUNK)
+    out = engine.generate(prompt, SamplingParams(max_tokens=160, ignore_eos=True))[0]
+    assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 160, NO_EOS))
+    engine.shutdown()
+    keeping = Engine(str(folder), kv_cache_memory=8 * full_page(folder), dtype="float32", release_windows=False)
+    with pytest.raises(RequestError, match=r"can grow to 200 tokens \(13 pages\) but the KV cache holds 8 pages"):
+        keeping.submit(prompt, SamplingParams(max_tokens=160, ignore_eos=True))
+    keeping.shutdown()
