@@ -108,7 +108,8 @@ class ModelRunner:
         for item in plan.scheduled:
             seq = item.seq
             table = seq.table(group).block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(seq.num_computed, seq.num_computed + item.num_tokens))
+            new = range(seq.num_computed, seq.num_computed + item.num_tokens)
+            slots.extend(table[p // bs] * bs + p % bs for p in new)
             tables.append(table if null is None else [null if p == NULL_PAGE else p for p in table])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
