@@ -125,6 +125,13 @@ class MemorySnapshot:
         return self.used_pages * self.page_bytes
 
     @property
+    def pool_bytes(self) -> int:
+        """The bytes of every page, in every layer group."""
+        if self.groups:
+            return sum(g.num_pages * g.page_bytes for g in self.groups)
+        return self.num_pages * self.page_bytes
+
+    @property
     def window_released_bytes(self) -> int:
         """What live sequences would hold more, had their windows' passed pages been kept."""
         return sum(g.released_bytes for g in self.groups)

@@ -62,7 +62,7 @@ def render_summary(snap, width: int = 80) -> Content:
     ]
     if snap.weight_bytes:  # weights and pages share one memory: what the model takes is what the pool cannot
         lines.append(_kv("weights", fmt_bytes(snap.weight_bytes),
-                         f"pool {fmt_bytes(snap.num_pages * snap.page_bytes)}", width))
+                         f"pool {fmt_bytes(snap.pool_bytes)}", width))
         if snap.weight_precision:
             lines.append(_kv("", visible_controls(snap.weight_precision), "", width))
     if snap.cpu_total:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pagedchat.backends.base import MemoryUnavailable
 from pagedchat.backends.metrics import ServerMetrics
 from pagedchat.engine.block_manager import MemoryCounters
@@ -129,6 +131,8 @@ def test_a_model_with_windows_shows_each_groups_pages_in_bytes_and_what_its_wind
     assert f"global      4 / 10 pg  1 layer · {fmt_bytes(4 * PAGE)}" in text
     assert f"window 24   3 / 8 pg  5 layers · {fmt_bytes(15 * PAGE)}" in text
     assert f"released    6 pages  {fmt_bytes(30 * PAGE)} by windows" in text
+    with_weights = render_summary(replace(windowed(), weight_bytes=2**20)).plain
+    assert f"pool {fmt_bytes(10 * PAGE + 8 * 5 * PAGE)}" in with_weights, "the pool is every group's pages"
     assert render_map(windowed(), [A, B], width=40).plain.splitlines()[0] == "Page map · global layers"
     assert "window" not in render_summary(snap()).plain, "one group: nothing about groups"
 
