@@ -31,6 +31,12 @@ class Match:
     def pages(self) -> int:
         return self.skip + len(self.gpu) + len(self.cpu)
 
+    def from_page(self, skip: int) -> Match:
+        """The same match without its pages before `skip` (a window group's, once the start is known)."""
+        drop = skip - self.skip
+        gpu_drop = min(drop, len(self.gpu))
+        return replace(self, skip=skip, gpu=self.gpu[gpu_drop:], cpu=self.cpu[drop - gpu_drop:])
+
 
 class GroupPool(Protocol):
     """What admission asks of each group's pool (engine/block_manager.py, BlockManager)."""
@@ -44,6 +50,7 @@ class GroupPool(Protocol):
     def partial_match(self, tokens: list[int], hashes: list[int], match: Match) -> Match: ...
     def fits(self, match: Match, num_tokens: int) -> bool: ...
     def map_match(self, seq: Sequence, hashes: list[int], match: Match, num_tokens: int) -> None: ...
+    def first_needed(self, num_tokens: int) -> int: ...
 
 
 def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int]) -> list[Match]:
@@ -58,7 +65,11 @@ def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[
         pages = agreed
     matches = [group.partial_match(tokens, hashes, group.match(hashes, pages)) for group in groups]
     partial = min(m.partial for m in matches)
-    return [replace(m, partial=partial, source=m.source if partial else None) for m in matches]
+    start = pages * groups[0].block_size + partial
+    # A window group maps nothing its window no longer reaches from the start (the match inside a page moves
+    # it), so an admission holds no more pages than a running chat's window and chunk.
+    return [replace(m, partial=partial, source=m.source if partial else None).from_page(group.first_needed(start))
+            for group, m in zip(groups, matches)]
 
 
 def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> int:

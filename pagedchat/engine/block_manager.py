@@ -203,6 +203,12 @@ class BlockManager:
                 break
         return gpu, cpu
 
+    def most_pages(self, chunk: int) -> int | None:
+        """The most pages one sequence maps at once in a window group computing chunks of up to `chunk` tokens:
+        those its window reaches, the chunk's, the page the window straddles, and a copy source pinned for an
+        admission that matches inside a page. None in a global group: a sequence keeps all its pages there."""
+        return None if self.window is None else self.pages_for(self.window + chunk) + 2
+
     def match(self, hashes: list[int], pages: int) -> Match | None:
         """The cached pages an admission starting at page `pages` maps: those from the first page its window
         reaches (every one, in a global group), or None when one is missing."""
@@ -358,13 +364,16 @@ class BlockManager:
             self.pages[page].ref += 1
         own.page_hashes = list(src.page_hashes[:num_tokens // self.block_size])
         child.num_computed = num_tokens
+        self.release_outside_window(child)
 
     # ---- preemption --------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(mapped(self._table(seq).block_table)) <= self.cpu.available()
 
     def swap_out(self, seq: Sequence) -> bool:
-        """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room."""
+        """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room. Pages its
+        window has passed are released first, not copied."""
+        self.release_outside_window(seq)
         if not self.can_swap_out(seq):
             return False
         own = self._table(seq)

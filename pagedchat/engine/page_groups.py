@@ -42,9 +42,8 @@ class PageGroups:
         in a window group those that its window and a prefill chunk reach. The first group is the one to size a
         request against: the global layers' where there are any, and else no group holds more."""
         need = self.first.pages_for(num_tokens)
-        if self.first.window is None:
-            return need
-        return min(need, self.first.pages_for(self.first.window + self.max_chunk) + 1)
+        most = self.first.most_pages(self.max_chunk)
+        return need if most is None else min(need, most)
 
     # ---- sequences -------------------------------------------------------------------------------------
     def admit(self, seq: Sequence, token_budget: int) -> int:
@@ -78,6 +77,10 @@ class PageGroups:
             group.fork_prefix(parent, child, num_tokens)
 
     def swap_out(self, seq: Sequence) -> bool:
+        """seq's pages to the CPU tier in every group (what its windows passed is released, not copied), or
+        False with nothing copied."""
+        for group in self.groups:
+            group.release_outside_window(seq)
         if not all(group.can_swap_out(seq) for group in self.groups):
             return False
         for group in self.groups:

@@ -126,7 +126,7 @@ def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, bl
     grouped = layer_groups(config.layers, release_windows) or (LayerGroup(None, tuple(range(config.num_layers))),)
     groups = split_groups(grouped, page_bytes // config.num_layers, kv_bytes,
                           swap, block_size, window_cap=lambda w: max_seqs * (-(-w // block_size) + 1)
-                          + -(-max_tokens_per_step // block_size))
+                          + -(-max_tokens_per_step // block_size) + 1)
     return CachePlan(groups[0].num_pages, groups[0].num_cpu_pages, page_bytes, reason, groups)
 
 
@@ -137,8 +137,9 @@ def split_groups(groups: tuple[LayerGroup, ...], layer_page_bytes: int, kv_bytes
     Without release every sequence holds as many pages in each group as in any other, so each group gets the
     same number of pages: the budget over a page of every layer. A window group whose sequences release what
     their window passed never holds more than window_cap(window) pages (each of max_seqs sequences: its window,
-    plus the page the window straddles; plus one step's prefill chunks): past that cap its pages would only keep
-    released content cached, so the bytes go to the global groups, whose sequences keep every page. A model
+    plus the page the window straddles; plus one step's prefill chunks and a copy source pinned by an admission,
+    engine/block_manager.py, most_pages): past that cap its pages would only keep released content cached, so
+    the bytes go to the global groups, whose sequences keep every page. A model
     whose every group is windowed keeps the equal split (nothing else could use the bytes). The CPU tier is
     split equally: a swapped-out sequence holds only its live pages there."""
     full = layer_page_bytes * sum(len(g.layers) for g in groups)
