@@ -176,8 +176,8 @@ class BlockManager:
 
     # ---- sequences -------------------------------------------------------------------------------------
     def admit(self, seq: Sequence, token_budget: int) -> int:
-        """Map seq's cached prefix and take pages for its first chunk (see admit below, of which this is the
-        one-group case). Returns the tokens to compute this step, or 0 (and changes nothing) without room."""
+        """Map seq's cached prefix and take pages for its first chunk: engine/admission.py's admit, with this
+        group alone. Returns the tokens to compute this step, or 0 (and changes nothing) without room."""
         return admit((self,), seq, token_budget)
 
     def _table(self, seq: Sequence) -> PageTable:
