@@ -286,11 +286,12 @@ class BlockManager:
         """Unmap seq's pages that lie wholly before the window of its next token: no query from here on reads
         them (a fork's child starts no earlier than its parent's next token). A hashed one stays cached."""
         table = self._table(seq).block_table
-        for i in range(min(self.first_needed(seq.num_computed), len(table))):
-            if table[i] != NULL_PAGE:
-                self._unref(table[i])
-                table[i] = NULL_PAGE
-                self.counters.window_released += 1
+        for i in reversed(range(min(self.first_needed(seq.num_computed), len(table)))):
+            if table[i] == NULL_PAGE:
+                break  # the rest of the leading run was released before
+            self._unref(table[i])
+            table[i] = NULL_PAGE
+            self.counters.window_released += 1
 
     def _write_needs(self, seq: Sequence, n: int) -> tuple[int, bool]:
         """(new pages past seq's end, whether the page it writes first is shared) for its next n tokens."""
