@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,7 @@ def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, bl
 
 
 def split_groups(groups: tuple[LayerGroup, ...], layer_page_bytes: int, kv_bytes: int, swap_bytes: int,
-                 block_size: int, window_cap) -> tuple[GroupPlan, ...]:
+                 block_size: int, window_cap: Callable[[int], int]) -> tuple[GroupPlan, ...]:
     """The byte budget cut into each layer group's pages.
 
     Without release every sequence holds as many pages in each group as in any other, so each group gets the
