@@ -18,12 +18,11 @@ from collections import OrderedDict, deque
 
 from pagedchat.engine.admission import Match, admit
 from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted, require
-from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters, Page, chain_hashes, mapped, page_hash
+from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters, Page, chain_hashes, mapped
 from pagedchat.engine.records import PageState
 from pagedchat.engine.sequence import NULL_PAGE, PageTable, Sequence
 
-__all__ = ["BlockManager", "CopyPlan", "Damage", "MemoryCounters", "Page", "PoolCorrupted", "admit", "chain_hashes",
-           "page_hash"]
+__all__ = ["BlockManager", "CopyPlan", "Damage", "MemoryCounters", "Page", "PoolCorrupted", "chain_hashes"]
 
 
 class BlockManager:
@@ -311,8 +310,7 @@ class BlockManager:
         self.release_outside_window(seq)
         if not self.can_write(seq, n):
             return False
-        _, shared_tail = self._write_needs(seq, n)
-        if shared_tail:
+        if self._write_needs(seq, n)[1]:  # the page it writes first is shared: copy it
             table = self._table(seq).block_table
             idx = seq.num_computed // self.block_size
             old = table[idx]
