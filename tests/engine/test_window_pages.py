@@ -132,3 +132,22 @@ def test_a_chat_longer_than_the_pool_runs_when_every_layer_releases(tmp_path):
     with pytest.raises(RequestError, match=r"can grow to 200 tokens \(13 pages\) but the KV cache holds 8 pages"):
         keeping.submit(prompt, SamplingParams(max_tokens=160, ignore_eos=True))
     keeping.shutdown()
+
+
+def test_n_replies_fork_a_prompt_longer_than_the_window_and_stay_exact(windowed_model):
+    """n > 1: the siblings map the parent's prompt pages, the window layers' only as far back as the window of
+    the last prompt token, which each computes again; every reply equals transformers'."""
+    folder, ref, _ = windowed_model
+    engine = engine_of(folder, pages=20)
+    prompt = [(13 * j) % 180 + 11 for j in range(70)]
+    handles = engine.submit_many([prompt], SamplingParams(max_tokens=30, ignore_eos=True), n=3)
+    peak_released = 0
+    while engine.has_work():
+        engine.step()
+        engine.pages.check_invariants(engine.scheduler.all_seqs())
+        peak_released = max(peak_released, sum(g.released_pages for g in engine.memory().groups))
+    assert peak_released >= 3 * 2, "each sibling's table holds released entries"
+    want = hf_greedy(ref, prompt, 30, NO_EOS)
+    for handle in handles:
+        assert_same_greedy(ref, prompt, handle.result().token_ids, want)
+    engine.shutdown()
