@@ -10,11 +10,12 @@ forks, fault recovery) over FakeModel, whose forward pass is PageContents.
 from __future__ import annotations
 
 from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.sampling import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.records import Outcome
+from pagedchat.engine.records import NULL_PAGE, Outcome
 from pagedchat.engine.sequence import SeqStatus, Sequence
 from pagedchat.errors import RequestError
 
@@ -28,7 +29,8 @@ def toks(n: int, salt: int = 0) -> list[int]:
 
 
 class PageContents:
-    """What each GPU and CPU slot holds: the key of the token history its K/V was computed from."""
+    """What each GPU and CPU slot holds, in one layer group's pool: the key of the token history its K/V was
+    computed from. A window group's attention reads only the positions its window reaches."""
 
     def __init__(self, bm: BlockManager):
         self.bm = bm
@@ -59,15 +61,19 @@ class PageContents:
     def write(self, seq: Sequence, start: int, end: int) -> None:
         bs = self.bm.block_size
         keys = self.keys(seq.token_ids[:end])
+        table = seq.table(self.bm.group).block_table
         for pos in range(start, end):
-            self.gpu[seq.block_table[pos // bs], pos % bs] = keys[pos]
+            self.gpu[table[pos // bs], pos % bs] = keys[pos]
 
-    def check(self, seq: Sequence, end: int) -> None:
-        """Attention over positions [0, end) of seq reads exactly seq's history."""
+    def check(self, seq: Sequence, end: int, start: int = 0) -> None:
+        """Attention of positions [start, end) of seq reads exactly seq's history: all of it before end, or in
+        a window group, what the first query's window reaches."""
         bs = self.bm.block_size
         keys = self.keys(seq.token_ids[:end])
-        for pos in range(end):
-            got = self.gpu.get((seq.block_table[pos // bs], pos % bs))
+        table = seq.table(self.bm.group).block_table
+        window = self.bm.window
+        for pos in range(0 if window is None else max(0, start - window + 1), end):
+            got = self.gpu.get((table[pos // bs], pos % bs))
             assert got == keys[pos], f"{seq.request_id}: position {pos} holds the K/V of another history"
 
     def check_cached(self, known: dict[int, list[int]]) -> None:
@@ -117,20 +123,21 @@ class DigitTokenizer:
 
 
 class FakeModel:
-    """The model's part of a step (core.ModelStep) over PageContents, checking every plan it is given."""
+    """The model's part of a step (core.ModelStep) over each layer group's PageContents, checking every plan it is
+    given."""
 
-    def __init__(self, core: EngineCore, sim: PageContents) -> None:
+    def __init__(self, core: EngineCore, sims: list[PageContents]) -> None:
         self.core = core
-        self.sim = sim
-        self.bm = sim.bm
+        self.sims = sims
 
-    def copy_pages(self, ops) -> None:
+    def copy_pages(self, group_ops) -> None:
         plan = self.core.scheduler.plan
         assert plan.scheduled or not plan.ops, "copies planned for a step that runs no forward pass"
         # over budget only when every scheduled sequence decodes one token (forks may outnumber the budget)
         budget = self.core.scheduler.max_tokens_per_step
         assert plan.num_tokens <= budget or all(i.num_tokens == 1 for i in plan.scheduled)
-        self.sim.apply(ops)
+        for sim, ops in zip(self.sims, group_ops):
+            sim.apply(ops)
 
     def forward(self, plan) -> None:
         # A forward pass can fail before it writes any K/V (the worst case for recovery): the hook's turn here
@@ -138,31 +145,45 @@ class FakeModel:
         self.core.fault(Phase.FORWARD)
         for item in plan.scheduled:  # every layer writes its K/V before attention reads them
             s = item.seq
-            self.sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
-        pages_written = [p for item in plan.scheduled
-                         for p in {item.seq.block_table[pos // self.bm.block_size]
-                                   for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
-        assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
+            for sim in self.sims:
+                sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
+        for sim in self.sims:
+            bs, group = sim.bm.block_size, sim.bm.group
+            pages_written = [p for item in plan.scheduled
+                             for p in {item.seq.table(group).block_table[pos // bs]
+                                       for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
+            assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
+            assert NULL_PAGE not in pages_written, "a write into a released block"
         for item in plan.scheduled:
             s = item.seq
-            self.sim.check(s, s.num_computed + item.num_tokens)
+            for sim in self.sims:
+                sim.check(s, s.num_computed + item.num_tokens, s.num_computed)
 
     def sample(self, plan, logits) -> list[int]:
-        return [next_token(self.sim.keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
+        return [next_token(self.sims[0].keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
 
 
 class FakeEngine:
     """The engine's step (EngineCore.run_step, as Engine.step runs it) with FakeModel as the model."""
 
     def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4,
-                 fault_hook: FaultHook | None = None, max_context: int = 10**6):
+                 fault_hook: FaultHook | None = None, max_context: int = 10**6, window: int | None = None,
+                 window_pages: int | None = None):
+        """window: a second layer group of that sliding window beside the global one (window_pages pages, as
+        many as the global group's by default), as a Gemma-3-shaped model has."""
         self.bm = BlockManager(num_pages, block_size, cpu_pages)
-        self.sched = Scheduler(self.bm, budget, max_seqs)
+        self.managers = [self.bm]
+        if window is not None:
+            self.managers.append(BlockManager(window_pages or num_pages, block_size, cpu_pages, group=1,
+                                              window=window))
+        self.pages = PageGroups(tuple(self.managers), budget)
+        self.sched = Scheduler(self.pages, budget, max_seqs)
         self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
-        self.core = EngineCore(self.bm, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
+        self.core = EngineCore(self.pages, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
                                fault_hook)
-        self.sim = PageContents(self.bm)
-        self.model = FakeModel(self.core, self.sim)
+        self.sims = [PageContents(m) for m in self.managers]
+        self.sim = self.sims[0]
+        self.model = FakeModel(self.core, self.sims)
         self.ended: dict[str, Outcome] = {}  # every request that ended, once each
         self.known: dict[int, list[int]] = {}  # page hash -> the K/V keys its content must hold
         self.done: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output), finished by length
@@ -213,7 +234,8 @@ class FakeEngine:
             if not update.finished:
                 continue
             assert seq.request_id not in self.ended, f"{seq.request_id} ended twice"
-            assert not self.live(seq.request_id) and not seq.block_table and not seq.cpu_table
+            assert not self.live(seq.request_id)
+            assert not any(t.block_table or t.cpu_table for t in seq.tables)
             self._learn(seq)
             outcome = update.outcome
             self.ended[seq.request_id] = outcome
@@ -222,22 +244,34 @@ class FakeEngine:
 
     def check(self) -> None:
         seqs = self.sched.all_seqs()
-        self.bm.check_invariants([s.block_table for s in seqs], [s.cpu_table for s in seqs])
-        bs = self.bm.block_size
-        for s in seqs:
-            if s.status is SeqStatus.RUNNING:
-                assert len(s.block_table) == self.bm.pages_for(s.num_computed) and not s.cpu_table
-            elif s.status is SeqStatus.SWAPPED:
-                assert not s.block_table and len(s.cpu_table) == self.bm.pages_for(s.num_computed)
-            else:
-                assert not s.block_table and not s.cpu_table and s.num_computed == 0
+        self.pages.check_invariants(seqs)
         for s in seqs:
             self._learn(s)
-        self.sim.check_cached(self.known)
+        for m, sim in zip(self.managers, self.sims):
+            self._check_group(m, sim, seqs)
+
+    def _check_group(self, m: BlockManager, sim: PageContents, seqs: list[Sequence]) -> None:
+        bs = m.block_size
+        for s in seqs:
+            table = s.table(m.group)
+            if s.status is SeqStatus.RUNNING:
+                assert len(table.block_table) == m.pages_for(s.num_computed) and not table.cpu_table
+            elif s.status is SeqStatus.SWAPPED:
+                assert not table.block_table and len(table.cpu_table) == m.pages_for(s.num_computed)
+            else:
+                assert not table.block_table and not table.cpu_table and s.num_computed == 0
+            for entries in (table.block_table, table.cpu_table):  # released blocks: a leading run, window only
+                released = entries.count(NULL_PAGE)
+                assert entries[:released] == [NULL_PAGE] * released and (released == 0 or m.window is not None)
+                if m.window is not None:  # its window's pages and a chunk's (and, pinned, a copy source)
+                    assert len(entries) - released < m.most_pages(self.sched.max_tokens_per_step)
+        sim.check_cached(self.known)
         for s in seqs:  # swapped pages still hold their sequence's history
-            keys = self.sim.keys(s.token_ids)
-            for pos in range(s.num_computed if s.cpu_table else 0):
-                assert self.sim.cpu.get((s.cpu_table[pos // bs], pos % bs)) == keys[pos]
+            keys = sim.keys(s.token_ids)
+            cpu_table = s.table(m.group).cpu_table
+            for pos in range(s.num_computed if cpu_table else 0):
+                if cpu_table[pos // bs] != NULL_PAGE:
+                    assert sim.cpu.get((cpu_table[pos // bs], pos % bs)) == keys[pos]
 
     def _learn(self, seq: Sequence) -> None:
         """Remember what each of seq's hashed pages holds, so a stale page is caught even after seq ended."""

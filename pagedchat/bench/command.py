@@ -13,6 +13,7 @@ from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_count
 from pagedchat.errors import PagedChatError
 
 DEFAULT_MAX_TOKENS = 128
+DEFAULT_WINDOW_TOKENS = 4096  # --windows: a reply long enough to leave the window many pages behind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
                              "in-process, on the same workload (the HTTP overhead in tokens/s)")
+    parser.add_argument("--windows", action="store_true",
+                        help="instead: the KV memory one long chat (--system-tokens of prompt, --max-tokens of "
+                             f"reply, default {DEFAULT_WINDOW_TOKENS}) takes on a model with sliding-window layers "
+                             "(Gemma 3, Mistral), with the pages its windows passed released and kept")
     parser.add_argument("--app", action="store_true",
                         help="instead: one long reply in the real app on a pseudo-terminal against the engine "
                              "alone on the same conversation (does the interface slow the engine?), --repeat "
@@ -56,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """The defaults that depend on the mode: --app measures one long reply, the rest short forced ones."""
     if args.max_tokens is None:
-        args.max_tokens = DEFAULT_APP_TOKENS if args.app else DEFAULT_MAX_TOKENS
+        args.max_tokens = DEFAULT_APP_TOKENS if args.app else DEFAULT_WINDOW_TOKENS if args.windows else \
+            DEFAULT_MAX_TOKENS
     return args
 
 
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         from pagedchat.bench import http
 
         return http.run(args)
+    if args.windows:
+        return run_windows(args)
     from rich.console import Console
     from rich.markup import escape
 
@@ -101,6 +109,29 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"[dim]figures written to {args.json_path}[/]")
     if args.markdown_path:
         Path(args.markdown_path).write_text(to_markdown(report))
+    return 0
+
+
+def run_windows(args: argparse.Namespace) -> int:
+    """`--windows`: one long chat's peak KV memory with the window layers' passed pages released and kept."""
+    from pagedchat.bench.windows import render_windows, run_windows as measure
+
+    cfg = BenchConfig(model=args.model, max_tokens=args.max_tokens, system_tokens=args.system_tokens,
+                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, device=args.device)
+    try:
+        report = measure(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (PagedChatError, ValueError) as exc:
+        print(f"pagedchat bench: {exc}", file=sys.stderr)
+        return 2
+    print(render_windows(report))
+    if args.json_path:
+        from dataclasses import asdict
+
+        figures = json.dumps(asdict(report), indent=2)
+        if args.json_path == "-":
+            print(figures)
+        else:
+            Path(args.json_path).write_text(figures + "\n")
     return 0
 
 

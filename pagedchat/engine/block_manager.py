@@ -6,83 +6,34 @@ lets go, a hashed page stays CACHED (content intact, reusable) until it is evict
 first; a page without a hash goes straight back to FREE. Evicted cached pages and the pages of preempted
 sequences move to a CPU tier when it has room. No torch here: the block manager plans copies, the model
 runner performs them (see CopyPlan).
+
+One BlockManager serves one layer group (engine/page_groups.py) and reads that group's table of each sequence.
+A sliding-window group also releases the pages that every later query's window has passed: their entries
+become NULL_PAGE, always a leading run of the table, since a window only moves forward.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
+from pagedchat.engine.admission import Match, admit
 from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted, require
+from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters, Page, chain_hashes, mapped
 from pagedchat.engine.records import PageState
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.sequence import NULL_PAGE, PageTable, Sequence
 
-__all__ = ["BlockManager", "CopyPlan", "MemoryCounters", "Page", "PoolCorrupted"]
-
-
-def page_hash(parent: int | None, tokens: list[int]) -> int:
-    """Chain hash of a full page: its tokens and, through the parent's hash, every token before them.
-
-    The model, dtype and block size are fixed for an engine, so tokens and position are all that decide a
-    page's K/V here. Python's tuple hash of ints is deterministic across runs (no hash seed applies).
-    """
-    return hash((parent, tuple(tokens)))
-
-
-def chain_hashes(tokens: list[int], block_size: int, num_pages: int, start: list[int] | None = None) -> list[int]:
-    hashes = list(start or [])
-    for i in range(len(hashes), num_pages):
-        parent = hashes[-1] if hashes else None
-        hashes.append(page_hash(parent, tokens[i * block_size:(i + 1) * block_size]))
-    return hashes
-
-
-@dataclass
-class CopyPlan:
-    """Page copies one step needs, run in this order before the forward pass."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # GPU page -> CPU page
-    swap_in: list[tuple[int, int]] = field(default_factory=list)   # CPU page -> GPU page
-    cow: list[tuple[int, int]] = field(default_factory=list)       # GPU page -> GPU page (copy-on-write)
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.cow)
-
-
-@dataclass
-class MemoryCounters:
-    prefix_queries: int = 0     # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0        # of those, tokens served from cached pages
-    evictions: int = 0          # cached pages dropped from the GPU pool
-    offloads: int = 0           # cached pages saved to the CPU tier on eviction
-    cpu_hits: int = 0           # cached pages a prefix hit copied back from the CPU tier
-    swap_outs: int = 0          # sequences preempted by swapping to the CPU tier
-    swap_ins: int = 0
-    recomputes: int = 0         # sequences preempted by dropping their pages
-    cow_copies: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class Page:
-    """One physical GPU page: who maps it and, once full, what it holds (as vLLM's KVCacheBlock)."""
-
-    index: int
-    ref: int = 0                          # block tables mapping it, plus a pin while it is a copy source
-    hash: int | None = None               # chain hash of its content, while advertised for reuse
-    parent: int | None = None             # the chain hash of the page before it
-    tokens: tuple[int, ...] | None = None  # its tokens, for matches inside a page
-
-    @property
-    def state(self) -> PageState:
-        if self.ref:
-            return PageState.USED
-        return PageState.FREE if self.hash is None else PageState.CACHED
+__all__ = ["BlockManager", "CopyPlan", "Damage", "MemoryCounters", "Page", "PoolCorrupted", "chain_hashes"]
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, block_size: int, num_cpu_pages: int = 0):
+    def __init__(self, num_pages: int, block_size: int, num_cpu_pages: int = 0, *, group: int = 0,
+                 window: int | None = None):
+        """group: which of a sequence's tables this manager keeps; window: the group's sliding window in tokens,
+        whose passed pages it releases (None: a global group, which keeps every page)."""
         self.num_pages = num_pages
         self.block_size = block_size
+        self.group = group
+        self.window = window
         self.pages = [Page(i) for i in range(num_pages)]
         self.cached: dict[int, int] = {}                   # hash -> GPU page holding that content
         # What a cached page holds, by the hash of the page before it, for matches inside a page.
@@ -188,7 +139,7 @@ class BlockManager:
         self._taken.clear()
         self.cpu.end_step()
 
-    def abort_step(self, copies_ran: bool) -> tuple[set[int], set[int]]:
+    def abort_step(self, copies_ran: bool) -> Damage:
         """End a step whose forward pass did not complete. Pages published this step are no longer advertised
         (their K/V were never written); when the copies did not run, cached CPU pages they were to fill are
         dropped too. Returns the GPU and CPU pages of live sequences whose content is now undefined."""
@@ -203,7 +154,7 @@ class BlockManager:
             for cpu_page in bad_cpu:
                 self.cpu.drop(cpu_page)
         self.end_step()
-        return bad_gpu, bad_cpu
+        return Damage(self.group, frozenset(bad_gpu), frozenset(bad_cpu))
 
     def reconcile(self, gpu_tables: list[list[int]], cpu_tables: list[list[int]]) -> None:
         """After a fault that may have stopped an allocation halfway: set every ref count to the number of
@@ -211,7 +162,7 @@ class BlockManager:
         a page nobody maps is freed or kept cached)."""
         counts = [0] * self.num_pages
         for table in gpu_tables:
-            for page in table:
+            for page in mapped(table):
                 counts[page] += 1
         for record, count in zip(self.pages, counts):
             record.ref = count
@@ -220,75 +171,65 @@ class BlockManager:
             if record.state is PageState.CACHED and record.index not in self.evictable:
                 self.evictable[record.index] = None
         self.free = deque(r.index for r in self.pages if r.state is PageState.FREE)
-        self.cpu.reconcile({p for table in cpu_tables for p in table})
+        self.cpu.reconcile({p for table in cpu_tables for p in mapped(table)})
 
     # ---- sequences -------------------------------------------------------------------------------------
     def admit(self, seq: Sequence, token_budget: int) -> int:
-        """Map seq's cached prefix and take pages for its first chunk.
+        """Map seq's cached prefix and take pages for its first chunk: engine/admission.py's admit, with this
+        group alone. Returns the tokens to compute this step, or 0 (and changes nothing) without room."""
+        return admit((self,), seq, token_budget)
 
-        Returns the number of tokens to compute this step, or 0 (and changes nothing) when there is no room.
-        The last prompt token is always computed: its logits pick the first new token.
-        """
-        bs = self.block_size
-        hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
-        gpu_hits, cpu_hits = [], []
-        for h in hashes:
+    def _table(self, seq: Sequence) -> PageTable:
+        return seq.table(self.group)
+
+    def first_needed(self, num_tokens: int) -> int:
+        """The first page that a query at position num_tokens or later can read: 0 in a global group."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def _run(self, hashes: list[int], skip: int, limit: int) -> tuple[list[int], list[int]]:
+        """The cached pages of hashes[skip:limit] in a run from skip: GPU ones, then CPU ones (one hash is never
+        advertised on two GPU pages), up to the first page cached nowhere."""
+        gpu, cpu = [], []
+        for h in hashes[skip:limit]:
             cpu_page = self.cpu.lookup(h)
-            if h in self.cached and not cpu_hits:
-                gpu_hits.append(self.cached[h])
-            elif cpu_page is not None and h not in self.cached:  # never advertise one hash on two GPU pages
-                cpu_hits.append(cpu_page)
+            if h in self.cached and not cpu:
+                gpu.append(self.cached[h])
+            elif cpu_page is not None and h not in self.cached:
+                cpu.append(cpu_page)
             else:
                 break
-        hit_pages = len(gpu_hits) + len(cpu_hits)
-        hit_tokens = hit_pages * bs
-        source, partial = self._partial_match(seq.token_ids, hashes[hit_pages - 1] if hit_pages else None,
-                                              hit_tokens)
-        start = hit_tokens + partial
-        n = min(len(seq.token_ids) - start, token_budget)
-        if n <= 0:
-            return 0
-        fresh = self.pages_for(start + n) - hit_pages
-        pinned = gpu_hits + ([source] if partial else [])
-        reclaimable = sum(1 for p in pinned if self.pages[p].ref == 0)
-        if fresh + len(cpu_hits) > self.num_available() - reclaimable:
-            return 0
-        for page in pinned:  # pin the GPU hits first, so taking pages below cannot evict them
-            self._ref(page)
-        table = list(gpu_hits)
-        for cpu_page in cpu_hits:  # before taking GPU pages: their offloads must not reuse a page read here
-            self.cpu.release_cached(cpu_page)
-        for cpu_page in cpu_hits:
-            i = len(table)
-            page = self._take()
-            self._ops.swap_in.append((cpu_page, page))
-            self.counters.cpu_hits += 1
-            self._publish(page, hashes, i, seq.token_ids)
-            table.append(page)
-        seq.block_table = table
-        seq.page_hashes = hashes[:hit_pages]
-        seq.num_computed = start
-        self._grow(seq, start + n)
-        if partial:
-            # The source keeps serving its own chain: copy it, and let this sequence write past the match.
-            # It stays pinned until end_step, so nothing this step reuses it before the copy has run.
-            self._pinned.append(source)
-            self._ops.cow.append((source, seq.block_table[hit_pages]))
-            self.counters.cow_copies += 1
-        if not seq.prefix_counted:
-            seq.prefix_counted = True
-            seq.cached_tokens = start
-            self.counters.prefix_queries += len(seq.token_ids)
-            self.counters.prefix_hits += start
-            self.recent_lookups.append((len(seq.token_ids), start))
-        return n
+        return gpu, cpu
 
-    def _partial_match(self, tokens: list[int], parent: int | None, start: int) -> tuple[int | None, int]:
-        """The cached page after `parent` whose first tokens best match tokens[start:], and how many match.
+    def most_pages(self, chunk: int) -> int | None:
+        """The most pages one sequence maps at once in a window group computing chunks of up to `chunk` tokens:
+        those its window reaches, the chunk's, the page the window straddles, and a copy source pinned for an
+        admission that matches inside a page. None in a global group: a sequence keeps all its pages there."""
+        return None if self.window is None else self.pages_for(self.window + chunk) + 2
+
+    def match(self, hashes: list[int], pages: int) -> Match | None:
+        """The cached pages an admission starting at page `pages` maps: those from the first page its window
+        reaches (every one, in a global group), or None when one is missing."""
+        skip = self.first_needed(pages * self.block_size)
+        gpu, cpu = self._run(hashes, skip, pages)
+        return Match(skip, tuple(gpu), tuple(cpu)) if skip + len(gpu) + len(cpu) == pages else None
+
+    def longest_match(self, hashes: list[int], limit: int) -> int:
+        """The most pages, at most limit, that match() serves. A global group serves any run from the first
+        page; a window group needs the pages in reach of the match point, each length its own."""
+        if self.window is None:
+            return sum(map(len, self._run(hashes, 0, limit)))
+        return next(n for n in range(limit, -1, -1) if self.match(hashes, n) is not None)
+
+    def partial_match(self, tokens: list[int], hashes: list[int], match: Match) -> Match:
+        """match, with the cached page after it whose first tokens best match the rest of the prompt.
 
         Full pages are shared by hash; this finds the rest of a shared prefix inside the next page (a system
         prompt's last, partly filled page, say), leaving the last prompt token to be computed. Mapping a page
         is safe the step it is written (attention reads after every write), but copying one is not."""
+        start = match.pages * self.block_size
+        parent = hashes[match.pages - 1] if match.pages else None
         limit = min(self.block_size - 1, len(tokens) - 1 - start)
         best, best_n = None, 0
         for page in self.children.get(parent, ()) if limit > 0 else ():
@@ -301,27 +242,82 @@ class BlockManager:
                 n += 1
             if n > best_n:
                 best, best_n = page, n
-        return best, best_n
+        return Match(match.skip, match.gpu, match.cpu, best, best_n)
+
+    def fits(self, match: Match, num_tokens: int) -> bool:
+        """Whether the pool has the pages that mapping match and growing to num_tokens take."""
+        pinned = [*match.gpu, *([match.source] if match.partial else [])]
+        reclaimable = sum(1 for p in pinned if self.pages[p].ref == 0)
+        fresh = self.pages_for(num_tokens) - match.pages
+        return fresh + len(match.cpu) <= self.num_available() - reclaimable
+
+    def map_match(self, seq: Sequence, hashes: list[int], match: Match, num_tokens: int) -> None:
+        """Map match into seq's table (fits() said there is room) and grow it to num_tokens."""
+        for page in [*match.gpu, *([match.source] if match.partial else [])]:
+            self._ref(page)  # pin the GPU hits first, so taking pages below cannot evict them
+        table = [NULL_PAGE] * match.skip + list(match.gpu)
+        for cpu_page in match.cpu:  # before taking GPU pages: their offloads must not reuse a page read here
+            self.cpu.release_cached(cpu_page)
+        for cpu_page in match.cpu:
+            i = len(table)
+            page = self._take()
+            self._ops.swap_in.append((cpu_page, page))
+            self.counters.cpu_hits += 1
+            self._publish(page, hashes, i, seq.token_ids)
+            table.append(page)
+        own = self._table(seq)
+        own.block_table = table
+        own.page_hashes = hashes[:match.pages]
+        self._grow(seq, num_tokens)
+        if match.partial:
+            # The source keeps serving its own chain: copy it, and let this sequence write past the match.
+            # It stays pinned until end_step, so nothing this step reuses it before the copy has run.
+            self._pinned.append(match.source)
+            self._ops.cow.append((match.source, table[match.pages]))
+            self.counters.cow_copies += 1
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) * self.block_size < num_tokens:
-            seq.block_table.append(self._take())
+        table = self._table(seq).block_table
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._take())
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Unmap seq's pages that lie wholly before the window of its next token: no query from here on reads
+        them (a fork's child starts no earlier than its parent's next token). A hashed one stays cached."""
+        table = self._table(seq).block_table
+        for i in reversed(range(min(self.first_needed(seq.num_computed), len(table)))):
+            if table[i] == NULL_PAGE:
+                break  # the rest of the leading run was released before
+            self._unref(table[i])
+            table[i] = NULL_PAGE
+            self.counters.window_released += 1
+
+    def _write_needs(self, seq: Sequence, n: int) -> tuple[int, bool]:
+        """(new pages past seq's end, whether the page it writes first is shared) for its next n tokens."""
+        table = self._table(seq).block_table
+        offset = seq.num_computed % self.block_size
+        idx = seq.num_computed // self.block_size
+        shared_tail = offset != 0 and self.pages[table[idx]].ref > 1
+        return max(0, self.pages_for(seq.num_computed + n) - len(table)), shared_tail
+
+    def can_write(self, seq: Sequence, n: int) -> bool:
+        grow, shared_tail = self._write_needs(seq, n)
+        return grow + shared_tail <= self.num_available()
 
     def prepare_write(self, seq: Sequence, n: int) -> bool:
         """Make room for seq's next n tokens: new pages past its end, and a private copy of a shared page
         it is about to write into (copy-on-write). False, with nothing changed, when the pool is short."""
-        offset = seq.num_computed % self.block_size
-        idx = seq.num_computed // self.block_size
-        shared_tail = offset != 0 and self.pages[seq.block_table[idx]].ref > 1
-        needed = max(0, self.pages_for(seq.num_computed + n) - len(seq.block_table)) + shared_tail
-        if needed > self.num_available():
+        self.release_outside_window(seq)
+        if not self.can_write(seq, n):
             return False
-        if shared_tail:
-            old = seq.block_table[idx]
+        if self._write_needs(seq, n)[1]:  # the page it writes first is shared: copy it
+            table = self._table(seq).block_table
+            idx = seq.num_computed // self.block_size
+            old = table[idx]
             new = self._take()
             self._ops.cow.append((old, new))
             self._unref(old)
-            seq.block_table[idx] = new
+            table[idx] = new
             self.counters.cow_copies += 1
         self._grow(seq, seq.num_computed + n)
         return True
@@ -332,76 +328,96 @@ class BlockManager:
         A page whose content is already cached elsewhere stays private (a duplicate): merging would remap a
         live block table mid-flight, and such duplicates only live as long as their sequence runs.
         """
+        own = self._table(seq)
         full = num_tokens // self.block_size
-        seq.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, seq.page_hashes)
+        own.page_hashes = chain_hashes(seq.token_ids, self.block_size, full, own.page_hashes)
         pages = self.pages
-        for i, h in enumerate(seq.page_hashes):
-            page = seq.block_table[i]
-            if pages[page].hash is None and h not in self.cached:
-                self._publish(page, seq.page_hashes, i, seq.token_ids)
+        for i, h in enumerate(own.page_hashes):
+            page = own.block_table[i]
+            if page != NULL_PAGE and pages[page].hash is None and h not in self.cached:
+                self._publish(page, own.page_hashes, i, seq.token_ids)
 
     def free_seq(self, seq: Sequence) -> None:
         """Let go of seq's pages. The end of the chain goes first, so it is also evicted first."""
-        for page in reversed(seq.block_table):
+        own = self._table(seq)
+        for page in reversed(mapped(own.block_table)):
             self._unref(page)
-        seq.block_table = []
-        for cpu_page in seq.cpu_table:
+        own.block_table = []
+        for cpu_page in mapped(own.cpu_table):
             self.cpu.release_held(cpu_page, after_step=False)
-        seq.cpu_table = []
+        own.cpu_table = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child maps every page of the parent, partial last page included; writes copy first."""
-        for page in parent.block_table:
-            self.pages[page].ref += 1
-        child.block_table = list(parent.block_table)
-        child.page_hashes = list(parent.page_hashes)
-        child.num_computed = parent.num_computed
+        self._share(parent, child, len(self._table(parent).block_table), parent.num_computed)
 
     def fork_prefix(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """The child maps the parent's pages holding its first num_tokens tokens, as computed; a partial last
         page is shared too, and the child's next write into it copies it first."""
-        pages = self.pages_for(num_tokens)
-        for page in parent.block_table[:pages]:
+        self._share(parent, child, self.pages_for(num_tokens), num_tokens)
+
+    def _share(self, parent: Sequence, child: Sequence, pages: int, num_tokens: int) -> None:
+        src, own = self._table(parent), self._table(child)
+        own.block_table = list(src.block_table[:pages])
+        for page in mapped(own.block_table):
             self.pages[page].ref += 1
-        child.block_table = list(parent.block_table[:pages])
-        child.page_hashes = list(parent.page_hashes[:num_tokens // self.block_size])
+        own.page_hashes = list(src.page_hashes[:num_tokens // self.block_size])
         child.num_computed = num_tokens
+        self.release_outside_window(child)
 
     # ---- preemption --------------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(mapped(self._table(seq).block_table)) <= self.cpu.available()
+
     def swap_out(self, seq: Sequence) -> bool:
-        """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room."""
-        if len(seq.block_table) > self.cpu.available():
+        """Copy seq's pages to the CPU tier and release them on the GPU; False if the tier lacks room. Pages its
+        window has passed are released first, not copied."""
+        self.release_outside_window(seq)
+        if not self.can_swap_out(seq):
             return False
-        for page in seq.block_table:
-            cpu_page = self.cpu.hold()
-            self._ops.swap_out.append((page, cpu_page))
-            seq.cpu_table.append(cpu_page)
-        for page in reversed(seq.block_table):
+        own = self._table(seq)
+        for page in own.block_table:
+            cpu_page = NULL_PAGE if page == NULL_PAGE else self.cpu.hold()
+            if page != NULL_PAGE:
+                self._ops.swap_out.append((page, cpu_page))
+            own.cpu_table.append(cpu_page)
+        for page in reversed(mapped(own.block_table)):
             self._unref(page)
-        seq.block_table = []
+        own.block_table = []
         self.counters.swap_outs += 1
         return True
+
+    def _swap_in_plan(self, seq: Sequence) -> list[int | None]:
+        """Per entry of seq's CPU table: the GPU page still caching its content, NULL_PAGE, or None (copy)."""
+        own = self._table(seq)
+        return [NULL_PAGE if cpu_page == NULL_PAGE else
+                self.cached.get(own.page_hashes[i]) if i < len(own.page_hashes) else None
+                for i, cpu_page in enumerate(own.cpu_table)]
+
+    def can_swap_in(self, seq: Sequence, next_tokens: int) -> bool:
+        plan = self._swap_in_plan(seq)
+        reclaimable = sum(1 for p in plan if p not in (None, NULL_PAGE) and self.pages[p].ref == 0)
+        grow = max(0, self.pages_for(seq.num_computed + next_tokens) - len(plan))
+        return plan.count(None) + grow <= self.num_available() - reclaimable
 
     def swap_in(self, seq: Sequence, next_tokens: int) -> bool:
         """Bring a swapped-out sequence back, with room for its next tokens. Full pages still cached on the
         GPU are mapped again rather than copied."""
-        cached_page = [self.cached.get(seq.page_hashes[i]) if i < len(seq.page_hashes) else None
-                       for i in range(len(seq.cpu_table))]
-        reclaimable = sum(1 for p in cached_page if p is not None and self.pages[p].ref == 0)
-        grow = max(0, self.pages_for(seq.num_computed + next_tokens) - len(seq.cpu_table))
-        if cached_page.count(None) + grow > self.num_available() - reclaimable:
+        if not self.can_swap_in(seq, next_tokens):
             return False
-        for page in cached_page:
-            if page is not None:
+        own = self._table(seq)
+        table = self._swap_in_plan(seq)
+        for page in table:
+            if page not in (None, NULL_PAGE):
                 self._ref(page)
-        table = list(cached_page)
-        for i, cpu_page in enumerate(seq.cpu_table):
+        for i, cpu_page in enumerate(own.cpu_table):
             if table[i] is None:
                 table[i] = self._take()
                 self._ops.swap_in.append((cpu_page, table[i]))
-            self.cpu.release_held(cpu_page, after_step=True)
-        seq.block_table = table
-        seq.cpu_table = []
+            if cpu_page != NULL_PAGE:
+                self.cpu.release_held(cpu_page, after_step=True)
+        own.block_table = table
+        own.cpu_table = []
         self._grow(seq, seq.num_computed + next_tokens)
         self.register_full_pages(seq, seq.num_computed)
         self.counters.swap_ins += 1
@@ -416,18 +432,18 @@ class BlockManager:
         With cpu_tables (the swapped-out sequences'), the CPU tier holds exactly their pages."""
         counts = [0] * self.num_pages
         for table in tables + [self._pinned]:  # a pinned copy source is referenced until end_step
-            for page in table:
+            for page in mapped(table):
                 counts[page] += 1
         require(counts == [p.ref for p in self.pages], "ref counts differ from block tables")
-        mapped = {p for p in range(self.num_pages) if counts[p]}
-        require(not mapped & set(self.free), "a mapped page is in the free pool")
-        require(not mapped & set(self.evictable), "a mapped page is in the cached pool")
-        require(len(self.free) + len(self.evictable) + len(mapped) == self.num_pages, "a page leaked")
+        in_use = {p for p in range(self.num_pages) if counts[p]}
+        require(not in_use & set(self.free), "a mapped page is in the free pool")
+        require(not in_use & set(self.evictable), "a mapped page is in the cached pool")
+        require(len(self.free) + len(self.evictable) + len(in_use) == self.num_pages, "a page leaked")
         require(all(self.pages[p].state is PageState.CACHED for p in self.evictable), "an evictable page is not cached")
         require(all(self.pages[page].hash == h for h, page in self.cached.items()), "a cached page lost its hash")
         indexed = [p for pages in self.children.values() for p in pages]
         require(sorted(indexed) == sorted(self.cached.values()), "the index of page contents differs from the cache")
         self.cpu.check()
         if cpu_tables is not None:
-            held = [p for table in cpu_tables for p in table]
+            held = [p for table in cpu_tables for p in mapped(table)]
             require(len(held) == len(set(held)) and set(held) == self.cpu.held_pages(), "CPU pages held differ")

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Callable, ContextManager, Protocol
 
-from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Sampled, Update
@@ -64,7 +64,7 @@ class ModelStep(Protocol):
 
 
 class EngineCore:
-    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, detokenizer: Detokenizer,
+    def __init__(self, block_manager: PageGroups, scheduler: Scheduler, detokenizer: Detokenizer,
                  eos_token_ids: frozenset[int], max_context: int, fault_hook: FaultHook | None = None):
         self.block_manager = block_manager
         self.scheduler = scheduler
@@ -177,7 +177,7 @@ class EngineCore:
         batch phase's exception propagates: the caller hands it to abort_step."""
         with lock:
             plan = self.schedule()
-        model.copy_pages(plan.ops)  # even for a step that computes nothing: preemptions may plan swap-outs
+        model.copy_pages(plan.group_ops)  # even for a step that computes nothing: preemptions may plan swap-outs
         self.fault(Phase.COPY)
         tokens: list[Sampled | Exception] = []
         if plan.scheduled:
@@ -270,19 +270,16 @@ class EngineCore:
         its bookkeeping had already produced), then make the pool agree with the survivors."""
         error = f"{self.phase.value} failed: {type(exc).__name__}: {exc}"
         out, self._outputs = self._outputs, []
-        bad_gpu, bad_cpu = self.block_manager.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
+        damage = self.block_manager.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
         queued = {id(s) for s in self.scheduler.all_seqs()}
         queued |= {id(s) for sibs in self._pending.values() for s in sibs}  # waiting on a parent, untouched
         concerned = [item.seq for item in self.scheduler.plan.scheduled]
-        concerned += [s for s in self.scheduler.all_seqs()
-                      if not bad_gpu.isdisjoint(s.block_table) or not bad_cpu.isdisjoint(s.cpu_table)]
+        concerned += [s for s in self.scheduler.all_seqs() if any(d.touches(s) for d in damage)]
         concerned += [s for s in self._live.values() if id(s) not in queued]  # lost by a half-done plan
         for seq in dict.fromkeys(concerned):
             if seq.status is not SeqStatus.FINISHED:
                 out.append(self.fail(seq, error))
-        survivors = self.scheduler.all_seqs()
-        self.block_manager.reconcile([s.block_table for s in survivors], [s.cpu_table for s in survivors])
-        self.block_manager.check_invariants([s.block_table for s in survivors], [s.cpu_table for s in survivors])
+        self.block_manager.repair(self.scheduler.all_seqs())
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_token: int | None = None,

@@ -26,6 +26,7 @@ from pagedchat.engine.handle import RequestHandle
 from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, prompt_size
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
+from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 from pagedchat.engine.sampling import Row, Sampler
@@ -96,7 +97,8 @@ class Engine:
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
-                 autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None):
+                 autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None,
+                 release_windows: bool = True):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -114,9 +116,9 @@ class Engine:
             self.model = self._compute.call(self._load_model, folder)
             self.block_size = block_size
             self.cache_plan = plan_cache(self.config, self.dtype, self.device, block_size,
-                                         parse_bytes(kv_cache_memory), parse_bytes(swap_space))
-            self.runner = self._compute.call(ModelRunner, self.model, self.cache_plan.num_pages,
-                                             self.cache_plan.num_cpu_pages, block_size)
+                                         parse_bytes(kv_cache_memory), parse_bytes(swap_space), max_seqs=max_seqs,
+                                         max_tokens_per_step=max_tokens_per_step, release_windows=release_windows)
+            self.runner = self._compute.call(ModelRunner, self.model, self.cache_plan.groups, block_size)
         except BaseException:
             self._compute.close()
             raise
@@ -124,9 +126,13 @@ class Engine:
         # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
         # daemon, and a live loop would make close() wait there.
         weakref.finalize(self, self._compute.close, 0).atexit = False
-        self.block_manager = BlockManager(self.cache_plan.num_pages, block_size, self.cache_plan.num_cpu_pages)
-        self.scheduler = Scheduler(self.block_manager, max_tokens_per_step, max_seqs)
-        self.core = EngineCore(self.block_manager, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
+        # One page pool per layer group (sliding-window layers release their passed pages; see page_groups.py).
+        self.pages = PageGroups(tuple(BlockManager(g.num_pages, block_size, g.num_cpu_pages, group=i, window=g.window)
+                                      for i, g in enumerate(self.cache_plan.groups)),
+                                max(max_tokens_per_step, max_seqs))
+        self.block_manager = self.pages.first  # the first group's pool: the only one without windows
+        self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs)
+        self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)
         self._model = _Model(self.runner, self.sampler, self.core)
@@ -232,14 +238,15 @@ class Engine:
     def memory(self) -> MemorySnapshot:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
-            return snapshot(self.block_manager, self.scheduler, self.config.max_position_embeddings,
-                            self.cache_plan.page_bytes, self.weight_bytes, self.model.weight_precision)
+            return snapshot(self.pages, self.scheduler, self.config.max_position_embeddings, self.cache_plan,
+                            self.weight_bytes, self.model.weight_precision)
 
     def usage(self) -> PoolUsage:
         """Steps run and pages in use: cheap, for a caller that watches every update (the bench's peak)."""
         with self._lock:
-            bm = self.block_manager
-            return PoolUsage(self.core.steps, bm.num_pages - bm.num_available())
+            used = self.pages.pages_used()
+            return PoolUsage(self.core.steps, used[0],
+                             sum(n * g.page_bytes for n, g in zip(used, self.cache_plan.groups)))
 
     def has_work(self) -> bool:
         """Requests queued or running: what a caller stepping by hand (autostart=False) steps until done."""

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from typing import TYPE_CHECKING
+
 from pagedchat.engine.block_manager import BlockManager, MemoryCounters
+from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.records import PageState
 from pagedchat.engine.scheduler import Scheduler
+from pagedchat.engine.sequence import NULL_PAGE, Sequence
+
+if TYPE_CHECKING:  # sizing imports torch; a snapshot read back over HTTP needs none
+    from pagedchat.engine.sizing import CachePlan, GroupPlan
 
 
 @dataclass(frozen=True)
@@ -14,7 +21,8 @@ class PoolUsage:
     """Two counts, cheap enough to read at every update (a MemorySnapshot of a large pool is not)."""
 
     steps: int        # engine steps that ran a forward pass so far
-    pages_used: int   # pages mapped by live sequences or pinned for a copy
+    pages_used: int   # pages mapped by live sequences or pinned for a copy (the first layer group's)
+    bytes_used: int = 0  # those pages' bytes, in every layer group
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,29 @@ class SequenceMemory:
     pages: list[int]          # physical GPU pages in logical order
     cpu_pages: int            # pages parked in the CPU tier while swapped
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """One layer group's pool (engine/page_groups.py). Groups' pages differ in size, so they compare in bytes."""
+
+    window: int | None        # the sliding window its pages are released by; None: its layers keep every page
+    layers: int
+    num_pages: int
+    used_pages: int           # mapped by live sequences or pinned for a copy
+    cached_pages: int         # unmapped, holding reusable content
+    page_bytes: int
+    released_pages: int       # live sequences' blocks whose page the window released (each sequence's own)
+    released_total: int       # pages released by the window since the engine started
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_bytes
+
+    @property
+    def released_bytes(self) -> int:
+        """What the released blocks of live sequences would hold had their pages been kept."""
+        return self.released_pages * self.page_bytes
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,9 @@ class MemorySnapshot:
     contiguous_bytes: int     # what reserving the model's full context per live sequence would take
     weight_bytes: int = 0     # the model's resident weights, which share the memory with the pool (0: unknown)
     weight_precision: str = ""  # how they run, e.g. "Q4_1 as int4 + Q8_0 as 2×int4" ("": unknown)
+    # Every layer group's pool, the first one's being the pages above (one group: a model without windows, or
+    # a server that does not say).
+    groups: tuple[GroupMemory, ...] = ()
 
     def to_json(self) -> dict:
         """Plain JSON types (page states as their names; the page-keyed maps get string keys), as `pagedchat
@@ -67,6 +101,7 @@ class MemorySnapshot:
         fields["seqs"] = {rid: SequenceMemory(**s) for rid, s in data["seqs"].items()}
         fields["page_states"] = [PageState(state) for state in data["page_states"]]
         fields["counters"] = MemoryCounters(**data["counters"])
+        fields["groups"] = tuple(GroupMemory(**g) for g in data.get("groups", ()))
         return cls(**fields)
 
     @property
@@ -84,7 +119,22 @@ class MemorySnapshot:
 
     @property
     def paged_bytes(self) -> int:
+        """The bytes of the pages in use, in every layer group."""
+        if self.groups:
+            return sum(g.used_bytes for g in self.groups)
         return self.used_pages * self.page_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """The bytes of every page, in every layer group."""
+        if self.groups:
+            return sum(g.num_pages * g.page_bytes for g in self.groups)
+        return self.num_pages * self.page_bytes
+
+    @property
+    def window_released_bytes(self) -> int:
+        """What live sequences would hold more, had their windows' passed pages been kept."""
+        return sum(g.released_bytes for g in self.groups)
 
 
 # /v1/memory's field names from servers older than the page/block naming; their "sequences" duplicated
@@ -96,13 +146,15 @@ def _rate(queried: int, hit: int) -> float:
     return hit / queried if queried else 0.0
 
 
-def snapshot(block_manager: BlockManager, scheduler: Scheduler, max_context: int, page_bytes: int,
+def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: CachePlan,
              weight_bytes: int = 0, weight_precision: str = "") -> MemorySnapshot:
+    block_manager = pages.first
     seqs = scheduler.all_seqs()
     owners: dict[int, list[str]] = {}
     for seq in seqs:
         for page in seq.block_table:
-            owners.setdefault(page, []).append(seq.request_id)
+            if page != NULL_PAGE:
+                owners.setdefault(page, []).append(seq.request_id)
     recent = list(block_manager.recent_lookups)
     counters = replace(block_manager.counters)
     return MemorySnapshot(
@@ -110,7 +162,7 @@ def snapshot(block_manager: BlockManager, scheduler: Scheduler, max_context: int
         free_pages=block_manager.num_available(),
         cached_pages=len(block_manager.evictable),
         block_size=block_manager.block_size,
-        page_bytes=page_bytes,
+        page_bytes=plan.groups[0].page_bytes,
         ref_counts=block_manager.ref_counts(),
         page_states=list(block_manager.page_states()),
         shared_pages={p: ids for p, ids in owners.items() if len(ids) > 1},
@@ -123,7 +175,17 @@ def snapshot(block_manager: BlockManager, scheduler: Scheduler, max_context: int
         hit_rate=_rate(counters.prefix_queries, counters.prefix_hits),
         recent_hit_rate=_rate(sum(q for q, _ in recent), sum(h for _, h in recent)),
         live_tokens=sum(len(s.token_ids) for s in seqs),
-        contiguous_bytes=len(seqs) * max_context * page_bytes // block_manager.block_size,
+        contiguous_bytes=len(seqs) * max_context * plan.page_bytes // block_manager.block_size,
         weight_bytes=weight_bytes,
         weight_precision=weight_precision,
+        groups=tuple(_group(manager, layout, seqs) for manager, layout in zip(pages.groups, plan.groups)),
     )
+
+
+def _group(manager: BlockManager, layout: GroupPlan, seqs: list[Sequence]) -> GroupMemory:
+    released = sum(table.count(NULL_PAGE) for s in seqs
+                   for table in (s.table(manager.group).block_table, s.table(manager.group).cpu_table))
+    return GroupMemory(window=layout.window, layers=len(layout.layers), num_pages=manager.num_pages,
+                       used_pages=manager.num_pages - manager.num_available(), cached_pages=len(manager.evictable),
+                       page_bytes=layout.page_bytes, released_pages=released,
+                       released_total=manager.counters.window_released)

@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from pagedchat.attention import AttentionMetadata
-from pagedchat.engine.block_manager import CopyPlan
+from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
+from pagedchat.engine.sequence import NULL_PAGE
+from pagedchat.engine.sizing import GroupPlan
 from pagedchat.model.llama import DecoderModel
 
 
@@ -24,31 +26,53 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_pages: int, num_cpu_pages: int, block_size: int):
+    def __init__(self, model: DecoderModel, groups: tuple[GroupPlan, ...], block_size: int):
+        """groups: each layer group's pool (engine/sizing.py); its KV pages live in a tensor of their own."""
         cfg = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
         page = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        # A window group's pool has one page more, its null page: never written, so all zeros, and what a
+        # released entry (NULL_PAGE) points the kernels at. A kernel reads it only where the window masks it out
+        # (the torch prefill path and the reference gather a chunk's pages from the first), and zeros keep the
+        # masked products finite.
+        self.null_pages = [g.num_pages if g.window is not None else None for g in groups]
         # Zeros, not empty: masked-out slots are still multiplied by a zero weight, and NaN * 0 is NaN.
-        self.kv_cache = zeros((cfg.num_layers, 2, num_pages, *page), model.dtype, self.device)
-        shape = (cfg.num_layers, 2, num_cpu_pages, *page)
-        if self.device.type == "cuda":  # pinned, for asynchronous copies to the GPU
-            self.cpu_cache = torch.zeros(shape, dtype=model.dtype, pin_memory=True)
-        else:
-            self.cpu_cache = zeros(shape, model.dtype, torch.device("cpu"))
+        self.kv_caches = [zeros((len(g.layers), 2, g.num_pages + (g.window is not None), *page), model.dtype,
+                                self.device) for g in groups]
+        self.cpu_caches = [self._host((len(g.layers), 2, g.num_cpu_pages, *page), model.dtype) for g in groups]
+        self.layer_groups = [0] * cfg.num_layers
+        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [None] * cfg.num_layers  # type: ignore[list-item]
+        for gi, (g, kv) in enumerate(zip(groups, self.kv_caches)):
+            for j, layer in enumerate(g.layers):
+                self.layer_groups[layer] = gi
+                self.layer_kv[layer] = (kv[j, 0], kv[j, 1])
 
-    def copy_pages(self, ops: CopyPlan) -> None:
-        """Swap-outs first: a page swapped out this step may be handed to another sequence in the same step."""
-        if ops.swap_out:
-            src, dst = self._index(ops.swap_out)
-            self.cpu_cache[:, :, dst.cpu()] = self.kv_cache[:, :, src].to("cpu")
-        if ops.swap_in:
-            src, dst = self._index(ops.swap_in)
-            self.kv_cache[:, :, dst] = self.cpu_cache[:, :, src.cpu()].to(self.device, non_blocking=True)
-        if ops.cow:
-            src, dst = self._index(ops.cow)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The first group's pages (all of them, in a model without windows): [layers, 2, pages, block_size,
+        kv_heads, head_dim]."""
+        return self.kv_caches[0]
+
+    def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned, for asynchronous copies to the GPU
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        return zeros(shape, dtype, torch.device("cpu"))
+
+    def copy_pages(self, ops: tuple[CopyPlan, ...]) -> None:
+        """Each group's copies. Swap-outs first: a page swapped out this step may be handed to another sequence
+        in the same step."""
+        for plan, kv_cache, cpu_cache in zip(ops, self.kv_caches, self.cpu_caches):
+            if plan.swap_out:
+                src, dst = self._index(plan.swap_out)
+                cpu_cache[:, :, dst.cpu()] = kv_cache[:, :, src].to("cpu")
+            if plan.swap_in:
+                src, dst = self._index(plan.swap_in)
+                kv_cache[:, :, dst] = cpu_cache[:, :, src.cpu()].to(self.device, non_blocking=True)
+            if plan.cow:
+                src, dst = self._index(plan.cow)
+                kv_cache[:, :, dst] = kv_cache[:, :, src]
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(pairs, dtype=torch.int64, device=self.device)
@@ -56,34 +80,47 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """One forward over every scheduled chunk; logits [n_sampling, vocab] in plan order."""
-        bs = self.block_size
-        ids, positions, slots, qstart, ctx_lens, tables, rows = [], [], [], [0], [], [], []
+        ids, positions, qstart, ctx_lens, rows = [], [], [0], [], []
         for item in plan.scheduled:
             seq, n = item.seq, item.num_tokens
             start, end = seq.num_computed, seq.num_computed + n
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qstart.append(qstart[-1] + n)
             ctx_lens.append(end)
-            tables.append(table)
             if item.samples:
                 rows.append(qstart[-1] - 1)
+        dev = self.device
+        query_start_loc = torch.tensor(qstart, dtype=torch.int32, device=dev)
+        context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+        metas = [self._group_meta(plan, group, null, query_start_loc, context_lens, ctx_lens)
+                 for group, null in enumerate(self.null_pages)]
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.layer_kv, [metas[g] for g in self.layer_groups], torch.tensor(rows, dtype=torch.int64, device=dev))
+
+    def _group_meta(self, plan: StepPlan, group: int, null: int | None, query_start_loc: torch.Tensor,
+                    context_lens: torch.Tensor, ctx_lens: list[int]) -> AttentionMetadata:
+        """One group's slots and block tables; the step's lengths are every group's."""
+        bs = self.block_size
+        slots, tables = [], []
+        for item in plan.scheduled:
+            seq = item.seq
+            table = seq.table(group).block_table
+            new = range(seq.num_computed, seq.num_computed + item.num_tokens)
+            slots.extend(table[p // bs] * bs + p % bs for p in new)
+            tables.append(table if null is None else [null if p == NULL_PAGE else p for p in table])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qstart, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
             query_lens=[item.num_tokens for item in plan.scheduled],
             context_lens_host=ctx_lens,
             max_query_len=max(item.num_tokens for item in plan.scheduled),
             max_context_len=max(ctx_lens),
         )
-        return self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv_cache, meta, torch.tensor(rows, dtype=torch.int64, device=dev))

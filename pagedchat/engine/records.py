@@ -137,3 +137,6 @@ class ReplyHandle(Protocol):
 
     def result(self, timeout: float | None = None) -> Outcome:
         """Wait for the final outcome."""
+# A block table's entry for a page that a sliding window released: nothing is mapped there (the model runner
+# points the kernels at its layer group's null page instead; engine/block_manager.py, release_outside_window).
+NULL_PAGE = -1

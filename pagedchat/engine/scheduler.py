@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedchat.engine.block_manager import BlockManager, CopyPlan
+from pagedchat.engine.page_groups import PageGroups
+from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.sequence import Sequence, SeqStatus
 
 
@@ -26,7 +27,12 @@ class ScheduledSeq:
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    ops: CopyPlan = field(default_factory=CopyPlan)
+    group_ops: tuple[CopyPlan, ...] = ()  # page copies, one plan per layer group (see PageGroups)
+
+    @property
+    def ops(self) -> CopyPlan:
+        """The first layer group's copies: all of them, in a model without windows."""
+        return self.group_ops[0] if self.group_ops else CopyPlan()
 
     @property
     def num_tokens(self) -> int:
@@ -34,7 +40,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_tokens_per_step: int = 512, max_seqs: int = 64):
+    def __init__(self, block_manager: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64):
         self.block_manager = block_manager
         self.max_tokens_per_step = max(max_tokens_per_step, max_seqs)
         self.max_seqs = max_seqs
@@ -88,7 +94,7 @@ class Scheduler:
         budget = self.max_tokens_per_step - plan.num_tokens
         budget = self._resume_swapped(plan, budget)
         self._admit_waiting(plan, budget)
-        plan.ops = self.block_manager.take_ops()
+        plan.group_ops = self.block_manager.take_ops()
         return plan
 
     def _schedule(self, plan: StepPlan, seq: Sequence, n: int) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
+from pagedchat.engine.records import NULL_PAGE, FinishReason, Outcome, Sampled, Update
 
 if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
     import torch
@@ -21,6 +21,16 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class PageTable:
+    """A sequence's pages in one layer group (engine/page_groups.py): one per group, as vLLM's hybrid allocator
+    keeps them. A model without sliding windows has one group, and so one table."""
+
+    block_table: list[int] = field(default_factory=list)   # GPU pages in logical order; NULL_PAGE where released
+    page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
+    cpu_table: list[int] = field(default_factory=list)     # CPU-tier pages while SWAPPED; NULL_PAGE where released
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -30,9 +40,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0                # leading tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)  # chain hash of each full page, in order
-    cpu_table: list[int] = field(default_factory=list)     # CPU-tier pages while SWAPPED
+    tables: list[PageTable] = field(default_factory=lambda: [PageTable()])  # one per layer group
     generator: torch.Generator | None = None
     matcher: object | None = None        # llguidance.LLMatcher of a constrained reply (structured.py)
     sampled: list[Sampled] = field(default_factory=list)  # each output token's log-probabilities, if asked
@@ -49,6 +57,37 @@ class Sequence:
     emitted: int = 0                     # characters of text already streamed
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
+
+    # The first group's table (the global layers' where the model has any): what a one-group model has.
+    @property
+    def block_table(self) -> list[int]:
+        return self.tables[0].block_table
+
+    @block_table.setter
+    def block_table(self, pages: list[int]) -> None:
+        self.tables[0].block_table = pages
+
+    @property
+    def page_hashes(self) -> list[int]:
+        return self.tables[0].page_hashes
+
+    @page_hashes.setter
+    def page_hashes(self, hashes: list[int]) -> None:
+        self.tables[0].page_hashes = hashes
+
+    @property
+    def cpu_table(self) -> list[int]:
+        return self.tables[0].cpu_table
+
+    @cpu_table.setter
+    def cpu_table(self, pages: list[int]) -> None:
+        self.tables[0].cpu_table = pages
+
+    def table(self, group: int) -> PageTable:
+        """The table of a layer group, made empty on first use (a sequence does not know its model's groups)."""
+        while len(self.tables) <= group:
+            self.tables.append(PageTable())
+        return self.tables[group]
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedchat.argtypes import parse_bytes  # noqa: F401 (the engine reads sizes from here)
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.family import LayerGroup, layer_groups
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -72,11 +74,23 @@ def parse_quantize(value: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class CachePlan:
+class GroupPlan:
+    """One layer group's pool (see model/family.py, LayerGroup): its pages on the GPU and in the CPU tier."""
+
+    window: int | None        # the window its pages are released by; None: a group that keeps them
+    layers: tuple[int, ...]
     num_pages: int
     num_cpu_pages: int
-    page_bytes: int
+    page_bytes: int           # one page: block_size tokens of K and V in each of its layers
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_pages: int            # the first group's (the only one's, in a model without windows)
+    num_cpu_pages: int
+    page_bytes: int           # one page across every layer: what a sequence's block costs in all groups together
     reason: str  # how the default was chosen; empty when the user gave a size
+    groups: tuple[GroupPlan, ...] = ()
 
 
 def _available_host_memory() -> int:
@@ -91,7 +105,8 @@ def _available_host_memory() -> int:
 
 
 def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
-               kv_bytes: int | None, swap_bytes: int | None) -> CachePlan:
+               kv_bytes: int | None, swap_bytes: int | None, *, max_seqs: int = 64, max_tokens_per_step: int = 512,
+               release_windows: bool = True) -> CachePlan:
     page_bytes = config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
     reason = ""
     if kv_bytes is None:
@@ -104,9 +119,40 @@ def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, bl
         else:
             kv_bytes = min(int(_available_host_memory() * DEFAULT_CPU_SHARE), DEFAULT_CPU_CAP, ceiling)
             reason = f"default: {DEFAULT_CPU_SHARE:.0%} of available memory, at most {DEFAULT_CPU_CAP >> 30} GiB"
-    num_pages = kv_bytes // page_bytes
-    if num_pages < 1:
+    if kv_bytes // page_bytes < 1:
         raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no page: one page of {block_size} tokens "
                          f"takes {page_bytes} bytes for this model")
     swap = kv_bytes // 4 if swap_bytes is None else swap_bytes
-    return CachePlan(num_pages, swap // page_bytes, page_bytes, reason)
+    # A config built by hand may list no layer recipes: its layers are then all global.
+    grouped = layer_groups(config.layers, release_windows) or (LayerGroup(None, tuple(range(config.num_layers))),)
+    groups = split_groups(grouped, page_bytes // config.num_layers, kv_bytes,
+                          swap, block_size, window_cap=lambda w: max_seqs * (-(-w // block_size) + 1)
+                          + -(-max_tokens_per_step // block_size) + 1)
+    return CachePlan(groups[0].num_pages, groups[0].num_cpu_pages, page_bytes, reason, groups)
+
+
+def split_groups(groups: tuple[LayerGroup, ...], layer_page_bytes: int, kv_bytes: int, swap_bytes: int,
+                 block_size: int, window_cap: Callable[[int], int]) -> tuple[GroupPlan, ...]:
+    """The byte budget cut into each layer group's pages.
+
+    Without release every sequence holds as many pages in each group as in any other, so each group gets the
+    same number of pages: the budget over a page of every layer. A window group whose sequences release what
+    their window passed never holds more than window_cap(window) pages (each of max_seqs sequences: its window,
+    plus the page the window straddles; plus one step's prefill chunks and a copy source pinned by an admission,
+    engine/block_manager.py, most_pages): past that cap its pages would only keep released content cached, so
+    the bytes go to the global groups, whose sequences keep every page. A model
+    whose every group is windowed keeps the equal split (nothing else could use the bytes). The CPU tier is
+    split equally: a swapped-out sequence holds only its live pages there."""
+    full = layer_page_bytes * sum(len(g.layers) for g in groups)
+    equal, cpu = kv_bytes // full, swap_bytes // full
+    pages = {g: equal for g in groups}
+    if any(g.window is None for g in groups):
+        for g in groups:
+            if g.window is not None:
+                pages[g] = min(equal, window_cap(g.window))
+        left = kv_bytes - sum(pages[g] * len(g.layers) * layer_page_bytes for g in groups if g.window is not None)
+        global_bytes = layer_page_bytes * sum(len(g.layers) for g in groups if g.window is None)
+        for g in groups:
+            if g.window is None:
+                pages[g] = left // global_bytes
+    return tuple(GroupPlan(g.window, g.layers, pages[g], cpu, len(g.layers) * layer_page_bytes) for g in groups)

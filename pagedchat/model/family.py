@@ -176,6 +176,24 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose KV pages come and go together (engine/page_groups.py): the global layers, or the layers of
+    one window size, which release the pages their window has passed (window None: they keep every page)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def layer_groups(layers: tuple[LayerSpec, ...], release: bool = True) -> tuple[LayerGroup, ...]:
+    """The global layers first (where there are any), then one group per window size, smallest first. Without
+    release (or without windows) every layer is in one group that keeps its pages, as a contiguous cache would."""
+    if not release:
+        return (LayerGroup(None, tuple(range(len(layers)))),)
+    windows = sorted({spec.window for spec in layers}, key=lambda w: -1 if w is None else w)
+    return tuple(LayerGroup(w, tuple(i for i, spec in enumerate(layers) if spec.window == w)) for w in windows)
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """A layer's tensor names under model.layers.N (Hugging Face), without the .weight suffix. A projection's
     parts stack along its output rows: (q, k, v) or one fused qkv. Norms a family lacks are None."""

@@ -164,8 +164,6 @@ class DecoderModel:
                   for spec in config.layers if spec.rope is not None}
         self.rope_tables = [tables.get(spec.rope) for spec in config.layers]
         self.use_triton = backend(device) == "triton"
-        self._views_of: torch.Tensor | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _embedding(self, weight, tied: bool, build: Builder):
         """The token table: the packed head itself when tied and readable by rows, a packed copy of a
@@ -216,17 +214,19 @@ class DecoderModel:
         return nbytes(self._held())
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+                logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [len(logits_rows), vocab] (float32) for the rows asked for.
 
-        kv_cache is [layers, 2, pages, block_size, kv_heads, head_dim]."""
+        kv: each layer's K and V pages, [pages, block_size, kv_heads, head_dim] each; metas: each layer's
+        attention metadata (its layer group's block tables, engine/model_runner.py)."""
         cfg, norm = self.config, self.norm_fn
         eps = cfg.rms_norm_eps
         t = input_ids.shape[0]
         x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
         turns = {}  # rotary table -> (cos, sin) at this step's positions, looked up once per table
-        for layer, table, (k_cache, v_cache) in zip(self.layers, self.rope_tables, self._cache_views(kv_cache)):
+        for layer, table, (k_cache, v_cache), meta in zip(self.layers, self.rope_tables, kv, metas):
             h = norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
             # q and k sit side by side in qkv: one norm call and one rotary call treat both.
@@ -249,10 +249,3 @@ class DecoderModel:
             x.add_(out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, eps))
         x = norm(x[logits_rows], self.norm, eps)
         return self.lm_head(x).float()
-
-    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's K and V pages, sliced once per cache rather than twice per layer in every step."""
-        if self._views_of is not kv_cache:
-            self._views = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
-            self._views_of = kv_cache
-        return self._views

@@ -13,6 +13,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from pagedchat.backends.base import has_page_map
+from pagedchat.engine.records import NULL_PAGE
 from pagedchat.text import visible_controls
 from pagedchat.tui.inspector_parts import (CACHED, FREE, GLYPH_CACHED, GLYPH_FREE, GLYPH_SHARED, GLYPH_USED, MUTED,
                                            USED, ChatPages, fmt_bytes)
@@ -57,16 +58,35 @@ def render_summary(snap, width: int = 80) -> Content:
         bar,
         _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
         _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
+        *render_groups(snap, width),
     ]
     if snap.weight_bytes:  # weights and pages share one memory: what the model takes is what the pool cannot
         lines.append(_kv("weights", fmt_bytes(snap.weight_bytes),
-                         f"pool {fmt_bytes(snap.num_pages * snap.page_bytes)}", width))
+                         f"pool {fmt_bytes(snap.pool_bytes)}", width))
         if snap.weight_precision:
             lines.append(_kv("", visible_controls(snap.weight_precision), "", width))
     if snap.cpu_total:
         lines.append(_kv("CPU tier", f"{snap.cpu_used} / {snap.cpu_total}",
                          f"{snap.cpu_swapped} swapped · {snap.cpu_cached} cached", width))
     return Content("\n").join(lines)
+
+
+def _group_name(group) -> str:
+    return "global" if group.window is None else f"window {group.window}"
+
+
+def render_groups(snap, width: int = 80) -> list[Content]:
+    """A model with sliding windows keeps one pool per layer group, of pages of its own size (the pages above
+    and the map are the first group's): each group's pages in use and their bytes, then what the windows have
+    released from live chats. Nothing for a model with one group."""
+    groups = getattr(snap, "groups", ())
+    if len(groups) < 2 and all(g.window is None for g in groups):
+        return []
+    lines = [_kv(_group_name(g), f"{g.used_pages} / {g.num_pages} pg",
+                 f"{g.layers} layer{'' if g.layers == 1 else 's'} · {fmt_bytes(g.used_bytes)}", width) for g in groups]
+    released = sum(g.released_pages for g in groups)
+    lines.append(_kv("released", f"{released} pages", f"{fmt_bytes(snap.window_released_bytes)} by windows", width))
+    return lines
 
 
 def render_map(snap, chats: list[ChatPages], width: int) -> Content:
@@ -82,7 +102,9 @@ def render_map(snap, chats: list[ChatPages], width: int) -> Content:
     rows = []
     for r in range(0, len(cells), width):
         rows.append(_join_runs(cells[r:r + width]))
-    title = "Page map" + (f"  (1 cell = {group} pages)" if group > 1 else "")
+    groups = getattr(snap, "groups", ())
+    title = "Page map" + (f" · {_group_name(groups[0])} layers" if len(groups) > 1 else "") + (
+        f"  (1 cell = {group} pages)" if group > 1 else "")
     legend = Content.assemble(
         (GLYPH_USED, "$foreground"), " used  ", (GLYPH_SHARED, "$foreground"), " shared  ",
         (GLYPH_CACHED, "$foreground"), " cached  ", (GLYPH_FREE, MUTED), " free")
@@ -161,8 +183,13 @@ def render_chats(snap, chats: list[ChatPages], width: int = 80) -> Content:
             "$success" if status == "running" else MUTED)
         lines.append(Content.assemble(
             (GLYPH_USED, chat.colour), " ", (f"{_clip(chat.title, title_w):<{title_w}}", "bold"), " ",
-            (f"{status:<7}", style), f"{tokens:>6} tok{len(pages):>4} pg", (notes, "$accent")))
+            (f"{status:<7}", style), f"{tokens:>6} tok{len(held(pages)):>4} pg", (notes, "$accent")))
     return Content("\n").join(lines)
+
+
+def held(pages: list[int]) -> list[int]:
+    """A block table's pages, without the entries a sliding window released."""
+    return [p for p in pages if p != NULL_PAGE]
 
 
 def render_sharing(snap, width: int = 80) -> Content:
@@ -175,7 +202,7 @@ def render_sharing(snap, width: int = 80) -> Content:
                  f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})", width)]
     if live:
         slack = sum(len(s.pages) * snap.block_size - s.num_tokens for s in snap.seqs.values() if s.pages)
-        live_pages = {p for s in snap.seqs.values() for p in s.pages}
+        live_pages = {p for s in snap.seqs.values() for p in held(s.pages)}
         paged = len(live_pages) * snap.page_bytes
         avoided = 1 - paged / snap.contiguous_bytes if snap.contiguous_bytes else 0.0
         lines += [_kv("contiguous", fmt_bytes(snap.contiguous_bytes), f"{live} × full context", width),
@@ -215,6 +242,10 @@ def render_block_table(snap, chat: ChatPages | None) -> Content:
             continue
         page = pages[i]
         fill = max(0, min(bs, tokens - i * bs))
+        if page == NULL_PAGE:
+            rows.append(Content.assemble(f"{i:>4} → ", ("    —", MUTED), f"  {fill:>2}/{bs:<3}",
+                                         ("    released by the window", MUTED)))
+            continue
         ref = snap.ref_counts.get(page, 0)
         state = snap.page_states[page] if page < len(snap.page_states) else FREE
         mark: tuple[str, str] = ("", "")

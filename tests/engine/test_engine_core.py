@@ -190,8 +190,30 @@ def test_fake_scheduler_random_operations(ops, num_pages, cpu_pages, budget):
     the block tables mapping the page, no page is free and mapped, and every advertised page holds the
     content its hash names. Every request ends exactly once, and every one that ran to its length has the
     tokens it would have had alone."""
-    faults = Faults()
-    eng = FakeEngine(num_pages=num_pages, cpu_pages=cpu_pages, budget=budget, fault_hook=faults)
+    run_random_operations(ops, FakeEngine(num_pages=num_pages, cpu_pages=cpu_pages, budget=budget,
+                                          fault_hook=Faults()), cpu_pages)
+
+
+@settings(max_examples=200 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(OPS, min_size=8, max_size=40), num_pages=st.integers(6, 12), window_pages=st.integers(5, 12),
+       window=st.sampled_from([1, 3, 6, 9]), cpu_pages=st.sampled_from([0, 2, 6, 30]), budget=st.integers(3, 16))
+def test_fake_scheduler_random_operations_with_a_window_group(ops, num_pages, window_pages, window, cpu_pages,
+                                                                budget):
+    """The same, with a sliding-window layer group beside the global one (Gemma 3's shape): besides the checks
+    above in both groups, each window group's attention finds its window's history in its own pages, its
+    released blocks are a leading run, and it holds no more than its window and a chunk."""
+    # At the least what one chat maps at once (BlockManager.most_pages), as the engine's sizing gives a window group.
+    window_pages = max(window_pages, -(-(window + budget) // 4) + 2)
+    eng = FakeEngine(num_pages=num_pages, cpu_pages=cpu_pages, budget=budget, fault_hook=Faults(), window=window,
+                     window_pages=window_pages)
+    run_random_operations(ops, eng, cpu_pages)
+    if eng.managers[1].counters.window_released:
+        event("window released")
+
+
+def run_random_operations(ops, eng: FakeEngine, cpu_pages: int) -> None:
+    faults = eng.core.fault_hook
     bases = [toks(20, salt) for salt in range(4)]
     added = []
 
@@ -236,9 +258,10 @@ def test_fake_scheduler_random_operations(ops, num_pages, cpu_pages, budget):
     for name in ("swap_outs", "recomputes", "cow_copies", "offloads", "cpu_hits", "evictions"):
         if getattr(eng.bm.counters, name):
             event(name)  # what the examples exercised (--hypothesis-show-statistics)
-    eng.bm.check_invariants([])
-    assert eng.bm.num_available() == eng.bm.num_pages
-    assert not eng.bm.cpu.held_pages() and len(eng.bm.cpu.free_pages()) + eng.bm.cpu.num_cached() == cpu_pages
+    for m in eng.managers:
+        m.check_invariants([])
+        assert m.num_available() == m.num_pages
+        assert not m.cpu.held_pages() and len(m.cpu.free_pages()) + m.cpu.num_cached() == cpu_pages
     assert set(eng.ended) == {rid for rid in added if rid is not None}, "a request never ended"
     for prompt, out in eng.done.values():
         assert out == isolated(prompt, len(out))

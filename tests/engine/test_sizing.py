@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from pagedchat.engine import sizing
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.family import LayerSpec, Rope, RopeKind
 
 CPU = torch.device("cpu")
 
@@ -83,3 +86,38 @@ def test_the_default_pool_holds_at_most_16_full_contexts():
     plan = plan_cache(config(context=512), torch.float32, CPU, 16, None, None)
     assert plan.num_pages == 16 * 512 // 16
     assert plan.reason == "default: 10% of available memory, at most 2 GiB"
+
+
+def windowed(context: int = 512) -> ModelConfig:
+    """config()'s shape in Gemma 3's pattern: five layers with a 64-token window, then a global one."""
+    rope = Rope(RopeKind.DEFAULT, 10000.0)
+    layers = tuple(LayerSpec(rope, None if i == 5 else 64) for i in range(6))
+    return replace(config(context), num_layers=6, layers=layers)
+
+
+LAYER_PAGE = FP32_PAGE // 3  # one layer's page: 2 x 2 kv heads x 16 x 4 bytes x 16 tokens
+
+
+def test_a_small_budget_gives_every_layer_group_the_same_pages():
+    plan = plan_cache(windowed(), torch.float32, CPU, 16, 10 * 6 * LAYER_PAGE, 4 * 6 * LAYER_PAGE)
+    assert [(g.window, g.layers, g.num_pages, g.num_cpu_pages) for g in plan.groups] == \
+        [(None, (5,), 10, 4), (64, (0, 1, 2, 3, 4), 10, 4)]
+    assert [g.page_bytes for g in plan.groups] == [LAYER_PAGE, 5 * LAYER_PAGE] and plan.page_bytes == 6 * LAYER_PAGE
+    assert plan.num_pages == 10
+
+
+def test_past_what_its_chats_windows_need_a_window_group_leaves_the_bytes_to_the_global_layers():
+    budget = 1000 * 6 * LAYER_PAGE
+    plan = plan_cache(windowed(), torch.float32, CPU, 16, budget, 0, max_seqs=4, max_tokens_per_step=64)
+    cap = 4 * (64 // 16 + 1) + 64 // 16 + 1  # each chat's window and the page it straddles; a chunk; a pinned copy
+    global_, window = plan.groups
+    assert window.num_pages == cap
+    assert global_.num_pages == (budget - cap * 5 * LAYER_PAGE) // LAYER_PAGE
+    assert global_.num_pages * LAYER_PAGE + window.num_pages * 5 * LAYER_PAGE <= budget
+
+
+def test_without_release_a_windowed_model_has_one_group_that_keeps_every_page():
+    plan = plan_cache(windowed(), torch.float32, CPU, 16, 1000 * 6 * LAYER_PAGE, 0, max_seqs=4,
+                      release_windows=False)
+    assert [(g.window, g.layers, g.num_pages) for g in plan.groups] == [(None, tuple(range(6)), 1000)]
+

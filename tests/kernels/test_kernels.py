@@ -7,6 +7,7 @@ the device, plus `gpu`-marked checks at real model shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import subprocess
@@ -162,6 +163,29 @@ def test_sliding_window(tk, seqs, splits):
     for window in (1, 24, 100):
         want = reference.paged_attention(*batch.args(), window)
         assert_close(tk.attn.paged_attention(*batch.args(), window, num_splits=splits), want)
+
+
+@pytest.mark.parametrize("seqs,splits", [([(100, 1), (60, 1)], 1), ([(100, 1), (60, 1)], 3),
+                                         ([(100, 9), (40, 5)], 1), ([(100, 9), (40, 5)], 2)],
+                         ids=["decode", "decode-split-k", "prefill", "prefill-split-k"])
+def test_blocks_a_window_released_may_point_at_a_zero_null_page(tk, seqs, splits):
+    """The engine points a block every window of its sequence has passed at its layer group's null page, never
+    written, all zeros (engine/model_runner.py): the reference and the kernels give the same output with it in
+    place of those pages, whether they skip it or read it masked (a split before the window)."""
+    block_size, head_dim, heads, kv_heads, dtype = CONFIGS[0]
+    window = 24
+    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE)
+    want = reference.paged_attention(*batch.args(), window)
+    null = batch.k_cache.shape[0]
+    tables = batch.block_tables.clone()
+    for b, (ctx, qlen) in enumerate(seqs):  # the pages before the first query's window, as the engine releases
+        tables[b, : max(0, ctx - qlen - window + 1) // block_size] = null
+    assert (tables == null).sum() >= 4
+    released = dataclasses.replace(batch, block_tables=tables,
+                                   k_cache=torch.cat([batch.k_cache, torch.zeros_like(batch.k_cache[:1])]),
+                                   v_cache=torch.cat([batch.v_cache, torch.zeros_like(batch.v_cache[:1])]))
+    assert_close(reference.paged_attention(*released.args(), window), want)
+    assert_close(tk.attn.paged_attention(*released.args(), window, num_splits=splits), want)
 
 
 def test_prefill_split_k(tk):

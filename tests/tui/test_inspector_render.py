@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pagedchat.backends.base import MemoryUnavailable
 from pagedchat.backends.metrics import ServerMetrics
 from pagedchat.engine.block_manager import MemoryCounters
-from pagedchat.engine.records import PageState
-from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
+from pagedchat.engine.records import NULL_PAGE, PageState
+from pagedchat.engine.memory import GroupMemory, MemorySnapshot, SequenceMemory
 from pagedchat.tui.inspector import MAX_TABLE_ROWS, render_block_table, render_chats, render_map, render_sharing, \
     render_summary
 from pagedchat.tui.inspector_parts import ChatPages, fmt_bytes
@@ -115,3 +117,31 @@ def test_without_a_page_map_the_server_figures_or_the_reason_show():
     server, chats = (c.plain for c in render_without_map(metrics, [A, IDLE]))
     assert "25% used" in server and "~100 / 400" in server and "2 running · 1 waiting" in server
     assert "pages estimated: tokens / 16" in chats and "20 tok   ~2 pg" in chats and "… tok" in chats
+
+
+def windowed() -> MemorySnapshot:
+    """A Gemma-3-shaped pool: one global layer keeps its pages (the map's), five window layers released 6 of theirs."""
+    return snap(page_bytes=PAGE, groups=(GroupMemory(None, 1, 10, 4, 2, PAGE, 0, 0),
+                                         GroupMemory(24, 5, 8, 3, 1, 5 * PAGE, 6, 9)))
+
+
+def test_a_model_with_windows_shows_each_groups_pages_in_bytes_and_what_its_windows_freed():
+    text = render_summary(windowed()).plain
+    assert f"in use      4 pages  {fmt_bytes(4 * PAGE + 3 * 5 * PAGE)}" in text, "every group's bytes"
+    assert f"global      4 / 10 pg  1 layer · {fmt_bytes(4 * PAGE)}" in text
+    assert f"window 24   3 / 8 pg  5 layers · {fmt_bytes(15 * PAGE)}" in text
+    assert f"released    6 pages  {fmt_bytes(30 * PAGE)} by windows" in text
+    with_weights = render_summary(replace(windowed(), weight_bytes=2**20)).plain
+    assert f"pool {fmt_bytes(10 * PAGE + 8 * 5 * PAGE)}" in with_weights, "the pool is every group's pages"
+    assert render_map(windowed(), [A, B], width=40).plain.splitlines()[0] == "Page map · global layers"
+    assert "window" not in render_summary(snap()).plain, "one group: nothing about groups"
+
+
+def test_a_block_released_by_its_window_shows_as_released_and_is_not_counted_as_held():
+    seq = SequenceMemory("req-a", "running", 40, 39, [NULL_PAGE, 1, 2], 0, 0)
+    view = snap(seqs={"req-a": seq})
+    rows = render_block_table(view, A).plain.splitlines()
+    assert rows[3].split() == ["0", "→", "—", "16/16", "released", "by", "the", "window"]
+    assert rows[4].split()[:3] == ["1", "→", "1"]
+    assert "40 tok   2 pg" in render_chats(view, [A]).plain
+

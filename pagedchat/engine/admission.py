@@ -1,0 +1,99 @@
+"""Admitting a sequence across layer groups: the longest cached prefix that every group can serve.
+
+A global group serves a match only with every page before it; a sliding-window group only with the pages in
+reach of the window at the match point (vLLM's SlidingWindowManager matches the same way), so a system prompt
+longer than the window is shared even after its early pages were evicted from the window group. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from pagedchat.engine.pages import MemoryCounters, chain_hashes
+from pagedchat.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Match:
+    """What one group maps for an admission that starts computing at page `pages` (plus `partial` tokens):
+    cached GPU pages from page `skip` on, then CPU-tier pages copied back; nothing before `skip`, which lies
+    before the window of every token still to come."""
+
+    skip: int
+    gpu: tuple[int, ...]
+    cpu: tuple[int, ...]
+    source: int | None = None   # the cached page whose first `partial` tokens the admission copies
+    partial: int = 0
+
+    @property
+    def pages(self) -> int:
+        return self.skip + len(self.gpu) + len(self.cpu)
+
+    def from_page(self, skip: int) -> Match:
+        """The same match without its pages before `skip` (a window group's, once the start is known)."""
+        drop = skip - self.skip
+        gpu_drop = min(drop, len(self.gpu))
+        return replace(self, skip=skip, gpu=self.gpu[gpu_drop:], cpu=self.cpu[drop - gpu_drop:])
+
+
+class GroupPool(Protocol):
+    """What admission asks of each group's pool (engine/block_manager.py, BlockManager)."""
+
+    block_size: int
+    counters: MemoryCounters
+    recent_lookups: deque[tuple[int, int]]
+
+    def longest_match(self, hashes: list[int], limit: int) -> int: ...
+    def match(self, hashes: list[int], pages: int) -> Match | None: ...
+    def partial_match(self, tokens: list[int], hashes: list[int], match: Match) -> Match: ...
+    def fits(self, match: Match, num_tokens: int) -> bool: ...
+    def map_match(self, seq: Sequence, hashes: list[int], match: Match, num_tokens: int) -> None: ...
+    def first_needed(self, num_tokens: int) -> int: ...
+
+
+def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int]) -> list[Match]:
+    """Each group's part of the longest match all of them serve, with the longest partial page all extend it by.
+    A window group serving n pages may not serve fewer (the earlier ones it then needs may be gone), so the
+    length is lowered until every group agrees."""
+    pages = len(hashes)
+    while True:
+        agreed = min(group.longest_match(hashes, pages) for group in groups)
+        if agreed == pages:
+            break
+        pages = agreed
+    matches = [group.partial_match(tokens, hashes, group.match(hashes, pages)) for group in groups]
+    partial = min(m.partial for m in matches)
+    start = pages * groups[0].block_size + partial
+    # A window group maps nothing its window no longer reaches from the start (the match inside a page moves
+    # it), so an admission holds no more pages than a running chat's window and chunk.
+    return [replace(m, partial=partial, source=m.source if partial else None).from_page(group.first_needed(start))
+            for group, m in zip(groups, matches)]
+
+
+def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> int:
+    """Map seq's cached prefix in every group and take pages for its first chunk.
+
+    Returns the number of tokens to compute this step, or 0 (and changes nothing) when a group has no room.
+    The last prompt token is always computed: its logits pick the first new token. The first group counts the
+    prefix-cache lookup.
+    """
+    first = groups[0]
+    bs = first.block_size
+    hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
+    matches = common_match(groups, hashes, seq.token_ids)
+    start = matches[0].pages * bs + matches[0].partial
+    n = min(len(seq.token_ids) - start, token_budget)
+    if n <= 0 or not all(group.fits(m, start + n) for group, m in zip(groups, matches)):
+        return 0
+    for group, m in zip(groups, matches):
+        group.map_match(seq, hashes, m, start + n)
+    seq.num_computed = start
+    if not seq.prefix_counted:
+        seq.prefix_counted = True
+        seq.cached_tokens = start
+        first.counters.prefix_queries += len(seq.token_ids)
+        first.counters.prefix_hits += start
+        first.recent_lookups.append((len(seq.token_ids), start))
+    return n
