@@ -53,17 +53,20 @@ class GroupPool(Protocol):
     def first_needed(self, num_tokens: int) -> int: ...
 
 
-def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int]) -> list[Match]:
-    """Each group's part of the longest match all of them serve, with the longest partial page all extend it by.
-    A window group serving n pages may not serve fewer (the earlier ones it then needs may be gone), so the
-    length is lowered until every group agrees."""
+def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int],
+                 partial_page: bool = True) -> list[Match]:
+    """Each group's part of the longest match all of them serve, with the longest partial page all extend it by
+    (where partial_page). A window group serving n pages may not serve fewer (the earlier ones it then needs may
+    be gone), so the length is lowered until every group agrees."""
     pages = len(hashes)
     while True:
         agreed = min(group.longest_match(hashes, pages) for group in groups)
         if agreed == pages:
             break
         pages = agreed
-    matches = [group.partial_match(tokens, hashes, group.match(hashes, pages)) for group in groups]
+    matches = [group.match(hashes, pages) for group in groups]
+    if partial_page:
+        matches = [group.partial_match(tokens, hashes, m) for group, m in zip(groups, matches)]
     partial = min(m.partial for m in matches)
     start = pages * groups[0].block_size + partial
     # A window group maps nothing its window no longer reaches from the start (the match inside a page moves
@@ -82,10 +85,17 @@ def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> in
     first = groups[0]
     bs = first.block_size
     hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
-    matches = common_match(groups, hashes, seq.token_ids)
-    start = matches[0].pages * bs + matches[0].partial
-    n = min(len(seq.token_ids) - start, token_budget)
-    if n <= 0 or not all(group.fits(m, start + n) for group, m in zip(groups, matches)):
+    # Copying a partial page pins its source beside the fresh page it is copied into: in a pool with no page to
+    # spare, that one page more would keep the request out for good, so it is tried without.
+    for partial_page in (True, False):
+        matches = common_match(groups, hashes, seq.token_ids, partial_page)
+        start = matches[0].pages * bs + matches[0].partial
+        n = min(len(seq.token_ids) - start, token_budget)
+        if n <= 0:
+            return 0
+        if all(group.fits(m, start + n) for group, m in zip(groups, matches)):
+            break
+    else:
         return 0
     for group, m in zip(groups, matches):
         group.map_match(seq, hashes, m, start + n)
