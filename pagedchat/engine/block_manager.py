@@ -122,10 +122,6 @@ class BlockManager:
             else:
                 self.free.append(page)
 
-    def pending_ops(self) -> CopyPlan:
-        """The copies planned so far this step, without taking them."""
-        return CopyPlan(list(self._ops.swap_out), list(self._ops.swap_in), list(self._ops.cow))
-
     def take_ops(self) -> CopyPlan:
         ops, self._ops = self._ops, CopyPlan()
         self._taken.append(ops)

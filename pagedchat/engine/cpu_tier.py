@@ -52,9 +52,6 @@ class CpuTier:
     def held_pages(self) -> set[int]:
         return set(self._held)
 
-    def pending_release(self) -> list[int]:
-        return list(self._release_after_step)
-
     # ---- changes
     def _take(self) -> int:
         if self._free:
