@@ -98,6 +98,19 @@ def test_matmul_is_ggufs_weights_times_the_int8_activations(level, kind, make):
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(level, kind):
+    """Bit for bit, a row alone and the same row among 2, 8, 16 or 37: a chat's tokens must not change with the
+    number of chats decoding beside it."""
+    k = widths(kind)[-1]
+    linear = BlockLinear(torch.from_numpy(random_blocks(kind, 43, k, seed=1)), kind)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(37)])
+    for rows in (2, 8, 16, 37):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_ggufs_bit_for_bit(level, kind):
     """The rows an embedding lookup and the prefill path read: gguf's own dequantization, exactly."""
     for make in (quantized, random_blocks):

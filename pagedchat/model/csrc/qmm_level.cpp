@@ -526,7 +526,6 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 // activation codes then gives every row's partial dot in its own lane: a block's sum stays in integer adds, and
 // each conversion, scale and offset serves a lane per weight row where the per-row tiles spend them on one.
 constexpr int PANEL = PanelIsa::ROWS;
-constexpr int PANEL_MIN_ROWS = 4;  // fewer activation rows do not pay for building the panel
 
 template <int T>
 constexpr int HALVES = TWO_OFFSETS<T> ? 2 : 1;  // scale units per block: Q6_K has one per 16 weights
@@ -664,9 +663,11 @@ void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float
 template <int T>
 void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                float* y, int64_t ldy, uint8_t* scratch) {
-  // Q8_0's codes made unsigned reach 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127
-  // for every other type): without VNNI's dpbusd, which sums in int32, it keeps the per-row tiles.
-  if ((!SIGNED<T> || PanelIsa::DPBUSD) && m >= PANEL_MIN_ROWS)
+  // Every row count takes the panel, one chat's decode too (where it also wins): a row's result then does not
+  // depend on how many rows share the step, so a chat's tokens do not change with the other chats. Q8_0's codes
+  // made unsigned reach 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127 for every
+  // other type): without VNNI's dpbusd, which sums in int32, it keeps the per-row tiles, at every row count.
+  if (!SIGNED<T> || PanelIsa::DPBUSD)
     for (; n0 + PANEL <= n1; n0 += PANEL) panel_rows<T>(w, row_bytes, n0, x, m, y, ldy, scratch);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;

@@ -122,11 +122,15 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   const uint8_t* ws = w.data_ptr<uint8_t>();
   float* ys = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  // Rows per task: enough work that a split across threads pays for waking them.
-  const int64_t grain = std::max<int64_t>(4, (1 << 16) / std::max<int64_t>(1, k * m));
-  at::parallel_for(0, n, grain, [&](int64_t a, int64_t b) {
+  // Tasks take whole units of UNIT weight rows, so the levels' panels of 8 or 16 rows always start at the same
+  // rows: which rows share a panel, and so every output's rounding, must not depend on how the work is split
+  // (it would change with the number of activation rows). Units per task: enough work that a split across
+  // threads pays for waking them.
+  constexpr int64_t UNIT = 16;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
+  at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t a, int64_t b) {
     std::vector<uint8_t> scratch(qmm::scratch_bytes(k));
-    lv.matmul(int(type), ws, row_bytes, a, b, acts, m, ys, n, scratch.data());
+    lv.matmul(int(type), ws, row_bytes, a * UNIT, std::min(b * UNIT, n), acts, m, ys, n, scratch.data());
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
