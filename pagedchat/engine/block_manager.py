@@ -78,7 +78,7 @@ class BlockManager:
         for page in self._pinned:
             self.pool.unref(page)
         self._pinned.clear()
-        self.prefix.fresh.clear()
+        self.prefix.end_step()
         self._taken.clear()
         self.cpu.end_step()
 

@@ -86,6 +86,10 @@ class PrefixCache:
                 best, best_n = page, n
         return best, best_n
 
+    def end_step(self) -> None:
+        """The step's forward pass wrote the pages published in it: they may be copy sources from now on."""
+        self.fresh.clear()
+
     def record_lookup(self, queried: int, hit: int) -> None:
         self.recent_lookups.append((queried, hit))
 
