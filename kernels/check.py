@@ -51,11 +51,11 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=tor
     """
     gen = torch.Generator().manual_seed(seed)
     pages_needed = [math.ceil(ctx / block_size) for ctx, _ in seqs]
-    num_blocks = sum(pages_needed) + 3
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    num_pages = sum(pages_needed) + 3
+    pool = torch.randperm(num_pages, generator=gen).tolist()
     nan_page = pool.pop()  # never written: padding for block tables
 
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_pages, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     tables, keys, values = [], [], []

@@ -3,7 +3,7 @@
 Slow on purpose (a Python loop per token / sequence) so that each line can be checked by eye.
 The Triton kernels are tested against these, and these against dense SDPA on contiguous K/V.
 
-Layout: a cache is `[num_blocks, block_size, num_kv_heads, head_dim]`; slot = page * block_size + offset.
+Layout: a cache is `[num_pages, block_size, num_kv_heads, head_dim]`; slot = page * block_size + offset.
 """
 
 from __future__ import annotations

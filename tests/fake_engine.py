@@ -79,7 +79,7 @@ class PageContents:
     def check_cached(self, known: dict[int, list[int]]) -> None:
         """Every advertised page, on the GPU or the CPU tier, holds the content its hash names."""
         bs = self.bm.block_size
-        for h, page in self.bm.cached.items():
+        for h, page in self.bm.prefix.cached.items():
             if h in known:
                 assert [self.gpu.get((page, s)) for s in range(bs)] == known[h], "stale cached GPU page"
         for h, page in self.bm.cpu.cached_pages().items():

@@ -7,11 +7,11 @@ longer than the window is shared even after its early pages were evicted from th
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pagedchat.engine.pages import MemoryCounters, chain_hashes
+from pagedchat.engine.prefix_cache import PrefixCache
 from pagedchat.engine.sequence import Sequence
 
 
@@ -43,7 +43,7 @@ class GroupPool(Protocol):
 
     block_size: int
     counters: MemoryCounters
-    recent_lookups: deque[tuple[int, int]]
+    prefix: PrefixCache
 
     def longest_match(self, hashes: list[int], limit: int) -> int: ...
     def match(self, hashes: list[int], pages: int) -> Match | None: ...
@@ -105,5 +105,5 @@ def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> in
         seq.cached_tokens = start
         first.counters.prefix_queries += len(seq.token_ids)
         first.counters.prefix_hits += start
-        first.recent_lookups.append((len(seq.token_ids), start))
+        first.prefix.record_lookup(len(seq.token_ids), start)
     return n

@@ -291,8 +291,7 @@ class EngineCore:
         seq.finish_reason = reason
         seq.error = error
         outcome = seq.outcome()
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        self.scheduler.finish(seq)
         if self._live.get(seq.request_id) is seq:
             del self._live[seq.request_id]
         self._history[seq.request_id] = (list(seq.token_ids), seq.num_prompt_tokens)

@@ -18,7 +18,10 @@ class CpuTier:
     """Pages in host memory: cached pages offloaded from the GPU pool, and pages of swapped-out sequences.
 
     A CPU page is free, cached (content under a hash, reusable, least recently used evicted first), held by a
-    swapped-out sequence, or read by this step's copies and freed after it."""
+    swapped-out sequence, or read by this step's copies and freed after it.
+
+    Invariants, checked by check(): every page is in exactly one of those four states; the hash index and the
+    LRU name the same cached pages, each under one hash."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages

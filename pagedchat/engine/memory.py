@@ -155,16 +155,16 @@ def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: Ca
         for page in seq.block_table:
             if page != NULL_PAGE:
                 owners.setdefault(page, []).append(seq.request_id)
-    recent = list(block_manager.recent_lookups)
+    recent = list(block_manager.prefix.recent_lookups)
     counters = replace(block_manager.counters)
     return MemorySnapshot(
         num_pages=block_manager.num_pages,
-        free_pages=block_manager.num_available(),
-        cached_pages=len(block_manager.evictable),
+        free_pages=block_manager.pool.num_available(),
+        cached_pages=block_manager.pool.num_cached(),
         block_size=block_manager.block_size,
         page_bytes=plan.groups[0].page_bytes,
-        ref_counts=block_manager.ref_counts(),
-        page_states=list(block_manager.page_states()),
+        ref_counts=block_manager.pool.ref_counts(),
+        page_states=block_manager.pool.page_states(),
         shared_pages={p: ids for p, ids in owners.items() if len(ids) > 1},
         seqs={s.request_id: SequenceMemory(s.request_id, s.status.value, len(s.token_ids), s.num_computed,
                                            list(s.block_table), len(s.cpu_table), s.cached_tokens) for s in seqs},
@@ -186,6 +186,7 @@ def _group(manager: BlockManager, layout: GroupPlan, seqs: list[Sequence]) -> Gr
     released = sum(table.count(NULL_PAGE) for s in seqs
                    for table in (s.table(manager.group).block_table, s.table(manager.group).cpu_table))
     return GroupMemory(window=layout.window, layers=len(layout.layers), num_pages=manager.num_pages,
-                       used_pages=manager.num_pages - manager.num_available(), cached_pages=len(manager.evictable),
+                       used_pages=manager.num_pages - manager.pool.num_available(),
+                       cached_pages=manager.pool.num_cached(),
                        page_bytes=layout.page_bytes, released_pages=released,
                        released_total=manager.counters.window_released)

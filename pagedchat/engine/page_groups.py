@@ -122,4 +122,4 @@ class PageGroups:
     # ---- views -------------------------------------------------------------------------------------------
     def pages_used(self) -> list[int]:
         """Pages in use per group (mapped, or pinned for a copy)."""
-        return [group.num_pages - group.num_available() for group in self.groups]
+        return [group.num_pages - group.pool.num_available() for group in self.groups]

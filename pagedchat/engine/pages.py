@@ -1,6 +1,6 @@
 """The plain records of paging: a page, its chain hash, the copies a step needs, the pool's counters.
 
-No torch here, and no rules: block_manager.py decides what these hold.
+No torch here, and no rules: page_pool.py, prefix_cache.py and block_manager.py decide what these hold.
 """
 
 from __future__ import annotations

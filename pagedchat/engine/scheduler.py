@@ -5,6 +5,9 @@ prompt being prefilled takes what the budget leaves after every running decode h
 prefill), so a long paste never stalls the other chats. Then swapped-out sequences come back, then waiting
 ones are admitted. When a running sequence needs a page and none is left, the newest running sequence is
 preempted: swapped to the CPU tier, or dropped for recompute when the tier is full.
+
+The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
+queues and sets the status with the move, the end included (finish). Everything else only reads it.
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take seq out of every queue and release its pages (finish or cancel)."""
+    def finish(self, seq: Sequence) -> None:
+        """Take seq out of every queue and release its pages (it ended, was cancelled or failed)."""
         for queue in (self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
         self.block_manager.free_seq(seq)
+        seq.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)

@@ -38,7 +38,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)
-    status: SeqStatus = SeqStatus.WAITING
+    status: SeqStatus = SeqStatus.WAITING  # written by the scheduler alone (engine/scheduler.py)
     num_computed: int = 0                # leading tokens whose K/V are in the cache
     tables: list[PageTable] = field(default_factory=lambda: [PageTable()])  # one per layer group
     generator: torch.Generator | None = None

@@ -33,10 +33,13 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
 
 
 def state(bm: BlockManager):
-    """Everything a failed allocation must leave alone: every field of the manager and of its CPU tier."""
-    pages = [(p.ref, p.hash, p.parent, p.tokens) for p in bm.pages]
-    fields = {k: v for k, v in vars(bm).items() if k not in ("cpu", "pages")}
-    return copy.deepcopy((pages, fields, vars(bm.cpu)))
+    """Everything a failed allocation must leave alone: every field of the manager and of its parts."""
+    parts = (bm.pool, bm.prefix, bm.cpu)
+    pages = [(p.ref, p.hash, p.parent, p.tokens) for p in bm.pool.pages]
+
+    def own(obj) -> dict:  # an object's fields but the parts it points at (compared on their own)
+        return {k: v for k, v in vars(obj).items() if k != "pages" and not any(v is part for part in parts)}
+    return copy.deepcopy((pages, own(bm), own(bm.pool), own(bm.prefix), own(bm.cpu)))
 
 
 def seq_state(seq: Sequence):
@@ -52,9 +55,9 @@ def test_shared_prefix_maps_three_pages_and_takes_one():
     assert prefill(bm, b) == 5, "only the 5 tokens past the shared pages are computed"
     assert b.block_table[:3] == a.block_table[:3]
     assert b.block_table[3] not in a.block_table
-    assert [bm.pages[p].ref for p in a.block_table] == [2, 2, 2, 1] and bm.pages[b.block_table[3]].ref == 1
+    assert [bm.pool.pages[p].ref for p in a.block_table] == [2, 2, 2, 1] and bm.pool.pages[b.block_table[3]].ref == 1
     assert b.cached_tokens == 48 and bm.counters.prefix_hits == 48 and bm.counters.prefix_queries == 55 + 53
-    assert bm.num_available() == 16 - 5
+    assert bm.pool.num_available() == 16 - 5
     bm.check_invariants([a.block_table, b.block_table])
 
 
@@ -86,19 +89,19 @@ def test_prefix_inside_a_page_is_copied_not_recomputed():
     assert prefill(bm, b) == 6 and b.cached_tokens == 20
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
     assert bm.take_ops().cow == [(a.block_table[1], b.block_table[1])]
-    assert bm.pages[a.block_table[1]].ref == 2  # a's own reference and the pin
+    assert bm.pool.pages[a.block_table[1]].ref == 2  # a's own reference and the pin
     bm.check_invariants([a.block_table, b.block_table])
     bm.end_step()
-    assert bm.pages[a.block_table[1]].ref == 1
+    assert bm.pool.pages[a.block_table[1]].ref == 1
     bm.check_invariants([a.block_table, b.block_table])
     # A cached page with no owner left is pinned the same way, then goes back to the cached pool.
     source = a.block_table[1]
     bm.free_seq(a)
     c = make_seq(system + toks(3, 3), "c")
     assert prefill(bm, c) == 3 and c.cached_tokens == 20
-    assert a.block_table == [] and not bm.evictable, "the pinned source is not evictable while its copy is pending"
+    assert a.block_table == [] and not bm.pool.evictable, "the pinned source is not evictable while its copy is pending"
     bm.end_step()
-    assert list(bm.evictable) == [source]
+    assert list(bm.pool.evictable) == [source]
     bm.check_invariants([b.block_table, c.block_table])
 
 
@@ -108,13 +111,13 @@ def test_hit_on_freed_cached_pages_takes_them_out_of_the_pool():
     prefill(bm, a)
     full = a.block_table[:2]
     bm.free_seq(a)
-    assert list(bm.evictable) == full[::-1], "hashed pages stay cached, chain end first"
-    assert a.block_table == [] and bm.num_available() == 8
+    assert list(bm.pool.evictable) == full[::-1], "hashed pages stay cached, chain end first"
+    assert a.block_table == [] and bm.pool.num_available() == 8
     b = make_seq(toks(40) + [7], "b")
     assert prefill(bm, b) == 41 - 32
-    assert b.block_table[:2] == full and not bm.evictable
-    assert all(p not in bm.free for p in b.block_table)
-    assert [bm.pages[p].ref for p in full] == [1, 1] and bm.num_available() == 8 - 3
+    assert b.block_table[:2] == full and not bm.pool.evictable
+    assert all(p not in bm.pool.free for p in b.block_table)
+    assert [bm.pool.pages[p].ref for p in full] == [1, 1] and bm.pool.num_available() == 8 - 3
     bm.check_invariants([b.block_table])
 
 
@@ -125,7 +128,7 @@ def test_failed_allocations_change_nothing():
     cached = make_seq(toks(33, 5), "cached")
     prefill(bm, cached)
     bm.free_seq(cached)  # two cached pages and one free page are left
-    assert len(bm.evictable) == 2 and len(bm.free) == 1
+    assert len(bm.pool.evictable) == 2 and len(bm.pool.free) == 1
     bm.take_ops()
 
     # admit: shares a's two full pages, then needs 5 pages of its own; 3 are available
@@ -167,13 +170,13 @@ def test_reused_page_loses_its_old_hash():
     prefill(bm, a)
     old = dict(zip(a.page_hashes, a.block_table))
     bm.free_seq(a)
-    assert set(old) <= set(bm.cached)
+    assert set(old) <= set(bm.prefix.cached)
     b = make_seq(toks(64, 1), "b")  # four pages of other tokens: both cached pages are reused
     prefill(bm, b)
     assert bm.counters.evictions == 2
     for h, page in old.items():
-        assert h not in bm.cached and page in b.block_table
-    assert all(bm.pages[p].hash == h for p, h in zip(b.block_table, b.page_hashes))
+        assert h not in bm.prefix.cached and page in b.block_table
+    assert all(bm.pool.pages[p].hash == h for p, h in zip(b.block_table, b.page_hashes))
     bm.free_seq(b)
     again = make_seq(toks(40), "again")
     assert prefill(bm, again) == 40 and again.cached_tokens == 0, "nothing of a may hit any more"
@@ -188,16 +191,16 @@ def test_eviction_order_lru_and_chain_end_first():
     old_hashes = set(a.page_hashes) | set(b.page_hashes)
     bm.free_seq(a)
     bm.free_seq(b)
-    assert list(bm.evictable) == [a_pages[2], a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
+    assert list(bm.pool.evictable) == [a_pages[2], a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
     # using a's first page again makes it the most recently used
     c = make_seq(toks(16, 1) + [3], "c")
     prefill(bm, c)
     assert c.block_table[0] == a_pages[0]
     bm.free_seq(c)
     order = [a_pages[2], a_pages[1], b_pages[1], b_pages[0], a_pages[0]]
-    assert list(bm.evictable) == order
+    assert list(bm.pool.evictable) == order
     # take the free pages, then one page at a time: cached pages go in exactly that order
-    hog = make_seq(toks(len(bm.free) * BS, 7), "hog")
+    hog = make_seq(toks(len(bm.pool.free) * BS, 7), "hog")
     prefill(bm, hog)
     evicted = []
     for step in range(5):
@@ -205,7 +208,7 @@ def test_eviction_order_lru_and_chain_end_first():
         assert bm.prepare_write(hog, BS)
         hog.num_computed += BS
         evicted.append(hog.block_table[-1])
-    assert evicted == order and bm.counters.evictions == 5 and not old_hashes & set(bm.cached)
+    assert evicted == order and bm.counters.evictions == 5 and not old_hashes & set(bm.prefix.cached)
 
 
 # ---- decode --------------------------------------------------------------------------------------------------
@@ -215,18 +218,18 @@ def test_decode_append_takes_a_page_only_at_a_boundary():
     prefill(bm, seq)
     assert len(seq.block_table) == 2 and len(seq.page_hashes) == 1
     for token in range(12):  # positions 20..31: inside page 1
-        available = bm.num_available()
+        available = bm.pool.num_available()
         decode(bm, seq, token)
-        assert len(seq.block_table) == 2 and bm.num_available() == available
+        assert len(seq.block_table) == 2 and bm.pool.num_available() == available
         filled = seq.num_computed == 32
         assert len(seq.page_hashes) == (2 if filled else 1)
     page1 = seq.block_table[1]
-    assert bm.pages[page1].hash == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
-    assert bm.cached[seq.page_hashes[1]] == page1
-    available = bm.num_available()
+    assert bm.pool.pages[page1].hash == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
+    assert bm.prefix.cached[seq.page_hashes[1]] == page1
+    available = bm.pool.num_available()
     decode(bm, seq, 99)  # position 32: a new page
-    assert len(seq.block_table) == 3 and bm.num_available() == available - 1
-    assert bm.pages[seq.block_table[2]].hash is None
+    assert len(seq.block_table) == 3 and bm.pool.num_available() == available - 1
+    assert bm.pool.pages[seq.block_table[2]].hash is None
     bm.check_invariants([seq.block_table])
 
 
@@ -244,7 +247,7 @@ def forked(num_tokens: int) -> tuple[BlockManager, Sequence, Sequence]:
 def test_fork_shares_every_page_and_copies_on_first_write():
     bm, parent, child = forked(40)
     assert child.block_table == parent.block_table and child.num_computed == 40
-    assert [bm.pages[p].ref for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
+    assert [bm.pool.pages[p].ref for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
     bm.check_invariants([parent.block_table, child.block_table])
     bm.take_ops()
 
@@ -256,7 +259,7 @@ def test_fork_shares_every_page_and_copies_on_first_write():
     new = ops.cow[0][1]
     assert child.block_table == shared[:2] + [new], "only the written index changes"
     assert parent.block_table == shared and new not in shared
-    assert [bm.pages[p].ref for p in shared] == [2, 2, 1] and bm.pages[new].ref == 1
+    assert [bm.pool.pages[p].ref for p in shared] == [2, 2, 1] and bm.pool.pages[new].ref == 1
     assert bm.counters.cow_copies == 1
     # the parent now owns its partial page alone: no copy
     parent.token_ids.append(6)
@@ -265,7 +268,7 @@ def test_fork_shares_every_page_and_copies_on_first_write():
     bm.free_seq(parent)
     bm.free_seq(child)
     bm.check_invariants([])
-    assert bm.num_available() == 10
+    assert bm.pool.num_available() == 10
 
 
 def test_fork_at_a_page_boundary_needs_no_copy():
@@ -289,14 +292,14 @@ def test_duplicate_pages_are_kept_private_and_freed_uncached():
         seq.num_computed = 40
     assert not set(a.block_table) & set(b.block_table)
     assert a.page_hashes == b.page_hashes
-    assert [bm.cached[h] for h in a.page_hashes] == a.block_table[:2]
-    assert all(bm.pages[p].hash is None for p in b.block_table), "b's duplicate pages are not advertised"
-    assert all(bm.pages[p].ref == 1 for p in a.block_table + b.block_table)
+    assert [bm.prefix.cached[h] for h in a.page_hashes] == a.block_table[:2]
+    assert all(bm.pool.pages[p].hash is None for p in b.block_table), "b's duplicate pages are not advertised"
+    assert all(bm.pool.pages[p].ref == 1 for p in a.block_table + b.block_table)
     a_full = a.block_table[:2]
     bm.free_seq(b)
-    assert not bm.evictable and len(bm.free) == 8 - 3, "duplicates go straight back to the free pool"
+    assert not bm.pool.evictable and len(bm.pool.free) == 8 - 3, "duplicates go straight back to the free pool"
     bm.free_seq(a)
-    assert list(bm.evictable) == a_full[::-1]
+    assert list(bm.pool.evictable) == a_full[::-1]
     # a third request with that prompt maps a's pages
     c = make_seq(toks(40), "c")
     assert prefill(bm, c) == 8 and c.block_table[:2] == a_full
@@ -312,7 +315,7 @@ def test_swap_out_and_in_remaps_cached_pages_without_copying():
     ops = bm.take_ops()
     assert [g for g, _ in ops.swap_out] == pages and len(a.cpu_table) == 3 and not a.block_table
     assert bm.cpu.held_pages() == set(a.cpu_table) and bm.counters.swap_outs == 1
-    assert list(bm.evictable) == pages[:2][::-1], "its hashed pages stay cached on the GPU"
+    assert list(bm.pool.evictable) == pages[:2][::-1], "its hashed pages stay cached on the GPU"
     assert bm.swap_in(a, 1)
     ops = bm.take_ops()
     assert a.block_table[:2] == pages[:2], "still-cached full pages are mapped again"
@@ -333,10 +336,10 @@ def test_swap_in_makes_room_for_the_next_tokens():
     assert bm.swap_out(s)
     bm.take_ops()
     bm.end_step()
-    available = bm.num_available()
+    available = bm.pool.num_available()
     assert bm.swap_in(s, 1)
     assert s.block_table[:2] == old and len(s.block_table) == 3, "2 cached pages mapped again, 1 new page"
-    assert bm.num_available() == available - 3 and bm.pages[s.block_table[2]].ref == 1
+    assert bm.pool.num_available() == available - 3 and bm.pool.pages[s.block_table[2]].ref == 1
     bm.check_invariants([s.block_table])
 
 
@@ -355,7 +358,7 @@ def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
     assert prefill(bm, again) == 34 - 32 and again.cached_tokens == 32
     ops = bm.take_ops()
     assert len(ops.swap_in) == 2 and [g for _, g in ops.swap_in] == again.block_table[:2]
-    assert [bm.pages[p].hash for p in again.block_table[:2]] == again.page_hashes[:2]
+    assert [bm.pool.pages[p].hash for p in again.block_table[:2]] == again.page_hashes[:2]
 
 
 def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
@@ -369,7 +372,7 @@ def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
     y = make_seq(toks(48, 1), "y")  # evicts x's two pages to the CPU tier and fills the GPU with cached pages
     sim.prefill(y)
     bm.free_seq(y)
-    assert bm.cpu.num_cached() == 2 and not bm.cpu.free_pages() and not bm.free
+    assert bm.cpu.num_cached() == 2 and not bm.cpu.free_pages() and not bm.pool.free
     back = make_seq(toks(33) + [5], "back")
     sim.prefill(back)
     assert back.cached_tokens == 32
@@ -398,7 +401,7 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
     sim.apply(bm.take_ops())
     bm.end_step()
     sim.check(s, 33)
-    assert all(bm.cached.get(h) == p for h, p in zip(s.page_hashes, s.block_table))
+    assert all(bm.prefix.cached.get(h) == p for h, p in zip(s.page_hashes, s.block_table))
     bm.free_seq(s)
     check_cpu(bm)
     for salt in range(2, 8):  # churn through every GPU and CPU page

@@ -78,7 +78,7 @@ def test_fake_scheduler_preemption_by_swap_and_recompute():
         if cpu_pages == 40:
             assert c.swap_outs > 0
         eng.bm.check_invariants([])
-        assert eng.bm.num_available() == 10
+        assert eng.bm.pool.num_available() == 10
 
 
 def test_fake_scheduler_swapped_sequence_resumes_on_a_page_boundary():
@@ -106,7 +106,7 @@ def test_a_fault_in_one_requests_phase_fails_that_request_only(phase):
     assert f"injected into {phase.value}" in eng.ended[a].error
     eng.drain()
     assert eng.done[b] == (toks(9, 1), isolated(toks(9, 1), 8))
-    assert eng.bm.num_available() == eng.bm.num_pages
+    assert eng.bm.pool.num_available() == eng.bm.num_pages
 
 
 @pytest.mark.parametrize("phase", BATCH)
@@ -123,7 +123,7 @@ def test_a_fault_in_a_batch_phase_fails_that_steps_requests_and_no_other(phase):
     assert eng.ended[a].error == f"{phase.value} failed: InjectedFault: injected into {phase.value}"
     eng.drain()
     assert eng.done == {b: (toks(9, 1), isolated(toks(9, 1), 8))}
-    assert eng.bm.num_available() == eng.bm.num_pages
+    assert eng.bm.pool.num_available() == eng.bm.num_pages
 
 
 def test_a_planning_fault_fails_the_sequence_its_uncopied_swap_out_would_have_saved():
@@ -140,7 +140,7 @@ def test_a_planning_fault_fails_the_sequence_its_uncopied_swap_out_would_have_sa
     for rid in set(ids) - errors(eng):
         prompt, out = eng.done[rid]
         assert out == isolated(prompt, 12)
-    assert eng.bm.num_available() == eng.bm.num_pages
+    assert eng.bm.pool.num_available() == eng.bm.num_pages
 
 
 def test_a_planning_fault_forgets_the_offloads_it_planned():
@@ -150,7 +150,7 @@ def test_a_planning_fault_forgets_the_offloads_it_planned():
     eng = FakeEngine(num_pages=4, cpu_pages=8, budget=16, fault_hook=faults)
     a = eng.add(toks(9), 1)
     eng.drain()
-    assert eng.bm.cpu.num_cached() == 0 and len(eng.bm.evictable) == 2
+    assert eng.bm.cpu.num_cached() == 0 and len(eng.bm.pool.evictable) == 2
     faults.arm(Phase.SCHEDULE, when=lambda: eng.bm.counters.offloads > 0)
     b = eng.add(toks(13, 1), 3)
     eng.step()
@@ -264,7 +264,7 @@ def run_random_operations(ops, eng: FakeEngine, cpu_pages: int) -> None:
             event(name)  # what the examples exercised (--hypothesis-show-statistics)
     for m in eng.managers:
         m.check_invariants([])
-        assert m.num_available() == m.num_pages
+        assert m.pool.num_available() == m.num_pages
         assert not m.cpu.held_pages() and len(m.cpu.free_pages()) + m.cpu.num_cached() == cpu_pages
     assert set(eng.ended) == {rid for rid in added if rid is not None}, "a request never ended"
     for prompt, out in eng.done.values():

@@ -73,16 +73,17 @@ def test_a_prompt_shared_past_the_window_needs_only_the_window_groups_pages_in_r
     pages.free_seq(a)
     hashes = chain_hashes(prefix, BS, 8)
     window = pages.groups[1]
-    assert hashes[0] not in window.cached, "the window pool is too small to keep A's first page cached"
-    assert all(h in window.cached for h in hashes[6:8]) and all(h in pages.groups[0].cached for h in hashes)
+    assert hashes[0] not in window.prefix.cached, "the window pool is too small to keep A's first page cached"
+    assert all(h in window.prefix.cached for h in hashes[6:8])
+    assert all(h in pages.groups[0].prefix.cached for h in hashes)
 
     b = make_seq(prefix + [7, 8, 9], "b")
     n = pages.admit(b, 64)
     assert b.num_computed == 32 and n == 3 and b.cached_tokens == 32
     # B computes from position 32: its window reaches back to 27, page 6; pages 0..5 are not mapped at all.
     assert b.table(1).block_table[:6] == [NULL_PAGE] * 6
-    assert [window.pages[p].hash for p in b.table(1).block_table[6:8]] == hashes[6:8]
-    assert b.block_table[:8] == [pages.groups[0].cached[h] for h in hashes]
+    assert [window.pool.pages[p].hash for p in b.table(1).block_table[6:8]] == hashes[6:8]
+    assert b.block_table[:8] == [pages.groups[0].prefix.cached[h] for h in hashes]
     pages.check_invariants([b])
 
 
@@ -98,7 +99,7 @@ def test_a_window_group_that_lacks_a_page_in_reach_lowers_the_match_for_every_gr
     window = pages.groups[1]
     filler = make_seq(toks(20, salt=3), "filler")  # takes the window pool's free and least recent pages
     admit(pages, filler, 20)
-    served = [i for i, h in enumerate(hashes) if h in window.cached]
+    served = [i for i, h in enumerate(hashes) if h in window.prefix.cached]
     b = make_seq(prefix + [7], "b")
     pages.admit(b, 64)
     # The longest match is the one whose pages in reach the window group still holds, shorter than the
@@ -123,7 +124,7 @@ def test_a_fork_shares_the_live_window_pages_and_the_released_entries_stay_relea
     pages.check_invariants([parent, child])
     pages.free_seq(parent)
     pages.check_invariants([child])
-    assert all(pages.groups[1].pages[p].ref == 1 for p in live(child.table(1).block_table))
+    assert all(pages.groups[1].pool.pages[p].ref == 1 for p in live(child.table(1).block_table))
 
 
 def test_a_swapped_out_sequence_parks_only_its_live_window_pages_and_comes_back_with_its_released_entries():

@@ -223,14 +223,14 @@ def test_split_heuristic(tk, monkeypatch):
     (32, 8, 64, torch.float16),
 ])
 def test_write_kv(tk, block_size, kv_heads, head_dim, dtype):
-    num_blocks, t = 6, 40
+    num_pages, t = 6, 40
     gen = torch.Generator().manual_seed(1)
     # k and v as strided views into a fused qkv projection, as the engine produces them.
     qkv = torch.randn(t, 5 * kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     k, v = qkv[:, 3 * kv_heads:4 * kv_heads], qkv[:, 4 * kv_heads:]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEVICE)
+    slots = torch.randperm(num_pages * block_size, generator=gen)[:t].to(DEVICE)
     slots[::7] = -1
-    want = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    want = [torch.randn(num_pages, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
             for _ in range(2)]
     got = [c.clone() for c in want]
     reference.write_kv(*want, k, v, slots)
