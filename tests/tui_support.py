@@ -203,7 +203,7 @@ class ScriptedEngine:
     dtype = "float32"
     config = SimpleNamespace(max_position_embeddings=2048, vocab_size=320,
                              family=families.of_architecture("LlamaForCausalLM"))
-    cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024)
+    cache_plan = SimpleNamespace(num_pages=4, page_bytes=1024, groups=())
     model = SimpleNamespace(weight_precision="float32")
 
     def __init__(self, replies: list[str | tuple[str, str]], chunks: int = 3, first_token_s: float = 0.0) -> None:

@@ -30,6 +30,9 @@ class BackendInfo:
     block_size: int | None = None   # tokens per page
     num_pages: int | None = None
     page_bytes: int | None = None
+    # Every layer group's pages in bytes (engine/page_groups.py): with sliding-window layers, whose pools are
+    # smaller, less than num_pages * page_bytes.
+    pool_bytes: int | None = None
     vocab_size: int | None = None   # token ids run 0..vocab_size-1 (logit_bias, stop_token_ids name them)
 
 

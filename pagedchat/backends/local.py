@@ -26,6 +26,7 @@ class LocalBackend:
         self.info = BackendInfo(model=Path(str(engine.model_path)).name, where=f"on {engine.device} · {precision}",
                                 context_length=engine.config.max_position_embeddings, block_size=engine.block_size,
                                 num_pages=plan.num_pages, page_bytes=plan.page_bytes,
+                                pool_bytes=sum(g.num_pages * g.page_bytes for g in plan.groups) or None,
                                 vocab_size=engine.config.vocab_size)
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,

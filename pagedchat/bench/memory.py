@@ -35,7 +35,7 @@ def token_cost(config, dtype, info: BackendInfo) -> TokenCost:
 
     elem = torch.tensor([], dtype=dtype).element_size()
     slots = info.num_pages * info.block_size
-    pool_bytes = info.num_pages * info.page_bytes
+    pool_bytes = info.pool_bytes or info.num_pages * info.page_bytes
     return TokenCost(
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         dtype=str(dtype).removeprefix("torch."), dtype_bytes=elem,

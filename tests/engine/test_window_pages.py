@@ -151,3 +151,20 @@ def test_n_replies_fork_a_prompt_longer_than_the_window_and_stay_exact(windowed_
     for handle in handles:
         assert_same_greedy(ref, prompt, handle.result().token_ids, want)
     engine.shutdown()
+
+
+def test_the_backend_declares_the_pool_in_bytes_over_every_group(windowed_model):
+    """The status line and the bench size the pool from BackendInfo: with window groups, whose pools are
+    smaller, the pool's bytes are the groups' own, not the first group's pages at a full page each."""
+    from pagedchat.backends.local import LocalBackend
+    from pagedchat.bench.memory import token_cost
+
+    folder, _, _ = windowed_model
+    engine = engine_of(folder, pages=40)
+    info = LocalBackend(engine).info
+    snap = engine.memory()
+    assert info.pool_bytes == snap.pool_bytes == sum(g.num_pages * g.page_bytes for g in snap.groups)
+    # Gemma 3's window group has fewer pages than its global one; Mistral's one group is the whole pool.
+    assert (info.pool_bytes < info.num_pages * info.page_bytes) == (len(snap.groups) > 1)
+    assert token_cost(engine.config, engine.dtype, info).pool_bytes == info.pool_bytes
+    engine.shutdown()
