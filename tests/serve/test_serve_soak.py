@@ -174,7 +174,11 @@ def test_soak(server):
     with HealthWatch(server.url) as health, SlowSockets(int(server.url.rsplit(":", 1)[1]), SLOW_SOCKETS) as slow:
         asyncio.run(soak())
     took = time.monotonic() - started
-    assert health.codes == {200} and max(health.latencies) < 0.2, sorted(health.latencies)[-5:]
+    # A blocked event loop stalls every probe for seconds; one probe late by a few hundred ms is the scheduler of
+    # a shared 2-core machine, so the bound is on nearly every probe, and a looser one on all of them.
+    latencies = sorted(health.latencies)
+    assert health.codes == {200} and latencies[int(len(latencies) * 0.95)] < 0.2 and latencies[-1] < 1.0, \
+        latencies[-5:]
     assert HEAD_DEADLINE_S * 3 < took < SOAK_LIMIT_S
     assert slow.reopened >= SLOW_SOCKETS, "the server closes sockets that never finish a request head"
     assert {p.kind for requests in plan for p in requests} == set(Kind)
