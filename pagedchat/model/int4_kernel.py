@@ -10,7 +10,8 @@ over.
 The library is built with the machine's C++ compiler against the installed torch with -march=native, into the
 cache folder, under a name keyed by the source, torch and the CPU. `pagedchat pull` builds it. An engine that
 finds it missing starts the build in a background process and runs on torch's kernel until the library loads.
-Without AVX-512, without a compiler, or with PAGEDCHAT_INT4_KERNEL=0, torch's kernel serves.
+Without AVX-512 or without a compiler torch's kernel serves. PAGEDCHAT_INT4_KERNEL=0 turns the int4 path off
+where pagedchat's block kernels run (linear.Placement), and leaves torch's kernel where they do not.
 """
 
 from __future__ import annotations
