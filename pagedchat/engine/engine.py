@@ -325,7 +325,12 @@ class Engine:
             self._end_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
 
     def step(self) -> list[Update]:
-        """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False)."""
+        """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False). By
+        hand it still runs on the compute thread: stepped on the caller's own, a second OpenMP team would slow
+        every step (engine/compute_thread.py). A stopped engine's thread is gone: nothing to step."""
+        return [] if self._stopped else self._compute.call(self._step)
+
+    def _step(self) -> list[Update]:
         if self._stopped:
             return []
         with self._lock:

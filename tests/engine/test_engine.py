@@ -362,3 +362,19 @@ def test_weight_bytes_count_every_tensor_once(tmp_path, tie):
     engine = Engine(str(folder), kv_cache_memory="4MiB", dtype="float32")
     assert engine.model.weight_bytes() == expected
     engine.shutdown()
+
+
+def test_stepping_by_hand_runs_on_the_engines_compute_thread(tmp_path):
+    """A caller stepping the engine from its own thread must not start a second OpenMP team (it doubled every
+    step, engine/compute_thread.py): the step, and so its callbacks, run on the engine's thread."""
+    import threading
+
+    engine = Engine(str(make_tiny_model(tmp_path / "m")), kv_cache_memory="4MiB", dtype="float32", autostart=False)
+    threads = set()
+    engine.submit([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True),
+                  on_update=lambda update: threads.add(threading.current_thread().name))
+    while engine.has_work():
+        engine.step()
+    assert threads == {"pagedchat-engine"}
+    engine.shutdown()
+    assert engine.step() == [], "a stopped engine steps nothing, and does not wait for its gone thread"
