@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,12 @@ int64_t check_weight(const at::Tensor& w, int64_t type) {
   return w.size(1) / bytes * values;  // k
 }
 
+// A task's scratch, left unset: the levels write every byte they read, and zeroing a panel's worth on every
+// call would be work in the hot path for nothing.
+std::unique_ptr<uint8_t[]> scratch_for(int64_t k) {
+  return std::unique_ptr<uint8_t[]>(new uint8_t[qmm::scratch_bytes(k)]);
+}
+
 at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t level) {
   const int64_t k = check_weight(w, type);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "]");
@@ -129,8 +136,8 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   constexpr int64_t UNIT = 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
   at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t a, int64_t b) {
-    std::vector<uint8_t> scratch(qmm::scratch_bytes(k));
-    lv.matmul(int(type), ws, row_bytes, a * UNIT, std::min(b * UNIT, n), acts, m, ys, n, scratch.data());
+    const auto scratch = scratch_for(k);
+    lv.matmul(int(type), ws, row_bytes, a * UNIT, std::min(b * UNIT, n), acts, m, ys, n, scratch.get());
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
@@ -143,8 +150,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
   at::parallel_for(0, w.size(0), 16, [&](int64_t a, int64_t b) {
-    std::vector<uint8_t> scratch(qmm::scratch_bytes(k));
-    lv.dequantize(int(type), ws + a * row_bytes, row_bytes, k, b - a, os + a * k, scratch.data());
+    const auto scratch = scratch_for(k);
+    lv.dequantize(int(type), ws + a * row_bytes, row_bytes, k, b - a, os + a * k, scratch.get());
   });
   return out;
 }
