@@ -75,6 +75,18 @@ def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[
             for group, m in zip(groups, matches)]
 
 
+def _plan(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int], token_budget: int,
+          partial_page: bool) -> tuple[list[Match], int, int]:
+    """The common match, where computing starts, and how many tokens this step computes."""
+    matches = common_match(groups, hashes, tokens, partial_page)
+    start = matches[0].pages * groups[0].block_size + matches[0].partial
+    return matches, start, min(len(tokens) - start, token_budget)
+
+
+def _fits(groups: tuple[GroupPool, ...], matches: list[Match], num_tokens: int) -> bool:
+    return all(group.fits(m, num_tokens) for group, m in zip(groups, matches))
+
+
 def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> int:
     """Map seq's cached prefix in every group and take pages for its first chunk.
 
@@ -85,17 +97,14 @@ def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> in
     first = groups[0]
     bs = first.block_size
     hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
-    # Copying a partial page pins its source beside the fresh page it is copied into: in a pool with no page to
-    # spare, that one page more would keep the request out for good, so it is tried without.
-    for partial_page in (True, False):
-        matches = common_match(groups, hashes, seq.token_ids, partial_page)
-        start = matches[0].pages * bs + matches[0].partial
-        n = min(len(seq.token_ids) - start, token_budget)
-        if n <= 0:
-            return 0
-        if all(group.fits(m, start + n) for group, m in zip(groups, matches)):
-            break
-    else:
+    matches, start, n = _plan(groups, hashes, seq.token_ids, token_budget, partial_page=True)
+    fits = n > 0 and _fits(groups, matches, start + n)
+    if not fits and n > 0 and matches[0].partial:
+        # Copying a partial page pins its source beside the fresh page it is copied into: in a pool with no page
+        # to spare, that one page more would keep the request out for good, so it is tried without.
+        matches, start, n = _plan(groups, hashes, seq.token_ids, token_budget, partial_page=False)
+        fits = n > 0 and _fits(groups, matches, start + n)
+    if not fits:
         return 0
     for group, m in zip(groups, matches):
         group.map_match(seq, hashes, m, start + n)
