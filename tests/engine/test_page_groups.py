@@ -19,23 +19,35 @@ def two_groups(global_pages: int = 32, window_pages: int = 8, cpu_pages: int = 0
                        BlockManager(window_pages, BS, cpu_pages, group=1, window=WINDOW)))
 
 
-def step(pages: PageGroups, seq, n: int) -> None:
-    """One engine step of n tokens for a running seq, as the scheduler and the core do it around a forward."""
-    assert pages.prepare_write(seq, n)
+def compute(pages: PageGroups, seq, n: int) -> None:
+    """The rest of a step that computes seq's next n tokens, once its pages are there."""
     pages.register_full_pages(seq, seq.num_computed + n)
     pages.take_ops()
     seq.num_computed += n
     pages.end_step()
+
+
+def step(pages: PageGroups, seq, n: int) -> None:
+    """One engine step of n tokens for a running seq, as the scheduler and the core do it around a forward."""
+    assert pages.prepare_write(seq, n)
+    compute(pages, seq, n)
 
 
 def admit(pages: PageGroups, seq, budget: int) -> int:
     n = pages.admit(seq, budget)
     assert n > 0
-    pages.register_full_pages(seq, seq.num_computed + n)
-    pages.take_ops()
-    seq.num_computed += n
-    pages.end_step()
+    compute(pages, seq, n)
     return n
+
+
+def cached_prefix(pages: PageGroups, prefix: list[int]) -> list[int]:
+    """A chat over prefix run to its end in chunks of 4 and freed, its pages left cached: their chain hashes."""
+    a = make_seq(prefix + [900], "a")
+    admit(pages, a, 4)
+    while a.num_computed < len(a.token_ids):
+        step(pages, a, 4 if a.num_computed + 4 <= len(a.token_ids) else 1)
+    pages.free_seq(a)
+    return chain_hashes(prefix, BS, len(prefix) // BS)
 
 
 def live(table: list[int]) -> list[int]:
@@ -66,12 +78,7 @@ def test_a_prompt_shared_past_the_window_needs_only_the_window_groups_pages_in_r
     chain, and the window group's pages from the first page B's window reaches."""
     pages = two_groups(window_pages=6)
     prefix = toks(32, salt=1)
-    a = make_seq(prefix + [900], "a")
-    admit(pages, a, 4)
-    while a.num_computed < len(a.token_ids):
-        step(pages, a, 4 if a.num_computed + 4 <= len(a.token_ids) else 1)
-    pages.free_seq(a)
-    hashes = chain_hashes(prefix, BS, 8)
+    hashes = cached_prefix(pages, prefix)
     window = pages.groups[1]
     assert hashes[0] not in window.prefix.cached, "the window pool is too small to keep A's first page cached"
     assert all(h in window.prefix.cached for h in hashes[6:8])
@@ -90,12 +97,7 @@ def test_a_prompt_shared_past_the_window_needs_only_the_window_groups_pages_in_r
 def test_a_window_group_that_lacks_a_page_in_reach_lowers_the_match_for_every_group():
     pages = two_groups(window_pages=6)
     prefix = toks(32, salt=2)
-    a = make_seq(prefix + [900], "a")
-    admit(pages, a, 4)
-    while a.num_computed < len(a.token_ids):
-        step(pages, a, 4 if a.num_computed + 4 <= len(a.token_ids) else 1)
-    pages.free_seq(a)
-    hashes = chain_hashes(prefix, BS, 8)
+    hashes = cached_prefix(pages, prefix)
     window = pages.groups[1]
     filler = make_seq(toks(20, salt=3), "filler")  # takes the window pool's free and least recent pages
     admit(pages, filler, 20)

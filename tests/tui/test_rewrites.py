@@ -141,9 +141,7 @@ async def test_editing_twice_through_the_walk_and_the_palette_keeps_every_earlie
         await screen_is_disk(pilot)
 
         # And through the palette: pick q1 (the list starts on the newest of your messages).
-        await palette(pilot, "Edit a message")
-        await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the pick")
-        await pilot.press("up", "enter")
+        await palette_pick(pilot, "Edit a message", "up")
         await resend(pilot, "q1 edited")
         assert contents(session)[:3] == earlier[:2] + ["q1 edited"] and len(contents(session)) == 4
         assert isinstance(app.focused, PromptInput)
@@ -174,6 +172,23 @@ async def show(app, session) -> None:
     await app.chats.activated(session)
 
 
+async def palette_pick(pilot, command: str, *keys: str) -> None:
+    """A message action through the palette: the command, then the message picked by keys (the list starts on
+    the newest of your messages)."""
+    await palette(pilot, command)
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, PickScreen), "the pick")
+    await pilot.press(*keys, "enter")
+
+
+async def on_message(pilot, by_keys: bool, index: int, key: str, command: str, *picks: str) -> None:
+    """A message action through the walk (to message `index`, then its key) or through the palette's pick."""
+    if by_keys:
+        await walk_to(pilot, index)
+        await pilot.press(key)
+    else:
+        await palette_pick(pilot, command, *picks)
+
+
 async def key_or_palette(pilot, by_keys: bool, key: str, command: str) -> None:
     """The same action through its key or through the command palette."""
     if by_keys:
@@ -197,13 +212,7 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
         await screen_is_disk(pilot)
 
         # Edit (the walk's e, or the palette's pick).
-        if by_keys:
-            await walk_to(pilot, 2)
-            await pilot.press("e")
-        else:
-            await palette(pilot, "Edit a message")
-            await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the pick")
-            await pilot.press("up", "enter")
+        await on_message(pilot, by_keys, 2, "e", "Edit a message", "up")
         await resend(pilot, "q1 again")
         assert contents(first)[:3] == ["q0", "answer 0", "q1 again"] and len(contents(first)) == 4
         await screen_is_disk(pilot)
@@ -217,13 +226,7 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
 
         # Branch at the first reply: a new tab with the first two messages, the original untouched.
         kept = contents(first)
-        if by_keys:
-            await walk_to(pilot, 1)
-            await pilot.press("b")
-        else:
-            await palette(pilot, "Branch chat at a message")
-            await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the pick")
-            await pilot.press("up", "up", "enter")
+        await on_message(pilot, by_keys, 1, "b", "Branch chat at a message", "up", "up")
         await wait_for(pilot, lambda: len(app.sessions) == 2, "the branch")
         branch = app.active_session
         assert contents(branch) == kept[:2] and contents(first) == kept
