@@ -1,8 +1,13 @@
 """The one place attention meets the paged KV cache.
 
 `write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
-tables. Both pick the torch path (CPU, and anywhere Triton is missing) or the Triton kernels (CUDA) here and
-nowhere else. PAGEDCHAT_ATTENTION=torch|triton forces either, for tests and comparison.
+tables. Both pick their path here and nowhere else (`backend`):
+- "native": on the CPU, decode steps run pagedchat's own kernel (model/csrc/attend_level.cpp, built with the
+  quantized matmuls), which reads each sequence's pages where they lie; prefill chunks take the torch path.
+- "torch": the CPU without that kernel, and anywhere Triton is missing.
+- "triton": CUDA.
+PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's
+kernels are loaded: PAGEDCHAT_KERNEL=off turns it off with them).
 
 The torch path gathers each sequence's pages into a padded batch and runs SDPA; in decode steps it reads the
 pages that every sequence shares (a common system prompt) once for the whole batch and merges the two partial
@@ -40,20 +45,37 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+PATHS = ("torch", "triton", "native")
+# The cache dtypes the native kernel reads; others (float16) take the torch path.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def backend(device: torch.device) -> str:
+    """The attention path for a model on device: PAGEDCHAT_ATTENTION's, else the fastest one here. Call it once
+    pagedchat's kernels are loaded (model/qmm.py), as building a model's weights does."""
+    from pagedchat.model import qmm
+
+    native = device.type == "cpu" and qmm.ready()  # the kernel is built with the quantized matmuls
     forced = os.environ.get("PAGEDCHAT_ATTENTION", "").lower()
-    if forced in ("torch", "triton"):
-        return forced
+    if forced in PATHS:
+        return "torch" if forced == "native" and not native else forced
     if device.type == "cuda":
         from pagedchat.kernels import triton_available
 
         if triton_available():
             return "triton"
-    return "torch"
+    return "native" if native else "torch"
 
 
-def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, use_triton: bool) -> None:
-    if use_triton:
+def describe(path: str) -> str:
+    """A path in words, for the bench's header."""
+    return {"native": "pagedchat's kernel for decodes, read straight from the pages; torch's SDPA for prompts",
+            "torch": "torch's SDPA over gathered pages",
+            "triton": "pagedchat's Triton kernels"}[path]
+
+
+def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, path: str) -> None:
+    if path == "triton":
         from pagedchat.kernels import write_kv as triton_write_kv
 
         triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -63,18 +85,29 @@ def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, use_triton: bool) 
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, use_triton: bool,
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, path: str,
                     window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim], causal over each sequence's cached context; with a
-    window, a query at position p sees the keys at p - window + 1 .. p only (transformers' sliding window)."""
-    if use_triton:
+    window, a query at position p sees the keys at p - window + 1 .. p only (transformers' sliding window).
+    path: one of PATHS (see backend)."""
+    if path == "triton":
         from pagedchat.kernels import paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
                                 scale, meta.max_query_len, meta.max_context_len, window or 0)
+    native = path == "native" and k_cache.dtype in NATIVE_DTYPES
     if meta.decode_only:
-        return _decode_torch(q, k_cache, v_cache, meta, scale, window)
-    return _varlen_torch(q, k_cache, v_cache, meta, scale, window)
+        return _decode(q, k_cache, v_cache, meta, scale, window, native)
+    return _varlen_torch(q, k_cache, v_cache, meta, scale, window, native)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
+            native: bool) -> torch.Tensor:
+    if native:
+        from pagedchat.model import qmm
+
+        return qmm.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window or 0)
+    return _decode_torch(q, k_cache, v_cache, meta, scale, window)
 
 
 def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int, dtype,
@@ -269,12 +302,14 @@ def _chunk(seq: int, start: int, qlen: int, ctx: int, device: torch.device) -> _
     return _Chunk(seq, start, qlen, ctx, torch.arange(ctx, device=device)[None, :] <= rows)
 
 
-def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                  native: bool) -> torch.Tensor:
     """Chunk by chunk: causal inside the chunk, full over the cached prefix; decodes batched (see _MixedPlan)."""
     out = torch.empty_like(q)
     plan = _mixed_plan(meta, q.device)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale, window)
+        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale, window,
+                                        native)
     block_size = k_cache.shape[1]
     dtype = _math_dtype(q)
     for chunk in plan.chunks:

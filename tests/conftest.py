@@ -91,8 +91,12 @@ def default_model() -> Path:
 
 @pytest.fixture
 def shared_prefix_reads(monkeypatch) -> list[int]:
-    """Counts the decode attention calls that read the pages every chat shares once for all of them."""
+    """Counts the decode attention calls that read the pages every chat shares once for all of them: the torch
+    path's cascade, which this fixture makes the engines of the test run (the native kernel reads each
+    sequence's pages where they lie, shared or not)."""
     from pagedchat import attention
+
+    monkeypatch.setenv("PAGEDCHAT_ATTENTION", "torch")
 
     calls: list[int] = []
     read_once = attention._with_shared_prefix

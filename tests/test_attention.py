@@ -1,4 +1,5 @@
-"""The torch attention path (CPU, and wherever Triton is missing) against the reference, on paged batches."""
+"""The CPU attention paths against the reference, on paged batches: torch's (and wherever Triton is missing),
+and pagedchat's native decode kernel (model/csrc/attend_level.cpp) on every level this CPU runs."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ from pagedchat import attention
 from pagedchat.attention import AttentionMetadata
 from pagedchat.kernels import reference
 from pagedchat.kernels.check import make_batch
+from pagedchat.model import qmm
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # atol = rtol
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None):
-    """The torch path's output, the reference's, and the step's plan (decode or mixed); window: a sliding
-    window layer's."""
-    batch = make_batch(seqs, heads, kv_heads, 64, 16, dtype, share_pages=share_pages)
-    # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the same
-    # with the NaN that make_batch leaves there.
-    batch.k_cache.nan_to_num_(0.0)
-    batch.v_cache.nan_to_num_(0.0)
+def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None, path="torch", head_dim=64):
+    """The path's output, the reference's, and the step's plan (decode or mixed; the torch path's); window: a
+    sliding window layer's."""
+    batch = make_batch(seqs, heads, kv_heads, head_dim, 16, dtype, share_pages=share_pages)
+    if path == "torch":
+        # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the
+        # same with the NaN that make_batch leaves there. The native kernel must never read them.
+        batch.k_cache.nan_to_num_(0.0)
+        batch.v_cache.nan_to_num_(0.0)
     qlens = [q for _, q in seqs]
     ctx = [c for c, _ in seqs]
     tables = batch.block_tables.tolist()
@@ -30,8 +33,7 @@ def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None):
         slot_mapping=torch.tensor(slots), query_start_loc=batch.query_start_loc,
         context_lens=batch.context_lens, block_tables=batch.block_tables, query_lens=qlens,
         context_lens_host=ctx, max_query_len=max(qlens), max_context_len=max(ctx))
-    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, use_triton=False,
-                                    window=window)
+    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale, path, window=window)
     want = reference.paged_attention(*batch.args(), window or 0)
     assert got.dtype == dtype and got.shape == batch.q.shape
     return got, want, meta._decode_plans.get(window) or meta._mixed_plan
@@ -96,3 +98,40 @@ def test_sliding_window_decode_and_chunks(monkeypatch, dtype, window):
     _assert_close(got, want)
     got, want, _ = _run([(90, 23), (70, 1), (40, 40), (16, 1), (5, 5)], dtype, window=window)
     _assert_close(got, want)
+
+
+@pytest.fixture(params=[lv.name for lv in qmm.levels_to_build()])
+def native_level(request, kernels):
+    """pagedchat's kernels at the parameter's level (skipped where this CPU runs none such)."""
+    kernels(request.param)
+    return request.param
+
+
+@DTYPES
+@pytest.mark.parametrize("window", [None, 1, 20, 48])
+def test_native_decode(native_level, dtype, window):
+    """Decodes straight from the pages: padded tables, a shared prefix, grouped heads, a window, and the
+    decodes of a mixed step; never a slot past a context (those hold NaN here)."""
+    for seqs in ([(100, 1), (70, 1), (1, 1), (33, 1), (16, 1), (48, 1)], [(90, 23), (70, 1), (40, 40), (16, 1)]):
+        got, want, _ = _run(seqs, dtype, share_pages=1, window=window, path="native")
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])
+def test_native_decode_shapes(native_level, heads, kv_heads, head_dim):
+    """Head sizes that are not a multiple of the kernel's lanes, one query head per KV head, and many."""
+    got, want, _ = _run([(37, 1), (200, 1), (5, 1)], torch.float32, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, path="native")
+    _assert_close(got, want)
+
+
+def test_native_decode_is_the_same_on_every_level(kernels):
+    """The kernel's sums keep one order, so every level this CPU runs gives the same bits (the near-tie rule of
+    a model's tokens then does not depend on the CPU's level)."""
+    kernels("portable")
+    outputs = {}
+    for name in qmm.runnable():
+        qmm.use(name)
+        outputs[name], _, _ = _run([(100, 1), (70, 1), (33, 1)], torch.float32, share_pages=2, path="native")
+    first = next(iter(outputs.values()))
+    assert all(torch.equal(first, out) for out in outputs.values()), list(outputs)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
+from pagedchat import attention
 from pagedchat.backends.local import LocalBackend
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
@@ -59,7 +60,8 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         kernels = "; ".join(paths)
         base = dict(config=cfg, model=ModelInfo(str(engine.model_path), engine.config.architecture,
                                                 str(engine.dtype).removeprefix("torch."),
-                                                engine.model.weight_precision, kernels),
+                                                engine.model.weight_precision, kernels,
+                                                attention.describe(engine.model.attention)),
                     peer_builds=tuple(f"{p.name}: {p.build}" for p in peers if p.build),
                     workload=WorkloadInfo(len(work.system_ids), tuple(len(p) - len(work.system_ids)
                                                                       for p in work.prompts),

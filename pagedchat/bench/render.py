@@ -49,6 +49,8 @@ def header_lines(report: Report) -> list[str]:
         lines.append(f"this CPU's best level: {m.cpu_level}")
     if report.model.kernels:
         lines.append(f"weights {report.model.weights}; quantized matmuls: {report.model.kernels}")
+    if report.model.attention:
+        lines.append(f"attention: {report.model.attention}")
     lines += report.peer_builds
     alternating = [PAGEDCHAT] + [p.label for lv in report.levels[:1] for p in lv.peers if p.every_round]
     if cfg.repeat > 1:

@@ -163,7 +163,7 @@ class DecoderModel:
         tables = {spec.rope: RotaryTable(spec.rope, config.head_dim, config.max_position_embeddings, device, dtype)
                   for spec in config.layers if spec.rope is not None}
         self.rope_tables = [tables.get(spec.rope) for spec in config.layers]
-        self.use_triton = backend(device) == "triton"
+        self.attention = backend(device)  # after the weights: the native path needs pagedchat's kernels loaded
 
     def _embedding(self, weight, tied: bool, build: Builder):
         """The token table: the packed head itself when tied and readable by rows, a packed copy of a
@@ -239,8 +239,8 @@ class DecoderModel:
                 qk = apply_rope(qk, *turns[id(table)])
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta, self.use_triton)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.use_triton, layer.spec.window)
+            write_kv(k_cache, v_cache, k, v, meta, self.attention)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention, layer.spec.window)
             out = layer.o(attn.reshape(t, -1))
             x.add_(out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
             h = norm(x, layer.post_norm, eps)

@@ -36,7 +36,9 @@ from pagedchat import paths
 
 ENV = "PAGEDCHAT_KERNEL"  # a level's name, or "off"
 CSRC = Path(__file__).with_name("csrc")
-LEVEL_SOURCE, TORCH_SOURCE, HEADER = CSRC / "qmm_level.cpp", CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
+# Each level is these sources built with its flags: the matmuls, and decode attention over the paged cache.
+LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "attend_level.cpp")
+TORCH_SOURCE, HEADER = CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
 # GGML's ids for the types the library runs (qmm.h).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
@@ -141,7 +143,7 @@ def unavailable() -> str | None:
 def library_path() -> Path:
     """Where this machine's build lives. Every level is inside and picked at run time, so the CPU's own flags
     are not part of the name: the same library serves any CPU of this architecture."""
-    parts = [p.read_bytes() for p in (LEVEL_SOURCE, TORCH_SOURCE, HEADER)]
+    parts = [p.read_bytes() for p in (*LEVEL_SOURCES, TORCH_SOURCE, HEADER)]
     parts += [torch.__version__.encode(), platform.machine().encode(), platform.python_implementation().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return paths.cache_dir() / "kernels" / f"qmm-{key}.so"
@@ -158,9 +160,9 @@ def _common() -> list[str]:
     return ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", f"-I{CSRC}"]
 
 
-def level_command(lv: Level, out: Path) -> list[str]:
+def level_command(lv: Level, source: Path, out: Path) -> list[str]:
     return [compiler(), *_common(), *lv.flags, f"-DQMM_SYMBOL={symbol(lv)}", f'-DQMM_NAME="{lv.name}"', "-c",
-            str(LEVEL_SOURCE), "-o", str(out)]
+            str(source), "-o", str(out)]
 
 
 def torch_command(built: list[Level], out: Path) -> list[str]:
@@ -187,18 +189,20 @@ def build(target: Path, only: tuple[Level, ...] | None = None) -> list[str]:
     target.parent.mkdir(parents=True, exist_ok=True)
     wanted = only or levels_to_build()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
-        objs = {lv: Path(work) / f"{lv.name}.o" for lv in wanted}
-        jobs = {lv: _start(level_command(lv, o)) for lv, o in objs.items()}
-        results = {lv: (job, *job.communicate()) for lv, job in jobs.items()}
-        built = [lv for lv, (job, _, _) in results.items() if job.returncode == 0]
-        errors = {lv.name: err for lv, (job, _, err) in results.items() if job.returncode != 0}
+        objs = {lv: [Path(work) / f"{lv.name}-{src.stem}.o" for src in LEVEL_SOURCES] for lv in wanted}
+        jobs = {lv: [_start(level_command(lv, src, o)) for src, o in zip(LEVEL_SOURCES, objs[lv])] for lv in wanted}
+        results = {lv: [(job, *job.communicate()) for job in level_jobs] for lv, level_jobs in jobs.items()}
+        built = [lv for lv, runs in results.items() if all(job.returncode == 0 for job, _, _ in runs)]
+        errors = {lv.name: "".join(err for job, _, err in runs if job.returncode != 0)
+                  for lv, runs in results.items() if lv not in built}
         if PORTABLE in wanted and PORTABLE not in built:
             _fail(target, errors["portable"])
         if errors:
             log.info("kernel levels this compiler could not build: %s", ", ".join(errors))
         glue = Path(work) / "qmm_torch.o"
         out = Path(work) / target.name
-        for command in (torch_command(built, glue), link_command([glue, *(objs[lv] for lv in built)], out)):
+        for command in (torch_command(built, glue), link_command([glue, *(o for lv in built for o in objs[lv])],
+                                                                       out)):
             job = _start(command)
             _, err = job.communicate()
             if job.returncode != 0:
@@ -301,3 +305,12 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """The blocks' rows in float32, exactly as gguf's own dequantization computes them."""
     return torch.ops.pagedchat_qmm.dequantize(blocks, TYPES[kind], _state.index)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """One decode step's attention read straight from the pages (attention.py's native path): q [B, heads, D],
+    the caches [pages, block_size, kv_heads, D] (float32 or bfloat16), int32 block tables [B, pages] and context
+    lengths [B]; window 0 for none. The result in q's dtype."""
+    return torch.ops.pagedchat_qmm.attend(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                          _state.index)

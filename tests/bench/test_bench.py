@@ -11,7 +11,7 @@ import math
 import platform
 import pytest
 
-from pagedchat import bench
+from pagedchat import attention, bench
 from pagedchat.bench import config as bench_config
 from pagedchat.bench import llamacpp
 from pagedchat.bench.config import BenchConfig, BenchError
@@ -355,6 +355,7 @@ def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     header = "\n".join(header_lines(rep))
     assert f"this CPU's best level: {qmm.best_label()}" in header
     assert f"quantized matmuls: {qmm.describe()}" in header and "Q8_0 packed" in header
+    assert f"attention: {attention.describe('native')}" in header
     assert "llama.cpp: built for " in header and ("AVX2" in header or platform.machine() != "x86_64")
 
 

@@ -14,7 +14,7 @@ from pagedchat import Engine, SamplingParams
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 folder = make_tiny_model({folder!r}, tie=False, heads=4, kv_heads=2, head_dim=16, layers=2, **{model!r})
 engine = Engine(str(folder), kv_cache_memory="2MiB", max_tokens_per_step=64)
-assert engine.model.use_triton, "the Triton path was not chosen"
+assert engine.model.attention == "triton", "the Triton path was not chosen"
 ref = load_reference(folder)
 prompts = [engine.tokenizer.encode("paged blocks " * n)[:n] for n in (3, 17, 40)]
 outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))

@@ -212,7 +212,7 @@ def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
     broken = tmp_path / "qmm_level.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(qmm, "LEVEL_SOURCE", broken)
+    monkeypatch.setattr(qmm, "LEVEL_SOURCES", (broken, *qmm.LEVEL_SOURCES[1:]))
     monkeypatch.setattr(qmm, "_state", qmm.State())
     marker = qmm.failure_path(qmm.library_path())
     assert qmm.ensure() == f"compiling pagedchat's kernels failed (see {marker})"

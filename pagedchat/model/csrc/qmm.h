@@ -21,6 +21,34 @@ struct Activations {
   int64_t k, m;
 };
 
+// One decode step's attention over paged K/V (attend_level.cpp): q [batch][heads][head_dim] float32, the caches
+// [pages][block_size][kv_heads][head_dim] float32 or bfloat16, out like q.
+struct AttendArgs {
+  const float* q;
+  const void* k;
+  const void* v;
+  bool bf16;
+  const int32_t* block_tables;  // [batch][table_stride]
+  int64_t table_stride;
+  const int32_t* context_lens;  // [batch]: the keys each sequence attends to, its new one included
+  int64_t heads, kv_heads, head_dim, block_size;
+  float scale;
+  int64_t window;  // a query sees its last `window` keys only; 0: all of them
+  float* out;
+};
+
+// A page's score slots in attend's scratch: its block size rounded up to whole vectors of 8.
+inline int64_t attend_slots(const AttendArgs& a) { return (a.block_size + 7) / 8 * 8; }
+// A task's scratch for attend, in floats.
+inline int64_t attend_scratch(const AttendArgs& a) {
+  return a.heads / a.kv_heads * (a.head_dim + attend_slots(a) + 2);
+}
+
+// A name local to the level being compiled: attend_avx2, ...
+#define QMM_JOIN2(a, b) a##_##b
+#define QMM_JOIN(a, b) QMM_JOIN2(a, b)
+#define QMM_LOCAL(name) QMM_JOIN(name, QMM_SYMBOL)
+
 struct Level {
   const char* name;
   // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays.
@@ -33,6 +61,9 @@ struct Level {
   // rows weight rows, dequantized exactly (the file's d * q + m in float32) into out [rows][k].
   void (*dequantize)(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows, float* out,
                      uint8_t* scratch);
+  // Units [u0, u1) of (sequence, KV head), unit = sequence * kv_heads + head, each with every query head of its
+  // group. scratch: attend_scratch(a) floats.
+  void (*attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);
 };
 
 inline int64_t scratch_bytes(int64_t k) { return 24 * k + 256; }

@@ -765,6 +765,8 @@ void dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_
 
 }  // namespace
 
-extern const Level QMM_SYMBOL = {QMM_NAME, quantize, matmul, dequantize};
+void QMM_LOCAL(attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);  // attend_level.cpp
+
+extern const Level QMM_SYMBOL = {QMM_NAME, quantize, matmul, dequantize, QMM_LOCAL(attend)};
 
 }  // namespace qmm

@@ -156,10 +156,45 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
   return out;
 }
 
+// One decode step's attention straight from the pages (attend_level.cpp): q [batch, heads, head_dim], the caches
+// [pages, block_size, kv_heads, head_dim] in float32 or bfloat16, each sequence's block table and context length.
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+                  int64_t level) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q must be [batch, heads, head_dim] and the caches [pages, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous float32 or bfloat16, both alike");
+  const int64_t batch = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && kv_heads > 0 && heads % kv_heads == 0, "q's heads do not match the caches'");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  context_lens.scalar_type() == at::kInt && context_lens.numel() == batch,
+              "block_tables must be int32 [batch, pages] and context_lens int32 [batch]");
+  const auto q = q_in.to(at::kFloat).contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = context_lens.contiguous();
+  auto out = at::empty({batch, heads, d}, q.options());
+  const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.scalar_type() == at::kBFloat16, tables.data_ptr<int32_t>(), tables.size(1),
+                             lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
+                             out.data_ptr<float>()};
+  const qmm::Level& lv = level_at(level);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t a, int64_t b) {
+    std::unique_ptr<float[]> scratch(new float[qmm::attend_scratch(args)]);
+    lv.attend(args, a, b, scratch.get());
+  });
+  return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("levels() -> str[]", &levels);
   m.def("matmul(Tensor x, Tensor w, int type, int level) -> Tensor", &matmul);
   m.def("dequantize(Tensor w, int type, int level) -> Tensor", &dequantize);
+  m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
+        "int window, int level) -> Tensor",
+        &attend);
 }

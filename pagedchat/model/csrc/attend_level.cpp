@@ -1,0 +1,208 @@
+// Paged decode attention, one instruction-set level: built beside qmm_level.cpp with the same flags, into the
+// same library (see pagedchat/model/qmm.py), and picked with it.
+//
+// Each (sequence, KV head) reads its keys and values straight from the pages its block table names, with every
+// query head of its group at once, and keeps a running softmax per head (flash decoding's online form, a page
+// at a time). torch's path first gathers each sequence's pages into a padded batch, a copy of every key and
+// value per layer and step, then runs SDPA: at one chat the gathers and the calls cost more than the arithmetic.
+//
+// The loops run over eight floats at a time in a vector type the compiler maps onto whatever vectors the level
+// has; the sums keep one order whatever the level, so every level gives the same numbers bit for bit. As in
+// qmm_level.cpp, nothing here may use an inline function of a header shared with other levels.
+
+#include <stdint.h>
+
+#include "qmm.h"
+
+#ifndef QMM_SYMBOL
+#error "build with -DQMM_SYMBOL=<level>"
+#endif
+
+namespace qmm {
+namespace {
+
+// Eight floats in GCC's (and Clang's) vector extension: one AVX register on the x86 levels, two SSE or NEON
+// registers elsewhere, the same IEEE operations in the same order everywhere.
+constexpr int LANES = 8;
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+typedef uint16_t h8 __attribute__((vector_size(16)));
+
+inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+
+inline f8 load(const float* p) {
+  f8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
+  h8 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return reinterpret_cast<f8>(__builtin_convertvector(h, u8) << 16);
+}
+inline void store(float* p, f8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline float value(const float* p, int64_t i) { return p[i]; }
+inline float value(const uint16_t* p, int64_t i) { return __builtin_bit_cast(float, uint32_t(p[i]) << 16); }
+
+// The lanes' sum, always in this order.
+inline float sum(f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+inline float top(f8 v) {
+  float m = v[0];
+  for (int j = 1; j < LANES; ++j) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+template <typename E>
+inline float dot(const float* q, const E* k, int64_t d) {
+  f8 acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + LANES <= d; i += LANES) acc += load(q + i) * load(k + i);
+  float s = sum(acc);
+  for (; i < d; ++i) s += q[i] * value(k, i);
+  return s;
+}
+
+// Four keys' scores at once (four independent sums in flight), each the same sum as dot's.
+template <typename E>
+inline void dot4(const float* q, const E* k, int64_t row, int64_t d, float scale, float* s) {
+  f8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + LANES <= d; i += LANES) {
+    const f8 qv = load(q + i);
+    a0 += qv * load(k + i);
+    a1 += qv * load(k + row + i);
+    a2 += qv * load(k + 2 * row + i);
+    a3 += qv * load(k + 3 * row + i);
+  }
+  float r[4] = {sum(a0), sum(a1), sum(a2), sum(a3)};
+  for (; i < d; ++i)
+    for (int j = 0; j < 4; ++j) r[j] += q[i] * value(k + j * row, i);
+  for (int j = 0; j < 4; ++j) s[j] = r[j] * scale;
+}
+
+// e^x for x <= 0 (a score less the running maximum), to float32's precision (Cephes' expf polynomial), lane by
+// lane. Below -87 (a masked slot's -inf included) it gives 0: e^-87 is far under any weight that counts beside
+// the maximum's 1.
+inline f8 exp_nonpositive(f8 x) {
+  const f8 low = splat(-87.f);
+  const i8 gone = x < low;
+  x = gone ? low : x;
+  const f8 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to a whole number
+  const f8 n = (x * 1.44269504088896341f + magic) - magic;
+  f8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
+  return gone ? splat(0.f) : p * reinterpret_cast<f8>(e);
+}
+
+// out = out * shrink + sum over t in [t0, t1) of w[t] * v[t], the values' rows `row` floats apart: four vectors of
+// out at a time, four sums in flight.
+template <typename E>
+inline void add_values(const float* w, const E* v, int64_t row, int64_t t0, int64_t t1, int64_t d, float shrink,
+                       float* out) {
+  int64_t i = 0;
+  for (; i + 4 * LANES <= d; i += 4 * LANES) {
+    f8 o0 = load(out + i) * shrink, o1 = load(out + i + LANES) * shrink;
+    f8 o2 = load(out + i + 2 * LANES) * shrink, o3 = load(out + i + 3 * LANES) * shrink;
+    for (int64_t t = t0; t < t1; ++t) {
+      const E* vt = v + t * row + i;
+      o0 += w[t] * load(vt);
+      o1 += w[t] * load(vt + LANES);
+      o2 += w[t] * load(vt + 2 * LANES);
+      o3 += w[t] * load(vt + 3 * LANES);
+    }
+    store(out + i, o0), store(out + i + LANES, o1), store(out + i + 2 * LANES, o2), store(out + i + 3 * LANES, o3);
+  }
+  for (; i + LANES <= d; i += LANES) {
+    f8 o = load(out + i) * shrink;
+    for (int64_t t = t0; t < t1; ++t) o += w[t] * load(v + t * row + i);
+    store(out + i, o);
+  }
+  for (; i < d; ++i) {
+    float o = out[i] * shrink;
+    for (int64_t t = t0; t < t1; ++t) o += w[t] * value(v + t * row, i);
+    out[i] = o;
+  }
+}
+
+// Where one unit keeps its running state (attend_scratch in qmm.h sizes it).
+struct State {
+  float* acc;    // [group][d]: the weighted sum of values
+  float* score;  // [group][slots]: a page's scores, then their weights; -inf outside the page's keys
+  float* high;   // [group]: the running maximum
+  float* mass;   // [group]: the running sum of e^(score - high)
+  int64_t slots;
+};
+
+template <typename E>
+void attend_unit(const AttendArgs& a, int64_t unit, const State& st) {
+  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, group = a.heads / a.kv_heads, d = a.head_dim;
+  const int64_t bs = a.block_size, row = a.kv_heads * d;  // a token's K (or V) row holds every KV head
+  const E* keys = static_cast<const E*>(a.k);
+  const E* values = static_cast<const E*>(a.v);
+  const float* q = a.q + (b * a.heads + h * group) * d;
+  for (int64_t i = 0; i < group * d; ++i) st.acc[i] = 0.f;
+  for (int64_t g = 0; g < group; ++g) st.high[g] = -__builtin_inff(), st.mass[g] = 0.f;
+
+  const int64_t len = a.context_lens[b];
+  const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
+  const int32_t* table = a.block_tables + b * a.table_stride;
+  for (int64_t p = first / bs; p * bs < len; ++p) {
+    const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
+    const int64_t base = int64_t(table[p]) * bs * row + h * d;
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = st.score + g * st.slots;
+      for (int64_t t = 0; t < st.slots; ++t) s[t] = -__builtin_inff();
+      int64_t t = t0;
+      for (; t + 4 <= t1; t += 4) dot4(q + g * d, keys + base + t * row, row, d, a.scale, s + t);
+      for (; t < t1; ++t) s[t] = dot(q + g * d, keys + base + t * row, d) * a.scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = st.score + g * st.slots;
+      f8 most = splat(st.high[g]);
+      for (int64_t t = 0; t < st.slots; t += LANES) {
+        const f8 v = load(s + t);
+        most = v > most ? v : most;
+      }
+      const float high = top(most);
+      const float shrink = exp_nonpositive(splat(st.high[g] - high))[0];  // 0 while nothing was seen
+      f8 total = splat(0.f);
+      for (int64_t t = 0; t < st.slots; t += LANES) {
+        const f8 w = exp_nonpositive(load(s + t) - high);
+        total += w;
+        store(s + t, w);
+      }
+      st.mass[g] = st.mass[g] * shrink + sum(total);
+      st.high[g] = high;
+      add_values(s, values + base, row, t0, t1, d, shrink, st.acc + g * d);
+    }
+  }
+  float* out = a.out + (b * a.heads + h * group) * d;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = st.mass[g] > 0.f ? st.acc[g * d + i] / st.mass[g] : 0.f;
+}
+
+}  // namespace
+
+void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
+  const int64_t group = a.heads / a.kv_heads, slots = attend_slots(a);
+  const State st{scratch, scratch + group * a.head_dim, scratch + group * (a.head_dim + slots),
+                 scratch + group * (a.head_dim + slots + 1), slots};
+  for (int64_t u = unit0; u < unit1; ++u) {
+    if (a.bf16)
+      attend_unit<uint16_t>(a, u, st);
+    else
+      attend_unit<float>(a, u, st);
+  }
+}
+
+}  // namespace qmm
