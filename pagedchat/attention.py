@@ -2,7 +2,7 @@
 
 `write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
 tables. Both pick their path here and nowhere else (`backend`):
-- "native": on the CPU, decode steps run pagedchat's own kernel (model/csrc/attend_level.cpp, built with the
+- "native": on the CPU, decode steps run pagedchat's own kernel (model/csrc/layer_level.cpp, built with the
   quantized matmuls), which reads each sequence's pages where they lie; prefill chunks take the torch path.
 - "torch": the CPU without that kernel, and anywhere Triton is missing.
 - "triton": CUDA.

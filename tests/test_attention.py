@@ -1,5 +1,5 @@
 """The CPU attention paths against the reference, on paged batches: torch's (and wherever Triton is missing),
-and pagedchat's native decode kernel (model/csrc/attend_level.cpp) on every level this CPU runs."""
+and pagedchat's native decode kernel (model/csrc/layer_level.cpp) on every level this CPU runs."""
 
 from __future__ import annotations
 

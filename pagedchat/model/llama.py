@@ -164,6 +164,12 @@ class DecoderModel:
                   for spec in config.layers if spec.rope is not None}
         self.rope_tables = [tables.get(spec.rope) for spec in config.layers]
         self.attention = backend(device)  # after the weights: the native path needs pagedchat's kernels loaded
+        # A float32 step of packed weights runs its norms, rotary turn with cache write, and silu(gate) * up as
+        # one call each of pagedchat's kernels (csrc/layer_level.cpp) instead of several torch ops. Its numbers
+        # differ from torch's in the last bits, as the packed matmuls' do; dense weights keep torch's ops, whose
+        # float32 tokens equal transformers' bit for bit.
+        self.native_steps = self.runs_blocks and dtype == torch.float32 and self.attention == "native"
+        self.native_act = self.native_steps and family.activation is Activation.SILU
 
     def _embedding(self, weight, tied: bool, build: Builder):
         """The token table: the packed head itself when tied and readable by rows, a packed copy of a
@@ -221,31 +227,51 @@ class DecoderModel:
 
         kv: each layer's K and V pages, [pages, block_size, kv_heads, head_dim] each; metas: each layer's
         attention metadata (its layer group's block tables, engine/model_runner.py)."""
-        cfg, norm = self.config, self.norm_fn
+        cfg = self.config
         eps = cfg.rms_norm_eps
+        norm = qmm.norm if self.native_steps else self.norm_fn
         t = input_ids.shape[0]
         x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
         turns = {}  # rotary table -> (cos, sin) at this step's positions, looked up once per table
         for layer, table, (k_cache, v_cache), meta in zip(self.layers, self.rope_tables, kv, metas):
             h = norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
-            # q and k sit side by side in qkv: one norm call and one rotary call treat both.
-            qk = qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            if layer.qk_norm is not None:
-                qk = norm(qk, layer.qk_norm, eps)
-            if table is not None:
-                if id(table) not in turns:
-                    turns[id(table)] = table.at(positions, meta.max_context_len)
-                qk = apply_rope(qk, *turns[id(table)])
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(k_cache, v_cache, k, v, meta, self.attention)
+            if table is not None and id(table) not in turns:
+                turns[id(table)] = table.at(positions, meta.max_context_len)
+            turn = turns.get(id(table))
+            if self.native_steps and turn is not None and layer.qk_norm is None:
+                cos, sin = (c.view(t, -1) for c in turn)
+                q = qmm.rope_write(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, cfg.num_heads,
+                                   cfg.num_kv_heads)
+            else:
+                q = self._turn_and_write(qkv, layer, turn, k_cache, v_cache, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention, layer.spec.window)
             out = layer.o(attn.reshape(t, -1))
             x.add_(out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
             h = norm(x, layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            out = layer.down(self.act(gate).mul(up))
+            out = layer.down(self._act_mul(layer.gate_up(h)))
             x.add_(out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, eps))
         x = norm(x[logits_rows], self.norm, eps)
         return self.lm_head(x).float()
+
+    def _turn_and_write(self, qkv: torch.Tensor, layer: Layer, turn, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """torch's ops: q and k normed (where the family has q/k norms) and turned, k and v written into the
+        cache; returns q [T, heads, head_dim]."""
+        cfg, t = self.config, qkv.shape[0]
+        # q and k sit side by side in qkv: one norm call and one rotary call treat both.
+        qk = qkv[:, : self.qk_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        if layer.qk_norm is not None:
+            qk = self.norm_fn(qk, layer.qk_norm, cfg.rms_norm_eps)
+        if turn is not None:
+            qk = apply_rope(qk, *turn)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, self.qk_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        write_kv(k_cache, v_cache, k, v, meta, self.attention)
+        return q
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native_act:
+            return qmm.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate).mul(up)

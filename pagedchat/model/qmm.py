@@ -37,7 +37,7 @@ from pagedchat import paths
 ENV = "PAGEDCHAT_KERNEL"  # a level's name, or "off"
 CSRC = Path(__file__).with_name("csrc")
 # Each level is these sources built with its flags: the matmuls, and decode attention over the paged cache.
-LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "attend_level.cpp")
+LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "layer_level.cpp")
 TORCH_SOURCE, HEADER = CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
 # GGML's ids for the types the library runs (qmm.h).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -314,3 +314,21 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     lengths [B]; window 0 for none. The result in q's dtype."""
     return torch.ops.pagedchat_qmm.attend(q, k_cache, v_cache, block_tables, context_lens, scale, window,
                                           _state.index)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of float32 rows [T, H] times weight [H], in one call (model/llama.py's native steps)."""
+    return torch.ops.pagedchat_qmm.norm(x, weight, eps, _state.index)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for float32 [T, 2 I] holding gate and up side by side -> [T, I]."""
+    return torch.ops.pagedchat_qmm.silu_mul(gate_up, _state.index)
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """q and k of float32 qkv [T, (heads + 2 kv_heads) * D] turned by cos and sin [T, rotary dims] (sin's first
+    half negated, as llama.rope_table makes them), k and v written into the float32 caches at slots; returns q
+    [T, heads, D]."""
+    return torch.ops.pagedchat_qmm.rope_write(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, _state.index)

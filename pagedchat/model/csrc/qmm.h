@@ -21,7 +21,7 @@ struct Activations {
   int64_t k, m;
 };
 
-// One decode step's attention over paged K/V (attend_level.cpp): q [batch][heads][head_dim] float32, the caches
+// One decode step's attention over paged K/V (layer_level.cpp): q [batch][heads][head_dim] float32, the caches
 // [pages][block_size][kv_heads][head_dim] float32 or bfloat16, out like q.
 struct AttendArgs {
   const float* q;
@@ -35,6 +35,19 @@ struct AttendArgs {
   float scale;
   int64_t window;  // a query sees its last `window` keys only; 0: all of them
   float* out;
+};
+
+// One step's rotary turn of q and k, with k and v written into the caches (layer_level.cpp).
+struct RopeArgs {
+  const float* qkv;     // [tokens][(heads + 2 * kv_heads) * head_dim]: q, k, v side by side
+  const float* cos;     // [tokens][rot], sin's first half negated (the model's rope_table)
+  const float* sin;
+  int64_t rot;          // the rotary dims: the leading rot of each head turn, the rest are copied
+  const int64_t* slots; // [tokens]: page * block_size + offset
+  float* k_cache;       // [slots][kv_heads][head_dim]
+  float* v_cache;
+  int64_t heads, kv_heads, head_dim;
+  float* q;             // [tokens][heads][head_dim], turned
 };
 
 // A page's score slots in attend's scratch: its block size rounded up to whole vectors of 8.
@@ -64,6 +77,12 @@ struct Level {
   // Units [u0, u1) of (sequence, KV head), unit = sequence * kv_heads + head, each with every query head of its
   // group. scratch: attend_scratch(a) floats.
   void (*attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);
+  // Rows [r0, r1) of x [rows][h]: x / sqrt(mean(x^2) + eps) * w.
+  void (*norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out);
+  // Rows [r0, r1) of gate_up [rows][2 n]: silu(gate) * up, into out [rows][n].
+  void (*silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out);
+  // Tokens [t0, t1) of a step (RopeArgs).
+  void (*rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
 };
 
 inline int64_t scratch_bytes(int64_t k) { return 24 * k + 256; }

@@ -765,8 +765,14 @@ void dequantize(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_
 
 }  // namespace
 
-void QMM_LOCAL(attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);  // attend_level.cpp
+// layer_level.cpp
+void QMM_LOCAL(attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);
+void QMM_LOCAL(norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out);
+void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out);
+void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
 
-extern const Level QMM_SYMBOL = {QMM_NAME, quantize, matmul, dequantize, QMM_LOCAL(attend)};
+extern const Level QMM_SYMBOL = {QMM_NAME,        quantize,           matmul,
+                                 dequantize,      QMM_LOCAL(attend),  QMM_LOCAL(norm),
+                                 QMM_LOCAL(silu_mul), QMM_LOCAL(rope_write)};
 
 }  // namespace qmm

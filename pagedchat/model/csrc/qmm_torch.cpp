@@ -156,7 +156,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
   return out;
 }
 
-// One decode step's attention straight from the pages (attend_level.cpp): q [batch, heads, head_dim], the caches
+// One decode step's attention straight from the pages (layer_level.cpp): q [batch, heads, head_dim], the caches
 // [pages, block_size, kv_heads, head_dim] in float32 or bfloat16, each sequence's block table and context length.
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
@@ -188,6 +188,65 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
 }
 
+// Rows a task takes in the row-wise ops: enough values that waking a thread pays.
+int64_t row_grain(int64_t width) { return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, width)); }
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              " must be contiguous float32 [rows, width]");
+}
+
+// x / sqrt(mean(x^2) + eps) * w, row by row (layer_level.cpp).
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t level) {
+  check_rows(x, "x");
+  const int64_t h = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h, "w must be float32 [", h, "]");
+  auto out = at::empty_like(x);
+  const qmm::Level& lv = level_at(level);
+  const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), row_grain(h), [&](int64_t a, int64_t b) { lv.norm(xs, ws, h, float(eps), a, b, os); });
+  return out;
+}
+
+// silu(gate) * up for gate_up [rows, 2 n] -> [rows, n].
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t level) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up side by side");
+  const int64_t n = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+  const qmm::Level& lv = level_at(level);
+  const float* gs = gate_up.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.silu_mul(gs, n, a, b, os); });
+  return out;
+}
+
+// q and k turned by the rotary table's rows, k and v written into the caches at slots; returns q [T, heads, D].
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, int64_t kv_heads,
+                      int64_t level) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t t = qkv.size(0), d = k_cache.size(-1);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv must be [tokens, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == t && cos.size(1) <= d && cos.size(1) % 2 == 0,
+              "cos and sin must be [tokens, rotary dims]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
+              "slots must be int64 [tokens]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(-2) == kv_heads,
+              "the caches must be contiguous float32 [..., kv_heads, head_dim]");
+  auto q = at::empty({t, heads, d}, qkv.options());
+  const qmm::RopeArgs args{qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
+                           slots.data_ptr<int64_t>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                           heads, kv_heads, d, q.data_ptr<float>()};
+  const qmm::Level& lv = level_at(level);
+  at::parallel_for(0, t, row_grain(qkv.size(1)), [&](int64_t a, int64_t b) { lv.rope_write(args, a, b); });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedchat_qmm, m) {
@@ -197,4 +256,9 @@ TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int window, int level) -> Tensor",
         &attend);
+  m.def("norm(Tensor x, Tensor w, float eps, int level) -> Tensor", &norm);
+  m.def("silu_mul(Tensor gate_up, int level) -> Tensor", &silu_mul);
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int heads, int kv_heads, int level) -> Tensor",
+        &rope_write);
 }

@@ -1,10 +1,15 @@
-// Paged decode attention, one instruction-set level: built beside qmm_level.cpp with the same flags, into the
-// same library (see pagedchat/model/qmm.py), and picked with it.
+// The decoder's per-step work besides its matmuls, one instruction-set level: built beside qmm_level.cpp with the
+// same flags, into the same library (see pagedchat/model/qmm.py), and picked with it.
 //
-// Each (sequence, KV head) reads its keys and values straight from the pages its block table names, with every
-// query head of its group at once, and keeps a running softmax per head (flash decoding's online form, a page
-// at a time). torch's path first gathers each sequence's pages into a padded batch, a copy of every key and
-// value per layer and step, then runs SDPA: at one chat the gathers and the calls cost more than the arithmetic.
+// Decode attention: each (sequence, KV head) reads its keys and values straight from the pages its block table
+// names, with every query head of its group at once, and keeps a running softmax per head (flash decoding's
+// online form, a page at a time). torch's path first gathers each sequence's pages into a padded batch, a copy
+// of every key and value per layer and step, then runs SDPA: at one chat the gathers and the calls cost more
+// than the arithmetic.
+//
+// RMS norm, the rotary turn with the cache write, and silu(gate) * up: a float32 step of packed weights runs
+// each as one call where torch takes three to six, and at one chat those small calls, one after another on
+// one core, were as long as a third of the step's matmuls.
 //
 // The loops run over eight floats at a time in a vector type the compiler maps onto whatever vectors the level
 // has; the sums keep one order whatever the level, so every level gives the same numbers bit for bit. As in
@@ -82,13 +87,14 @@ inline void dot4(const float* q, const E* k, int64_t row, int64_t d, float scale
   for (int j = 0; j < 4; ++j) s[j] = r[j] * scale;
 }
 
-// e^x for x <= 0 (a score less the running maximum), to float32's precision (Cephes' expf polynomial), lane by
-// lane. Below -87 (a masked slot's -inf included) it gives 0: e^-87 is far under any weight that counts beside
-// the maximum's 1.
-inline f8 exp_nonpositive(f8 x) {
-  const f8 low = splat(-87.f);
+// e^x to float32's precision (Cephes' expf polynomial), lane by lane, branch free. Below -87 (a masked slot's
+// -inf included) it gives 0, far under any weight that counts beside a softmax maximum's 1; above 88 it stays
+// at e^88 rather than overflowing.
+inline f8 exp8(f8 x) {
+  const f8 low = splat(-87.f), high = splat(88.f);
   const i8 gone = x < low;
   x = gone ? low : x;
+  x = x > high ? high : x;
   const f8 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to a whole number
   const f8 n = (x * 1.44269504088896341f + magic) - magic;
   f8 r = x - n * 0.693359375f;
@@ -174,10 +180,10 @@ void attend_unit(const AttendArgs& a, int64_t unit, const State& st) {
         most = v > most ? v : most;
       }
       const float high = top(most);
-      const float shrink = exp_nonpositive(splat(st.high[g] - high))[0];  // 0 while nothing was seen
+      const float shrink = exp8(splat(st.high[g] - high))[0];  // 0 while nothing was seen
       f8 total = splat(0.f);
       for (int64_t t = 0; t < st.slots; t += LANES) {
-        const f8 w = exp_nonpositive(load(s + t) - high);
+        const f8 w = exp8(load(s + t) - high);
         total += w;
         store(s + t, w);
       }
@@ -191,7 +197,66 @@ void attend_unit(const AttendArgs& a, int64_t unit, const State& st) {
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = st.mass[g] > 0.f ? st.acc[g * d + i] / st.mass[g] : 0.f;
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// The rest of a float32 step, row by row.
+
+void norm_row(const float* x, const float* w, int64_t h, float eps, float* out) {
+  f8 acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + LANES <= h; i += LANES) {
+    const f8 v = load(x + i);
+    acc += v * v;
+  }
+  float squares = sum(acc);
+  for (int64_t j = i; j < h; ++j) squares += x[j] * x[j];
+  const float scale = 1.f / __builtin_sqrtf(squares / float(h) + eps);
+  for (i = 0; i + LANES <= h; i += LANES) store(out + i, load(x + i) * scale * load(w + i));
+  for (; i < h; ++i) out[i] = x[i] * scale * w[i];
+}
+
+void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const f8 g = load(gate + i);
+    store(out + i, g / (1.f + exp8(-g)) * load(up + i));
+  }
+  for (; i < n; ++i) {  // the tail through the same vector code, one lane used
+    f8 g = splat(gate[i]);
+    out[i] = (g / (1.f + exp8(-g)))[0] * up[i];
+  }
+}
+
+// dst = src turned by cos and sin (sin's first half negated: x * cos + rotate_half(x) * sin, as the model's
+// apply_rope); dims past the rotary ones are copied.
+void turn(const float* src, const float* cos, const float* sin, int64_t rot, int64_t d, float* dst) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * cos[i] + src[i + half] * sin[i];
+  for (int64_t i = half; i < rot; ++i) dst[i] = src[i] * cos[i] + src[i - half] * sin[i];
+  for (int64_t i = rot; i < d; ++i) dst[i] = src[i];
+}
+
 }  // namespace
+
+void QMM_LOCAL(norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out) {
+  for (int64_t r = r0; r < r1; ++r) norm_row(x + r * h, w, h, eps, out + r * h);
+}
+
+void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out) {
+  for (int64_t r = r0; r < r1; ++r) silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n);
+}
+
+void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
+  const int64_t d = a.head_dim, heads = a.heads, kv = a.kv_heads, width = (heads + 2 * kv) * d;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* row = a.qkv + t * width;
+    const float *cos = a.cos + t * a.rot, *sin = a.sin + t * a.rot;
+    float* k = a.k_cache + a.slots[t] * kv * d;
+    float* v = a.v_cache + a.slots[t] * kv * d;
+    for (int64_t h = 0; h < heads; ++h) turn(row + h * d, cos, sin, a.rot, d, a.q + (t * heads + h) * d);
+    for (int64_t h = 0; h < kv; ++h) turn(row + (heads + h) * d, cos, sin, a.rot, d, k + h * d);
+    for (int64_t i = 0; i < kv * d; ++i) v[i] = row[(heads + kv) * d + i];
+  }
+}
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   const int64_t group = a.heads / a.kv_heads, slots = attend_slots(a);
