@@ -135,3 +135,24 @@ def test_native_decode_is_the_same_on_every_level(kernels):
         outputs[name], _, _ = _run([(100, 1), (70, 1), (33, 1)], torch.float32, share_pages=2, path="native")
     first = next(iter(outputs.values()))
     assert all(torch.equal(first, out) for out in outputs.values()), list(outputs)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_native_decode_of_long_contexts(native_level, window):
+    """Contexts of many pages, a window among them."""
+    got, want, _ = _run([(700, 1), (300, 1), (257, 1), (256, 1), (5, 1)], torch.float32, share_pages=2,
+                        window=window, path="native")
+    _assert_close(got, want)
+
+
+def test_native_decode_does_not_depend_on_the_batch(kernels):
+    """A sequence's result is the same bits alone and beside others (each sequence is its own units): a chat's
+    tokens do not change with the chats decoding beside it."""
+    kernels("portable")  # skips where the kernels are not built
+    qmm.use(qmm.runnable()[0])  # then the CPU's best level
+    batch = make_batch([(600, 1), (50, 1), (900, 1)], 6, 2, 64, 16, torch.float32)
+    together = qmm.attend(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                          batch.scale, 0)
+    alone = qmm.attend(batch.q[:1], batch.k_cache, batch.v_cache, batch.block_tables[:1],
+                       batch.context_lens[:1], batch.scale, 0)
+    assert torch.equal(together[:1], alone)
