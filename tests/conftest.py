@@ -94,7 +94,7 @@ def shared_prefix_reads(monkeypatch) -> list[int]:
     """Counts the decode attention calls that read the pages every chat shares once for all of them: the torch
     path's cascade, which this fixture makes the engines of the test run (the native kernel reads each
     sequence's pages where they lie, shared or not)."""
-    from pagedchat import attention
+    from pagedchat.model import attention
 
     monkeypatch.setenv("PAGEDCHAT_ATTENTION", "torch")
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedchat import attention
-from pagedchat.attention import AttentionMetadata
 from pagedchat.kernels import reference
 from pagedchat.kernels.check import make_batch
-from pagedchat.model import qmm
+from pagedchat.model import attention, qmm
+from pagedchat.model.attention import AttentionMetadata
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # atol = rtol
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

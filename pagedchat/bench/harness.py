@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pagedchat import attention
 from pagedchat.backends.local import LocalBackend
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
@@ -24,6 +23,7 @@ from pagedchat.bench.report import (PAGEDCHAT, Level, Machine, ModelInfo, PeerFi
 from pagedchat.bench.startup import ENGINE_READY, time_to_ready
 from pagedchat.bench.stats import median, median_round, ratio
 from pagedchat.bench.workload import Workload, build_workload
+from pagedchat.model import attention
 
 # The engine's own cap on a default pool: never more than 16 sequences at full context would use
 # (pagedchat/engine/sizing.py, plan_cache).

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from pagedchat.attention import AttentionMetadata
+from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
 from pagedchat.engine.sequence import NULL_PAGE

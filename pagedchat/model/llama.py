@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedchat.attention import AttentionMetadata, backend, paged_attention, write_kv
+from pagedchat.model.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
 from pagedchat.model import int4_kernel, qmm
 from pagedchat.model.config import ModelConfig

@@ -11,7 +11,7 @@ import math
 import platform
 import pytest
 
-from pagedchat import attention, bench
+from pagedchat import bench
 from pagedchat.bench import config as bench_config
 from pagedchat.bench import llamacpp
 from pagedchat.bench.config import BenchConfig, BenchError
@@ -19,7 +19,7 @@ from pagedchat.bench.memory import parameter_count
 from pagedchat.bench.loaders import LOADERS
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.render import header_lines, render, to_markdown
-from pagedchat.model import qmm
+from pagedchat.model import attention, qmm
 from pagedchat.bench.harness import run_bench
 from pagedchat.bench.stats import percentile, timing_stats
 from pagedchat.bench.workload import build_workload

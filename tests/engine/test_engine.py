@@ -262,7 +262,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
     lowered so that three chats qualify); their tokens still equal transformers'."""
     from gguf_reference import transformers_from_gguf
 
-    from pagedchat import attention
+    from pagedchat.model import attention
 
     if level:
         kernels(level)

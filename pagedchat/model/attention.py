@@ -2,8 +2,8 @@
 
 `write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
 tables. Both pick their path here and nowhere else (`backend`):
-- "native": on the CPU, decode steps run pagedchat's own kernel (model/csrc/layer_level.cpp, built with the
-  quantized matmuls), which reads each sequence's pages where they lie; prefill chunks take the torch path.
+- "native": on the CPU, decode steps run pagedchat's own kernel (csrc/layer_level.cpp, built with the quantized
+  matmuls), which reads each sequence's pages where they lie; prefill chunks take the torch path.
 - "torch": the CPU without that kernel, and anywhere Triton is missing.
 - "triton": CUDA.
 PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's
