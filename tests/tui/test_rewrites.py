@@ -227,7 +227,8 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
         # Branch at the first reply: a new tab with the first two messages, the original untouched.
         kept = contents(first)
         await on_message(pilot, by_keys, 1, "b", "Branch chat at a message", "up", "up")
-        await wait_for(pilot, lambda: len(app.sessions) == 2, "the branch")
+        # The new tab joins the sessions before it is shown: wait for both.
+        await wait_for(pilot, lambda: len(app.sessions) == 2 and app.active_session is not first, "the branch")
         branch = app.active_session
         assert contents(branch) == kept[:2] and contents(first) == kept
         await screen_is_disk(pilot)
@@ -260,7 +261,8 @@ async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, ho
                        "the path question")
         app.screen.query_one("#text").value = str(exported)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.sessions) == 5, "the imported chat")
+        await wait_for(pilot, lambda: len(app.sessions) == 5 and app.active_session.record.title == "imported",
+                       "the imported chat")
         assert contents(app.active_session) == ["imported question", "imported answer"]
         await screen_is_disk(pilot)
 
