@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedchat.model import qmm
+
 
 @dataclass
 class AttentionMetadata:
@@ -53,8 +55,6 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def backend(device: torch.device) -> str:
     """The attention path for a model on device: PAGEDCHAT_ATTENTION's, else the fastest one here. Call it once
     pagedchat's kernels are loaded (model/qmm.py), as building a model's weights does."""
-    from pagedchat.model import qmm
-
     native = device.type == "cpu" and qmm.ready()  # the kernel is built with the quantized matmuls
     forced = os.environ.get("PAGEDCHAT_ATTENTION", "").lower()
     if forced in PATHS:
@@ -104,8 +104,6 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
             native: bool) -> torch.Tensor:
     if native:
-        from pagedchat.model import qmm
-
         return qmm.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window or 0)
     return _decode_torch(q, k_cache, v_cache, meta, scale, window)
 

@@ -38,7 +38,8 @@ from pagedchat import paths
 
 ENV = "PAGEDCHAT_KERNEL"  # a level's name, or "off"
 CSRC = Path(__file__).with_name("csrc")
-# Each level is these sources built with its flags: the matmuls, and decode attention over the paged cache.
+# Each level is these sources built with its flags: the matmuls, and the step's other kernels (decode attention,
+# a float32 step's norms, rotary turn with the cache write, silu(gate) * up).
 LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "layer_level.cpp")
 TORCH_SOURCE, HEADER = CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
 # GGML's ids for the types the library runs (qmm.h).
