@@ -14,18 +14,12 @@ from pagedchat.model.llama import apply_rope, rope_table, rms_norm
 LEVELS = [lv.name for lv in qmm.levels_to_build()]
 
 
-@pytest.fixture(params=LEVELS)
-def level(request, kernels):
-    kernels(request.param)
-    return request.param
-
-
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 576), (7, 64), (33, 20)])
-def test_norm_is_torchs_rms_norm_times_the_weight(level, rows, width):
+def test_norm_is_torchs_rms_norm_times_the_weight(each_level, rows, width):
     x = torch.randn(rows, width, generator=_gen()) * 3
     w = torch.randn(width, generator=_gen(1))
     got = qmm.norm(x, w, 1e-5)
@@ -33,7 +27,7 @@ def test_norm_is_torchs_rms_norm_times_the_weight(level, rows, width):
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 13), (16, 64)])
-def test_silu_mul_is_torchs(level, rows, inter):
+def test_silu_mul_is_torchs(each_level, rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=_gen()) * 6  # far into both tails of silu
     gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
     gate, up = gate_up.chunk(2, dim=-1)
@@ -41,7 +35,7 @@ def test_silu_mul_is_torchs(level, rows, inter):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary", [(9, 3, 64, 64), (4, 2, 24, 12), (2, 1, 20, 20)])
-def test_rope_write_turns_q_and_k_and_writes_the_cache_as_torch_does(level, heads, kv_heads, head_dim, rotary):
+def test_rope_write_turns_q_and_k_and_writes_the_cache_as_torch_does(each_level, heads, kv_heads, head_dim, rotary):
     """Bit for bit: the same products and sums, each rounded once, as apply_rope; partial rotary copies the dims
     past the turned ones; k and v land in their slots and nowhere else."""
     tokens, pages, block = 5, 4, 16
@@ -72,3 +66,13 @@ def test_the_ops_refuse_what_they_cannot_read(kernels):
         qmm.norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="gate and up side by side"):
         qmm.silu_mul(torch.randn(2, 7))
+    cache = torch.zeros(2, 16, 1, 8)  # 32 slots
+    cos = sin = torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="slot 32 lies outside a cache of 32"):
+        qmm.rope_write(torch.randn(1, 24), cos, sin, torch.tensor([32]), cache, cache.clone(), 1, 1)
+    with pytest.raises(RuntimeError, match="reads page 2 of a pool of 2"):
+        qmm.attend(torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([[0, 2]], dtype=torch.int32),
+                   torch.tensor([20], dtype=torch.int32), 1.0, 0)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        qmm.attend(torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([[0]], dtype=torch.int32),
+                   torch.tensor([17], dtype=torch.int32), 1.0, 0)

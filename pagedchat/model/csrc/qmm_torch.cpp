@@ -156,6 +156,22 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
   return out;
 }
 
+// The kernels index the caches with these numbers unchecked, so they are checked here, as torch's own indexing
+// ops check theirs: every page a sequence reads lies in the pool, and every context fits its table.
+void check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pages, int64_t block_size,
+                 int64_t window) {
+  const int32_t *table = tables.data_ptr<int32_t>(), *len = lens.data_ptr<int32_t>();
+  const int64_t stride = tables.size(1);
+  for (int64_t b = 0; b < tables.size(0); ++b, table += stride) {
+    TORCH_CHECK(len[b] >= 0 && len[b] <= stride * block_size, "sequence ", b, "'s context of ", len[b],
+                " tokens does not fit its block table");
+    const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
+    for (int64_t p = first / block_size; p * block_size < len[b]; ++p)
+      TORCH_CHECK(table[p] >= 0 && table[p] < pages, "sequence ", b, " reads page ", table[p], " of a pool of ",
+                  pages);
+  }
+}
+
 // One decode step's attention straight from the pages (layer_level.cpp): q [batch, heads, head_dim], the caches
 // [pages, block_size, kv_heads, head_dim] in float32 or bfloat16, each sequence's block table and context length.
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -175,6 +191,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const auto q = q_in.to(at::kFloat).contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
+  check_pages(tables, lens, k_cache.size(0), k_cache.size(1), window);
   auto out = at::empty({batch, heads, d}, q.options());
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.scalar_type() == at::kBFloat16, tables.data_ptr<int32_t>(), tables.size(1),
@@ -238,6 +255,9 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.size(-2) == kv_heads,
               "the caches must be contiguous float32 [..., kv_heads, head_dim]");
+  const int64_t capacity = k_cache.numel() / (kv_heads * d), *slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot ", slot[i], " lies outside a cache of ", capacity);
   auto q = at::empty({t, heads, d}, qkv.options());
   const qmm::RopeArgs args{qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
                            slots.data_ptr<int64_t>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
