@@ -9,6 +9,7 @@ if not Path("/dev/nvidiactl").exists():
 
 import pytest
 
+from pagedchat.model import qmm  # after TRITON_INTERPRET: it imports torch
 from tiny_models import load_reference, make_tiny_model
 
 
@@ -37,7 +38,7 @@ def _kernels_loaded():
     """pagedchat's kernels loaded (built first if this machine has none: `pagedchat pull` builds them in CI)
     before any engine starts: an engine in a test's own cache folder would otherwise compile them there (the
     int4 kernel in the background, switching kernels partway through a test)."""
-    from pagedchat.model import int4_kernel, qmm
+    from pagedchat.model import int4_kernel
 
     qmm.ensure()
     int4_kernel.ensure(wait=True)
@@ -48,8 +49,6 @@ def kernels():
     """kernels(name) runs this test's engines on that level of pagedchat's kernels (skipping where this CPU has
     none such), or kernels("off") on torch's paths: in float32 the weights dequantized exactly, transformers'
     tokens bit for bit."""
-    from pagedchat.model import qmm
-
     before = os.environ.get(qmm.ENV)
 
     def use(name: str) -> None:
@@ -63,6 +62,13 @@ def kernels():
 
     yield use
     qmm.use(before)
+
+
+@pytest.fixture(params=[lv.name for lv in qmm.levels_to_build()])
+def each_level(request, kernels):
+    """The test once per level of pagedchat's kernels, skipped where this CPU runs none such."""
+    kernels(request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

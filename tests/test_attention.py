@@ -99,16 +99,9 @@ def test_sliding_window_decode_and_chunks(monkeypatch, dtype, window):
     _assert_close(got, want)
 
 
-@pytest.fixture(params=[lv.name for lv in qmm.levels_to_build()])
-def native_level(request, kernels):
-    """pagedchat's kernels at the parameter's level (skipped where this CPU runs none such)."""
-    kernels(request.param)
-    return request.param
-
-
 @DTYPES
 @pytest.mark.parametrize("window", [None, 1, 20, 48])
-def test_native_decode(native_level, dtype, window):
+def test_native_decode(each_level, dtype, window):
     """Decodes straight from the pages: padded tables, a shared prefix, grouped heads, a window, and the
     decodes of a mixed step; never a slot past a context (those hold NaN here)."""
     for seqs in ([(100, 1), (70, 1), (1, 1), (33, 1), (16, 1), (48, 1)], [(90, 23), (70, 1), (40, 40), (16, 1)]):
@@ -117,7 +110,7 @@ def test_native_decode(native_level, dtype, window):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])
-def test_native_decode_shapes(native_level, heads, kv_heads, head_dim):
+def test_native_decode_shapes(each_level, heads, kv_heads, head_dim):
     """Head sizes that are not a multiple of the kernel's lanes, one query head per KV head, and many."""
     got, want, _ = _run([(37, 1), (200, 1), (5, 1)], torch.float32, heads=heads, kv_heads=kv_heads,
                         head_dim=head_dim, path="native")
@@ -137,7 +130,7 @@ def test_native_decode_is_the_same_on_every_level(kernels):
 
 
 @pytest.mark.parametrize("window", [None, 300])
-def test_native_decode_of_long_contexts(native_level, window):
+def test_native_decode_of_long_contexts(each_level, window):
     """Contexts of many pages, a window among them."""
     got, want, _ = _run([(700, 1), (300, 1), (257, 1), (256, 1), (5, 1)], torch.float32, share_pages=2,
                         window=window, path="native")
