@@ -69,22 +69,39 @@ inline float dot(const float* q, const E* k, int64_t d) {
   return s;
 }
 
-// Four keys' scores at once (four independent sums in flight), each the same sum as dot's.
+// Eight sums at once: lane j of the result is sum(v[j]), in sum's own order ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+// (l3 + l7)), from three rounds of shuffles and adds instead of eight reductions of one vector each. After the
+// first round the shuffles stay within 128-bit halves: one instruction each on AVX.
+__attribute__((always_inline)) inline f8 sums8(const f8* v) {
+  f8 x[4], y[2];
+  // Round one pairs (v[j], v[j + 4]): x[j] = [v[j]'s four sums of lanes l and l + 4, then v[j + 4]'s].
+  for (int j = 0; j < 4; ++j)
+    x[j] = __builtin_shufflevector(v[j], v[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[j], v[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  // Round two adds lanes l and l + 2 within each half: y[0] = [v0's (0 + 2) and (1 + 3), v1's, v4's, v5's].
+  for (int j = 0; j < 2; ++j)
+    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // Round three adds those two: v0 to v7 in order.
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// Eight keys' scores at once, each the same sum as dot's: eight sums in flight, reduced together.
 template <typename E>
-inline void dot4(const float* q, const E* k, int64_t row, int64_t d, float scale, float* s) {
-  f8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+__attribute__((always_inline)) inline void dot8(const float* q, const E* k, int64_t row, int64_t d, float scale, float* s) {
+  f8 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = splat(0.f);
   int64_t i = 0;
   for (; i + LANES <= d; i += LANES) {
     const f8 qv = load(q + i);
-    a0 += qv * load(k + i);
-    a1 += qv * load(k + row + i);
-    a2 += qv * load(k + 2 * row + i);
-    a3 += qv * load(k + 3 * row + i);
+    for (int j = 0; j < 8; ++j) acc[j] += qv * load(k + j * row + i);
   }
-  float r[4] = {sum(a0), sum(a1), sum(a2), sum(a3)};
+  float r[8];
+  store(r, sums8(acc));
   for (; i < d; ++i)
-    for (int j = 0; j < 4; ++j) r[j] += q[i] * value(k + j * row, i);
-  for (int j = 0; j < 4; ++j) s[j] = r[j] * scale;
+    for (int j = 0; j < 8; ++j) r[j] += q[i] * value(k + j * row, i);
+  for (int j = 0; j < 8; ++j) s[j] = r[j] * scale;
 }
 
 // e^x to float32's precision (Cephes' expf polynomial), lane by lane, branch free. Below -87 (a masked slot's
@@ -110,29 +127,26 @@ inline f8 exp8(f8 x) {
   return gone ? splat(0.f) : p * reinterpret_cast<f8>(e);
 }
 
-// out = out * shrink + sum over t in [t0, t1) of w[t] * v[t], the values' rows `row` floats apart: four vectors of
-// out at a time, four sums in flight.
+// out = out * shrink + sum over t in [t0, t1) of w[t] * v[t], the values' rows `row` floats apart: V vectors of
+// out at a time (eight: a head of 64 in one pass), so that V independent sums hide each add's latency.
+template <int V, typename E>
+__attribute__((always_inline)) inline void add_values_of(const float* w, const E* v, int64_t row, int64_t t0,
+                                                        int64_t t1, float shrink, float* out) {
+  f8 o[V];
+  for (int j = 0; j < V; ++j) o[j] = load(out + j * LANES) * shrink;
+  for (int64_t t = t0; t < t1; ++t) {
+    const E* vt = v + t * row;
+    for (int j = 0; j < V; ++j) o[j] += w[t] * load(vt + j * LANES);
+  }
+  for (int j = 0; j < V; ++j) store(out + j * LANES, o[j]);
+}
+
 template <typename E>
 inline void add_values(const float* w, const E* v, int64_t row, int64_t t0, int64_t t1, int64_t d, float shrink,
                        float* out) {
   int64_t i = 0;
-  for (; i + 4 * LANES <= d; i += 4 * LANES) {
-    f8 o0 = load(out + i) * shrink, o1 = load(out + i + LANES) * shrink;
-    f8 o2 = load(out + i + 2 * LANES) * shrink, o3 = load(out + i + 3 * LANES) * shrink;
-    for (int64_t t = t0; t < t1; ++t) {
-      const E* vt = v + t * row + i;
-      o0 += w[t] * load(vt);
-      o1 += w[t] * load(vt + LANES);
-      o2 += w[t] * load(vt + 2 * LANES);
-      o3 += w[t] * load(vt + 3 * LANES);
-    }
-    store(out + i, o0), store(out + i + LANES, o1), store(out + i + 2 * LANES, o2), store(out + i + 3 * LANES, o3);
-  }
-  for (; i + LANES <= d; i += LANES) {
-    f8 o = load(out + i) * shrink;
-    for (int64_t t = t0; t < t1; ++t) o += w[t] * load(v + t * row + i);
-    store(out + i, o);
-  }
+  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(w, v + i, row, t0, t1, shrink, out + i);
+  for (; i + LANES <= d; i += LANES) add_values_of<1>(w, v + i, row, t0, t1, shrink, out + i);
   for (; i < d; ++i) {
     float o = out[i] * shrink;
     for (int64_t t = t0; t < t1; ++t) o += w[t] * value(v + t * row, i);
@@ -169,7 +183,7 @@ void attend_unit(const AttendArgs& a, int64_t unit, const State& st) {
       float* s = st.score + g * st.slots;
       for (int64_t t = 0; t < st.slots; ++t) s[t] = -__builtin_inff();
       int64_t t = t0;
-      for (; t + 4 <= t1; t += 4) dot4(q + g * d, keys + base + t * row, row, d, a.scale, s + t);
+      for (; t + 8 <= t1; t += 8) dot8(q + g * d, keys + base + t * row, row, d, a.scale, s + t);
       for (; t < t1; ++t) s[t] = dot(q + g * d, keys + base + t * row, d) * a.scale;
     }
     for (int64_t g = 0; g < group; ++g) {
