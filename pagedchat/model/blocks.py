@@ -56,13 +56,14 @@ class BlockLinear:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._dense_matmul(x) if x.shape[0] >= DENSE_MIN_ROWS else qmm.matmul(x, self.blocks, self.kind)
+        dense = x.shape[0] >= DENSE_MIN_ROWS and not qmm.integer_batches()
+        y = self._dense_matmul(x) if dense else qmm.matmul(x, self.blocks, self.kind)
         return y if self.bias is None else y + self.bias
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T, W dequantized a slice of rows at a time into float32, then sgemm (y.T's rows per slice): past a
-        few hundred rows MKL's sgemm beats int8 dot products (docs/bench.md, "Quantized kernels for every x86-64
-        level"). Each slice is freed at once: no second resident copy of the weights."""
+        few hundred rows sgemm beats the portable level's plain loops (qmm.integer_batches). Each slice is freed
+        at once: no second resident copy of the weights."""
         xf = x.float()
         k = xf.shape[1]
         yt = torch.empty(self.out_features, x.shape[0])

@@ -104,6 +104,14 @@ def level() -> Level | None:
     return next(lv for lv in levels_to_build() if lv.name == _state.runnable[_state.index])
 
 
+def integer_batches() -> bool:
+    """Whether the level in use also runs a prompt's big chunks: every SIMD level's integer dot products beat
+    dequantizing the weight for sgemm at any row count (docs/bench.md, "The prompt's matmuls"); the portable
+    C++ loops do not, so there blocks.BlockLinear keeps the dense path for big chunks."""
+    lv = level()
+    return lv is not None and lv != PORTABLE
+
+
 def best_label() -> str:
     """The best level this CPU runs, whichever is in use ("" before the library is loaded)."""
     return next((lv.label for lv in levels_to_build() if _state.runnable and lv.name == _state.runnable[0]), "")
