@@ -36,6 +36,14 @@ typedef uint16_t h8 __attribute__((vector_size(16)));
 
 inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
 
+// Lanes of two vectors picked by constant indices (8 and up: the second's): GCC's own builtin, which every GCC
+// with the vector extension has (__builtin_shufflevector came in GCC 12), and Clang's.
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i8{__VA_ARGS__})
+#endif
+
 inline f8 load(const float* p) {
   f8 v;
   __builtin_memcpy(&v, p, sizeof v);
@@ -76,20 +84,21 @@ __attribute__((always_inline)) inline f8 sums8(const f8* v) {
   f8 x[4], y[2];
   // Round one pairs (v[j], v[j + 4]): x[j] = [v[j]'s four sums of lanes l and l + 4, then v[j + 4]'s].
   for (int j = 0; j < 4; ++j)
-    x[j] = __builtin_shufflevector(v[j], v[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(v[j], v[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    x[j] = SHUFFLE(v[j], v[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(v[j], v[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   // Round two adds lanes l and l + 2 within each half: y[0] = [v0's (0 + 2) and (1 + 3), v1's, v4's, v5's].
   for (int j = 0; j < 2; ++j)
-    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    y[j] = SHUFFLE(x[2 * j], x[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE(x[2 * j], x[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   // Round three adds those two: v0 to v7 in order.
-  return __builtin_shufflevector(y[0], y[1], 0, 2, 8, 10, 4, 6, 12, 14) +
-         __builtin_shufflevector(y[0], y[1], 1, 3, 9, 11, 5, 7, 13, 15);
+  return SHUFFLE(y[0], y[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         SHUFFLE(y[0], y[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
 // Eight keys' scores at once, each the same sum as dot's: eight sums in flight, reduced together.
 template <typename E>
-__attribute__((always_inline)) inline void dot8(const float* q, const E* k, int64_t row, int64_t d, float scale, float* s) {
+__attribute__((always_inline)) inline void dot8(const float* q, const E* k, int64_t row, int64_t d, float scale,
+                                                float* s) {
   f8 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = splat(0.f);
   int64_t i = 0;
