@@ -124,7 +124,9 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   const float* xs = x.data_ptr<float>();
   int8_t* qs = q.data_ptr<int8_t>();
   float *ds = d8.data_ptr<float>(), *ss = s16.data_ptr<float>(), *s2 = s32.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss, s2); });
+  // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / k),
+                   [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss, s2); });
   const qmm::Activations acts{qs, ds, ss, s2, k, m};
   const uint8_t* ws = w.data_ptr<uint8_t>();
   float* ys = y.data_ptr<float>();
