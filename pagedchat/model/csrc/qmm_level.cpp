@@ -206,9 +206,10 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 // ------------------------------------------------------------------------------------------------------------
 // Activations: per 32 inputs, d = max |x| / 127 and q = round(x / d), rounded half away from zero as ggml does.
 
-// Eight lanes in GCC's (and Clang's) vector extension, the level's own vectors: the loops below were scalar code
-// that took 5 ns an input, a tenth of a step at 16 chats. Each lane does the scalar formula's operations in its
-// order (no contraction: -ffp-contract=off), so the codes and scales are the same bits on every level.
+// Eight lanes in GCC's (and Clang's) vector extension, the level's own vectors: as scalar loops this was a
+// visible part of a batched step (docs/bench.md, "Activation quantization in vectors"). Each lane does the scalar
+// formula's operations in its order (no contraction: -ffp-contract=off), so the codes and scales are the same
+// bits on every level.
 typedef float qf8 __attribute__((vector_size(32)));
 typedef int32_t qi8 __attribute__((vector_size(32)));
 typedef uint32_t qu8 __attribute__((vector_size(32)));
