@@ -41,7 +41,8 @@ CSRC = Path(__file__).with_name("csrc")
 # Each level is these sources built with its flags: the matmuls, and the step's other kernels (decode attention,
 # a float32 step's norms, rotary turn with the cache write, silu(gate) * up).
 LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "layer_level.cpp")
-TORCH_SOURCE, HEADER = CSRC / "qmm_torch.cpp", CSRC / "qmm.h"
+TORCH_SOURCE = CSRC / "qmm_torch.cpp"
+HEADERS = (CSRC / "qmm.h", CSRC / "lanes.h")
 # GGML's ids for the types the library runs (qmm.h).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
@@ -154,7 +155,7 @@ def unavailable() -> str | None:
 def library_path() -> Path:
     """Where this machine's build lives. Every level is inside and picked at run time, so the CPU's own flags
     are not part of the name: the same library serves any CPU of this architecture."""
-    parts = [p.read_bytes() for p in (*LEVEL_SOURCES, TORCH_SOURCE, HEADER)]
+    parts = [p.read_bytes() for p in (*LEVEL_SOURCES, TORCH_SOURCE, *HEADERS)]
     parts += [torch.__version__.encode(), platform.machine().encode(), platform.python_implementation().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return paths.cache_dir() / "kernels" / f"qmm-{key}.so"

@@ -17,6 +17,7 @@
 
 #include <stdint.h>
 
+#include "lanes.h"
 #include "qmm.h"
 
 #ifndef QMM_SYMBOL
@@ -26,15 +27,8 @@
 namespace qmm {
 namespace {
 
-// Eight floats in GCC's (and Clang's) vector extension: one AVX register on the x86 levels, two SSE or NEON
-// registers elsewhere, the same IEEE operations in the same order everywhere.
-constexpr int LANES = 8;
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
+// f8 and its helpers are lanes.h's; bfloat16 keys and values arrive as eight halves.
 typedef uint16_t h8 __attribute__((vector_size(16)));
-
-inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
 
 // Lanes of two vectors picked by constant indices (8 and up: the second's): GCC's own builtin, which every GCC
 // with the vector extension has (__builtin_shufflevector came in GCC 12), and Clang's.
@@ -44,11 +38,6 @@ inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i8{__VA_ARGS__})
 #endif
 
-inline f8 load(const float* p) {
-  f8 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
 inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
   h8 h;
   __builtin_memcpy(&h, p, sizeof h);

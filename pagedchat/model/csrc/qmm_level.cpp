@@ -11,6 +11,7 @@
 // templates, say): the linker keeps one copy of such a function, maybe one built for a wider level than the CPU
 // has. Intrinsics are always inlined, and everything else is static to this file.
 
+#include "lanes.h"
 #include "qmm.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -206,37 +207,27 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 // ------------------------------------------------------------------------------------------------------------
 // Activations: per 32 inputs, d = max |x| / 127 and q = round(x / d), rounded half away from zero as ggml does.
 
-// Eight lanes in GCC's (and Clang's) vector extension, the level's own vectors: as scalar loops this was a
-// visible part of a batched step (docs/bench.md, "Activation quantization in vectors"). Each lane does the scalar
-// formula's operations in its order (no contraction: -ffp-contract=off), so the codes and scales are the same
-// bits on every level.
-typedef float qf8 __attribute__((vector_size(32)));
-typedef int32_t qi8 __attribute__((vector_size(32)));
-typedef uint32_t qu8 __attribute__((vector_size(32)));
-typedef int8_t qb8 __attribute__((vector_size(8)));
-
-inline qf8 qload(const float* p) {
-  qf8 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
+// In lanes.h's eight-lane vectors, the level's own: as scalar loops this was a visible part of a batched step
+// (docs/bench.md, "Activation quantization in vectors"). Each lane does the scalar formula's operations in its
+// order (no contraction: -ffp-contract=off), so the codes and scales are the same bits on every level.
+typedef int8_t b8 __attribute__((vector_size(8)));
 
 // One block of 32 inputs: its codes into qb, the block's scale returned, the codes' sums per 16 in sums.
 inline float quantize_block(const float* xb, int8_t* qb, int sums[2]) {
-  qf8 v[4], most = qf8{};
+  f8 v[4], most = f8{};
   for (int l = 0; l < 4; ++l) {
-    v[l] = qload(xb + 8 * l);
-    const qf8 a = reinterpret_cast<qf8>(reinterpret_cast<qu8>(v[l]) & 0x7FFFFFFFu);
+    v[l] = load(xb + 8 * l);
+    const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(v[l]) & 0x7FFFFFFFu);
     most = a > most ? a : most;
   }
   float amax = 0.f;
   for (int l = 0; l < 8; ++l) amax = most[l] > amax ? most[l] : amax;
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  qi8 half[2] = {qi8{}, qi8{}};
+  i8 half[2] = {i8{}, i8{}};
   for (int l = 0; l < 4; ++l) {
-    const qf8 scaled = v[l] * id;
-    const qi8 c = __builtin_convertvector(scaled + (scaled < 0 ? qf8{} - 0.5f : qf8{} + 0.5f), qi8);
-    const qb8 bytes = __builtin_convertvector(c, qb8);
+    const f8 scaled = v[l] * id;
+    const i8 c = __builtin_convertvector(scaled + (scaled < 0 ? f8{} - 0.5f : f8{} + 0.5f), i8);
+    const b8 bytes = __builtin_convertvector(c, b8);
     __builtin_memcpy(qb + 8 * l, &bytes, sizeof bytes);
     half[l / 2] += c;
   }
