@@ -36,20 +36,22 @@ def concat(parts: list[Blocks]) -> Blocks:
 
 
 class BlockLinear:
-    """y = x @ W.T + b for W held as its GGUF blocks."""
+    """y = x @ W.T + b for W held as its GGUF blocks in the kernels' layout (qmm.pack: the 32-block types in
+    panels of rows, the file's bytes reordered; the others as the file holds them)."""
 
     gathers_rows = True  # rows() reads single rows back: the embedding lookup of a tied head
 
-    def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
-        self.blocks, self.kind, self.bias = blocks, kind, bias
-        self.out_features = blocks.shape[0]
+    def __init__(self, panels: torch.Tensor, kind: str, bias: torch.Tensor | None = None):
+        self.panels, self.kind, self.bias = panels, kind, bias
+        self.out_features = panels.shape[0]
 
     @classmethod
     def of(cls, b: Blocks, bias: torch.Tensor | None = None) -> "BlockLinear":
-        return cls(torch.from_numpy(np.array(b.data, dtype=np.uint8)), b.kind, bias)  # a copy: the file stays closed
+        data = torch.from_numpy(np.array(b.data, dtype=np.uint8))  # a copy: the file stays closed
+        return cls(qmm.pack(data, b.kind), b.kind, bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.blocks, self.bias) if t is not None]
+        return [t for t in (self.panels, self.bias) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +59,7 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dense = x.shape[0] >= DENSE_MIN_ROWS and not qmm.integer_batches()
-        y = self._dense_matmul(x) if dense else qmm.matmul(x, self.blocks, self.kind)
+        y = self._dense_matmul(x) if dense else qmm.matmul(x, self.panels, self.kind)
         return y if self.bias is None else y + self.bias
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,10 +71,10 @@ class BlockLinear:
         yt = torch.empty(self.out_features, x.shape[0])
         step = max(1, DENSE_SCRATCH_WEIGHTS // k)
         for start in range(0, self.out_features, step):
-            rows = slice(start, min(start + step, self.out_features))
-            torch.mm(qmm.dequantize(self.blocks[rows], self.kind), xf.T, out=yt[rows])
+            stop = min(start + step, self.out_features)
+            torch.mm(self.rows(torch.arange(start, stop)), xf.T, out=yt[start:stop])
         return torch.empty(x.shape[0], self.out_features, dtype=x.dtype).copy_(yt.T)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W in float32, exactly gguf's dequantization of them."""
-        return qmm.dequantize(self.blocks[ids], self.kind)
+        return qmm.dequantize(qmm.unpack(self.panels, self.kind, ids), self.kind)

@@ -219,7 +219,7 @@ class Builder:
             bias = self._bias(key, bias)
         if isinstance(form, str):
             p = BlockLinear.of(concat(items) if len(items) > 1 else items[0], bias)
-            self.tensors[f"{key}.blocks"] = p.blocks
+            self.tensors[f"{key}.panels"] = p.panels
             self.forms[key] = f"blocks {p.kind}"
             return p
         if form is not None:
@@ -238,7 +238,7 @@ class Builder:
         if form == "concat":
             return Concat([self._restore(f"{key}.{i}") for i in range(int(args[0]))], bias)
         if form == "blocks":
-            return BlockLinear(self.cached[f"{key}.blocks"], args[0], bias)
+            return BlockLinear(self.cached[f"{key}.panels"], args[0], bias)
         if form == "int4":
             return quant.Int4Linear.from_packed(self.cached[f"{key}.packed"], self.cached[f"{key}.scale_zeros"],
                                                 bias, doubled=args[0] == "1", source=args[1])

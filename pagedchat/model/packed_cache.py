@@ -29,7 +29,7 @@ from pagedchat.model.llama import DecoderModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
-FORMAT = "2"
+FORMAT = "3"  # 3: the 32-block types in the kernels' panels (qmm.pack)
 
 
 @dataclass(frozen=True)

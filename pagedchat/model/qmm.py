@@ -309,9 +309,20 @@ def _build_and_load(path: Path) -> str | None:
 # The ops
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """x [M, K] @ W.T for W given as its GGUF blocks [N, bytes per row]; the result in x's dtype."""
-    return torch.ops.pagedchat_qmm.matmul(x, blocks, TYPES[kind], _state.index)
+def matmul(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [M, K] @ W.T for W given as its GGUF blocks [N, bytes per row], packed (pack); the result in x's dtype."""
+    return torch.ops.pagedchat_qmm.matmul(x, weight, TYPES[kind], _state.index)
+
+
+def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The file's blocks [N, bytes per row] in the layout matmul reads (csrc/qmm.h): the 32-block types in panels
+    of 16 rows, the same bytes reordered; the K types as they are."""
+    return torch.ops.pagedchat_qmm.pack(blocks, TYPES[kind])
+
+
+def unpack(weight: torch.Tensor, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of a packed weight, back in the file's layout."""
+    return torch.ops.pagedchat_qmm.unpack(weight, TYPES[kind], ids)
 
 
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:

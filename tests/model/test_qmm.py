@@ -85,7 +85,7 @@ def test_matmul_is_ggufs_weights_times_the_int8_activations(level, kind, make):
     for k in widths(kind):
         n = 43
         blocks = make(kind, n, k, seed=k)
-        linear = BlockLinear(torch.from_numpy(blocks), kind)
+        linear = BlockLinear.of(Blocks(blocks, kind))
         for rows in (1, 8, 16, 37):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             want, scale = reference(x, blocks, kind)
@@ -102,7 +102,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(level, kind):
     """Bit for bit, a row alone and the same row among 2, 8, 16 or 37: a chat's tokens must not change with the
     number of chats decoding beside it."""
     k = widths(kind)[-1]
-    linear = BlockLinear(torch.from_numpy(random_blocks(kind, 43, k, seed=1)), kind)
+    linear = BlockLinear.of(Blocks(random_blocks(kind, 43, k, seed=1), kind))
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([linear(x[i:i + 1]) for i in range(37)])
     for rows in (2, 8, 16, 37):
@@ -116,10 +116,25 @@ def test_dequantize_is_ggufs_bit_for_bit(level, kind):
     for make in (quantized, random_blocks):
         blocks = make(kind, 24, widths(kind)[-1], seed=7)
         want = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(24, -1).astype(np.float32))
-        linear = BlockLinear(torch.from_numpy(blocks), kind)
-        assert torch.equal(qmm.dequantize(linear.blocks, kind), want)
+        linear = BlockLinear.of(Blocks(blocks, kind))
+        assert torch.equal(qmm.dequantize(torch.from_numpy(blocks), kind), want)
         ids = torch.tensor([5, 0, 23, 5])
         assert torch.equal(linear.rows(ids), want[ids])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_reorders_the_files_bytes_and_loses_none(kind):
+    """The kernels' layout holds the file's bytes at the file's size: every row comes back as the file wrote it,
+    from the panels and from the rows after the last whole panel; the 32-block types are reordered."""
+    if qmm.ensure() is not None:
+        pytest.skip(qmm.ensure())
+    blocks = torch.from_numpy(random_blocks(kind, 43, widths(kind)[-1], seed=2))
+    packed = qmm.pack(blocks, kind)
+    assert packed.shape == blocks.shape
+    ids = torch.arange(43).flip(0)
+    assert torch.equal(qmm.unpack(packed, kind, ids), blocks[ids])
+    assert torch.equal(packed[32:], blocks[32:])
+    assert torch.equal(packed[:32], blocks[:32]) == (gguf.GGML_QUANT_SIZES[T[kind]][0] == 256)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
@@ -127,7 +142,7 @@ def test_bf16_activations_and_a_bias(level):
     """bf16 in, bf16 out (the dtype a native-bf16 CPU runs in), the bias added after."""
     blocks = quantized("Q4_1", 64, 256, seed=1)
     bias = torch.randn(64)
-    linear = BlockLinear(torch.from_numpy(blocks), "Q4_1", bias.bfloat16())
+    linear = BlockLinear.of(Blocks(blocks, "Q4_1"), bias.bfloat16())
     x = torch.randn(3, 256).bfloat16()
     y = linear(x)
     assert y.dtype == torch.bfloat16 and y.shape == (3, 64)
@@ -144,15 +159,15 @@ def test_big_chunks_take_the_integer_kernels_except_on_the_portable_level(kind, 
     from pagedchat.model import blocks as blocks_module
 
     raw = quantized(kind, 48, 512, seed=3)
-    linear = BlockLinear(torch.from_numpy(raw), kind)
+    linear = BlockLinear.of(Blocks(raw, kind))
     x = torch.randn(blocks_module.DENSE_MIN_ROWS, 512)
     w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).reshape(48, -1).astype(np.float32))
     y = linear(x)
     if each_level == "portable":
         torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
     else:
-        assert torch.equal(y, qmm.matmul(x, linear.blocks, kind))
-        assert torch.equal(y[:3], qmm.matmul(x[:3], linear.blocks, kind))
+        assert torch.equal(y, qmm.matmul(x, linear.panels, kind))
+        assert torch.equal(y[:3], qmm.matmul(x[:3], linear.panels, kind))
         torch.testing.assert_close(y, x @ w.T, rtol=0.05, atol=0.3)
 
 
@@ -165,7 +180,7 @@ def test_the_dense_path_gives_the_float_product(kind, monkeypatch):
     from pagedchat.model import blocks as blocks_module
 
     raw = quantized(kind, 48, 512, seed=3)
-    linear = BlockLinear(torch.from_numpy(raw), kind)
+    linear = BlockLinear.of(Blocks(raw, kind))
     x = torch.randn(blocks_module.DENSE_MIN_ROWS, 512)
     w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).reshape(48, -1).astype(np.float32))
     for slice_weights in (1 << 21, 1):

@@ -9,6 +9,27 @@ namespace qmm {
 // GGML's type ids: a weight tensor is its GGUF blocks, row by row, as the file holds them.
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+// The 32-weight-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are held in panels of PANEL_ROWS weight rows
+// (pack() in qmm_torch.cpp), laid out so that a SIMD level reads 4 codes of every row of the panel in one
+// load, the layout llama.cpp's repacked x86 kernels use, with nothing rearranged per call. A panel's bytes are
+// its rows' blocks, reordered, so the weights keep the file's size. Per block of 32 inputs, PanelBlock<T>::BYTES
+// (16 blocks' worth) hold:
+//  - the codes, in 64-byte chunks of 16 dwords, row r's in dword r: chunk c holds bytes 4c..4c+3 of each row's
+//    codes (4 chunks of nibbles, where the low nibbles are codes 4c..4c+3 and the high ones 16 more; 8 of Q8_0's
+//    bytes);
+//  - Q5's fifth bits in one such chunk: in row r's dword, bit d of byte b is the fifth bit of code 4 d + b;
+//  - the rows' scales d, 16 f16; then Q4_1 and Q5_1's minimums m, 16 f16.
+// Rows after the last whole panel keep the file's layout.
+constexpr int64_t PANEL_ROWS = 16;
+
+template <int T>
+struct PanelBlock {
+  static constexpr bool FIFTH = T == Q5_0 || T == Q5_1, MIN = T == Q4_1 || T == Q5_1;
+  static constexpr int CHUNKS = T == Q8_0 ? 8 : 4;
+  static constexpr int64_t FIFTH_AT = 64 * CHUNKS, D_AT = FIFTH_AT + (FIFTH ? 64 : 0), M_AT = D_AT + 32,
+                           BYTES = M_AT + (MIN ? 32 : 0);
+};
+
 // Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d written
 // 8 times (one per SIMD lane of the block), and d * (sum of the codes) per 16 inputs, which turns a weight's
 // per-block offset into one multiply (s32 the same per 32, for weights with one offset per block). The sums are
@@ -71,6 +92,10 @@ struct Level {
   // scratch_bytes(k) bytes: one weight row decoded, or a panel of 8 or 16 (qmm_level.cpp).
   void (*matmul)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
                  int64_t m, float* y, int64_t ldy, uint8_t* scratch);
+  // matmul for weight rows [n0, n1) held in panels (PANEL_ROWS divides n0 and n1), w the whole packed weight;
+  // null on the portable level, which reads each row back in the file's layout.
+  void (*matmul_panels)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                        const Activations& x, int64_t m, float* y, int64_t ldy);
   // rows weight rows, dequantized exactly (the file's d * q + m in float32) into out [rows][k].
   void (*dequantize)(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows, float* out,
                      uint8_t* scratch);
@@ -87,6 +112,8 @@ struct Level {
 
 inline int64_t scratch_bytes(int64_t k) { return 24 * k + 256; }
 
+// Whether the type is held in panels (pack()).
+bool packs(int type);
 // 0 where the type is not one of Type's.
 int64_t block_values(int type);
 int64_t block_bytes(int type);

@@ -424,6 +424,30 @@ struct PanelIsa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // For packed panels (qmm.h): a chunk of 16 rows' dwords, and 16 rows' f16 scales.
+  static I loadu(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high4(I v) { return low4(_mm512_srli_epi16(v, 4)); }
+  static I fifth(I h, int d) {  // bit d of each byte -> 0x10
+    const I v = d <= 4 ? _mm512_slli_epi16(h, unsigned(4 - d)) : _mm512_srli_epi16(h, unsigned(d - 4));
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+  }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I flip(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))); }
+  static F halves(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  // Signed codes w against q without VNNI: |w| . (q with w's signs), each maddubs summed in int32 (two in int16
+  // could overflow).
+  static I dot2_signed(I sum, I w0, I q0, I w1, I q1) {
+    const I one = _mm512_set1_epi16(1);
+    const I p0 = _mm512_maddubs_epi16(_mm512_abs_epi8(w0), _mm512_mask_sub_epi8(q0, _mm512_movepi8_mask(w0),
+                                                                               izero(), q0));
+    const I p1 = _mm512_maddubs_epi16(_mm512_abs_epi8(w1), _mm512_mask_sub_epi8(q1, _mm512_movepi8_mask(w1),
+                                                                               izero(), q1));
+    return _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_madd_epi16(p0, one), _mm512_madd_epi16(p1, one)));
+  }
 };
 
 inline __m512i dot512(__m512i u, __m512i q) {
@@ -513,6 +537,28 @@ struct PanelIsa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // For packed panels (qmm.h): half a chunk (8 rows' dwords), and 8 rows' f16 scales.
+  static I loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high4(I v) { return low4(_mm256_srli_epi16(v, 4)); }
+  static I fifth(I h, int d) {  // bit d of each byte -> 0x10
+    const I v = d <= 4 ? _mm256_slli_epi16(h, 4 - d) : _mm256_srli_epi16(h, d - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+  }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I flip(I w) { return _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))); }
+  static F halves(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  // Signed codes w against q without VNNI: |w| . (q with w's signs), each maddubs summed in int32 (two in int16
+  // could overflow).
+  static I dot2_signed(I sum, I w0, I q0, I w1, I q1) {
+    const I one = _mm256_set1_epi16(1);
+    const I p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(q0, w0));
+    const I p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(q1, w1));
+    return _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)));
+  }
 };
 
 template <int T, int R>
@@ -539,11 +585,12 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 
 #endif
 
-// Batched steps: a panel of PanelIsa::ROWS weight rows, their blocks decoded once per call and transposed so
-// that each vector holds 4 codes of every row (the layout of llama.cpp's repacked x86 GEMMs, built here per call
-// from the file's blocks, so the resident bytes stay the file's). A maddubs (or dpbusd) against 4 broadcast
-// activation codes then gives every row's partial dot in its own lane: a block's sum stays in integer adds, and
-// each conversion, scale and offset serves a lane per weight row where the per-row tiles spend them on one.
+// Panels: PanelIsa::ROWS weight rows whose codes lie so that each vector holds 4 codes of every row (the layout
+// of llama.cpp's repacked x86 GEMMs). A maddubs (or dpbusd) against 4 broadcast activation codes then gives every
+// row's partial dot in its own lane: a block's sum stays in integer adds, and each conversion, scale and offset
+// serves a lane per weight row where the per-row tiles spend them on one. The 32-block types are held so
+// (qmm.h's packed panels, read as they lie); the K types' panels are built per call from the file's blocks,
+// decoded and transposed, at a cost that one activation row does not repay.
 constexpr int PANEL = PanelIsa::ROWS;
 
 template <int T>
@@ -624,58 +671,150 @@ void build_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, co
   }
 }
 
-template <int T, int R>
-void panel_tile(const Panel& p, const Activations& x, int64_t i0, int64_t nb, float* y, int64_t ldy) {
+// Two code vectors of a panel's block, and which 4 activation codes of the block each one meets.
+struct Pair {
+  PanelIsa::I w0, w1;
+  int d0, d1;
+};
+
+// A panel built per call (build_panel): its code vectors, scales and offsets as they lie in the scratch.
+template <int T>
+struct Built {
+  static constexpr int UNITS = HALVES<T>, PAIRS = 4 / HALVES<T>;  // scale units per block, code pairs per unit
+  static constexpr bool OFFSET = true;
+  const Panel& p;
+  Pair pair(int64_t j, int h, int pr) const {
+    const int d = 8 / UNITS * h + 2 * pr;
+    const uint8_t* codes = p.codes + 4 * PANEL * (8 * j + d);
+    return {PanelIsa::load(codes), PanelIsa::load(codes + 4 * PANEL), d, d + 1};
+  }
+  PanelIsa::F scale(int64_t j, int h) const { return PanelIsa::loadf(p.a + 2 * PANEL * j + PANEL * h); }
+  PanelIsa::F offset(int64_t j, int h) const { return PanelIsa::loadf(p.c + 2 * PANEL * j + PANEL * h); }
+  static PanelIsa::I dot2(PanelIsa::I s, PanelIsa::I w0, PanelIsa::I q0, PanelIsa::I w1, PanelIsa::I q1) {
+    return PanelIsa::dot2(s, w0, q0, w1, q1);
+  }
+};
+
+// A panel of a packed weight (qmm.h), as one group of PanelIsa::ROWS of its rows: the codes come straight from
+// the weight's chunks, a mask and a shift away, and nothing is built per call.
+template <int T>
+struct Packed {
+  using B = PanelBlock<T>;
+  static constexpr int UNITS = 1, PAIRS = 4;
+  // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
+  // 255, whose maddubs pairs overflow int16); with it they are made unsigned, as the built panels' are.
+  static constexpr bool SIGNED_DOTS = T == Q8_0 && !PanelIsa::DPBUSD;
+  static constexpr bool OFFSET = !SIGNED_DOTS;
+  const uint8_t* panel;
+  int lanes;  // this group's byte offset in a chunk
+  const uint8_t* at(int64_t j) const { return panel + B::BYTES * j; }
+  Pair pair(int64_t j, int, int pr) const {
+    using V = PanelIsa;
+    const uint8_t* b = at(j) + lanes;
+    if constexpr (T == Q8_0) {
+      const V::I w0 = V::loadu(b + 128 * pr), w1 = V::loadu(b + 128 * pr + 64);
+      return SIGNED_DOTS ? Pair{w0, w1, 2 * pr, 2 * pr + 1} : Pair{V::flip(w0), V::flip(w1), 2 * pr, 2 * pr + 1};
+    } else {
+      const V::I chunk = V::loadu(b + 64 * pr);
+      V::I w0 = V::low4(chunk), w1 = V::high4(chunk);
+      if constexpr (B::FIFTH) {
+        const V::I h = V::loadu(b + B::FIFTH_AT);
+        w0 = V::or_(w0, V::fifth(h, pr));
+        w1 = V::or_(w1, V::fifth(h, pr + 4));
+      }
+      return {w0, w1, pr, pr + 4};
+    }
+  }
+  PanelIsa::F scale(int64_t j, int) const { return PanelIsa::halves(at(j) + B::D_AT + lanes / 2); }
+  PanelIsa::F offset(int64_t j, int h) const {
+    if constexpr (B::MIN) return PanelIsa::halves(at(j) + B::M_AT + lanes / 2);
+    // w = d (q - z): the offset is -z d, exact in float32 (z a power of two)
+    const float z = T == Q4_0 ? 8.f : T == Q5_0 ? 16.f : 128.f;
+    return PanelIsa::mul(scale(j, h), PanelIsa::set1(-z));
+  }
+  static PanelIsa::I dot2(PanelIsa::I s, PanelIsa::I w0, PanelIsa::I q0, PanelIsa::I w1, PanelIsa::I q1) {
+    return SIGNED_DOTS ? PanelIsa::dot2_signed(s, w0, q0, w1, q1) : PanelIsa::dot2(s, w0, q0, w1, q1);
+  }
+};
+
+// R activation rows against a panel's weight rows, one per lane: y[(i0 + r) * ldy + lane].
+template <int R, class S>
+void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy) {
   using V = PanelIsa;
-  const int64_t k = x.k, m = x.m;
-  constexpr int UNIT = 8 / HALVES<T>;  // code vectors per scale unit
+  const int64_t k = x.k, m = x.m, nb = k / 32;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::zero();
   for (int64_t j = 0; j < nb; ++j) {
-    for (int h = 0; h < HALVES<T>; ++h) {
+    for (int h = 0; h < S::UNITS; ++h) {
       typename V::I sum[R];
       for (int r = 0; r < R; ++r) sum[r] = V::izero();
-      for (int d = h * UNIT; d < (h + 1) * UNIT; d += 2) {
-        const uint8_t* codes = p.codes + 4 * PANEL * (8 * j + d);
-        const typename V::I w0 = V::load(codes), w1 = V::load(codes + 4 * PANEL);
+      for (int pr = 0; pr < S::PAIRS; ++pr) {
+        const Pair w = s.pair(j, h, pr);
         for (int r = 0; r < R; ++r) {
-          const int8_t* q = x.q + (i0 + r) * k + 32 * j + 4 * d;
-          sum[r] = V::dot2(sum[r], w0, V::bcast4(q), w1, V::bcast4(q + 4));
+          const int8_t* q = x.q + (i0 + r) * k + 32 * j;
+          sum[r] = S::dot2(sum[r], w.w0, V::bcast4(q + 4 * w.d0), w.w1, V::bcast4(q + 4 * w.d1));
         }
       }
-      const typename V::F a = V::loadf(p.a + 2 * PANEL * j + PANEL * h), c = V::loadf(p.c + 2 * PANEL * j + PANEL * h);
-      const float* sums = HALVES<T> == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-      for (int r = 0; r < R; ++r) {
-        const typename V::F scale = V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j));
-        acc[r] = V::fmadd(V::cvt(sum[r]), scale, acc[r]);
-        acc[r] = V::fmadd(c, V::bcastf(sums + i0 + r), acc[r]);
+      const typename V::F a = s.scale(j, h);
+      for (int r = 0; r < R; ++r)
+        acc[r] = V::fmadd(V::cvt(sum[r]), V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
+      if constexpr (S::OFFSET) {
+        const typename V::F c = s.offset(j, h);
+        const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(c, V::bcastf(sums + i0 + r), acc[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
 }
 
-template <int T, int R>
-void panel_rest(const Panel& p, const Activations& x, int64_t i0, int64_t m, int64_t nb, float* y, int64_t ldy) {
+template <int R, class S>
+void panel_rest(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
   if constexpr (R > 0) {
     if (m == R) {
-      panel_tile<T, R>(p, x, i0, nb, y, ldy);
+      panel_tile<R>(s, x, i0, y, ldy);
     } else {
-      panel_rest<T, R - 1>(p, x, i0, m, nb, y, ldy);
+      panel_rest<R - 1>(s, x, i0, m, y, ldy);
     }
   }
 }
 
-// Weight rows [n0, n0 + PANEL) against every activation row.
+// A panel's weight rows against every activation row, TILE rows a pass.
+template <class S>
+void panel_passes(const S& s, const Activations& x, int64_t m, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE) panel_tile<PanelIsa::TILE>(s, x, i, y, ldy);
+  panel_rest<PanelIsa::TILE - 1>(s, x, i, m - i, y, ldy);
+}
+
+// Weight rows [n0, n0 + PANEL) of a weight in the file's layout against every activation row.
 template <int T>
 void panel_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, const Activations& x, int64_t m, float* y,
                 int64_t ldy, uint8_t* scratch) {
-  const int64_t nb = x.k / 32;
   const Panel p = panel_layout(scratch, x.k);
-  build_panel<T>(w, row_bytes, n0, nb, p);
-  int64_t i = 0;
-  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE) panel_tile<T, PanelIsa::TILE>(p, x, i, nb, y + n0, ldy);
-  panel_rest<T, PanelIsa::TILE - 1>(p, x, i, m - i, nb, y + n0, ldy);
+  build_panel<T>(w, row_bytes, n0, x.k / 32, p);
+  panel_passes(Built<T>{p}, x, m, y + n0, ldy);
+}
+
+// Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups.
+template <int T>
+void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
+                 float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS)
+    for (int g = 0; g < PANEL_ROWS / PanelIsa::ROWS; ++g)
+      panel_passes(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, m, y + n + PanelIsa::ROWS * g, ldy);
+}
+
+void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
+                   int64_t m, float* y, int64_t ldy) {
+  switch (type) {
+    case Q4_0: packed_rows<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_1: packed_rows<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_0: packed_rows<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_1: packed_rows<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q8_0: packed_rows<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    default: break;
+  }
 }
 
 // The last m < ROWS rows: the tile of exactly that height.
@@ -693,10 +832,11 @@ void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float
 template <int T>
 void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                float* y, int64_t ldy, uint8_t* scratch) {
-  // Every row count takes the panel, one chat's decode too (where it also wins): a row's result then does not
-  // depend on how many rows share the step, so a chat's tokens do not change with the other chats. Q8_0's codes
-  // made unsigned reach 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127 for every
-  // other type): without VNNI's dpbusd, which sums in int32, it keeps the per-row tiles, at every row count.
+  // Every row count takes the panel, one chat's decode too: a row's result then does not depend on how many
+  // rows share the step, so a chat's tokens do not change with the other chats. Here the weight is in the
+  // file's layout (a K type, or the rows after a packed weight's last panel). Q8_0's codes made unsigned reach
+  // 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127 for every other type): without
+  // VNNI's dpbusd, which sums in int32, it keeps the per-row tiles, at every row count.
   if (!SIGNED<T> || PanelIsa::DPBUSD)
     for (; n0 + PANEL <= n1; n0 += PANEL) panel_rows<T>(w, row_bytes, n0, x, m, y, ldy, scratch);
   for (int64_t n = n0; n < n1; ++n) {
@@ -790,8 +930,14 @@ void QMM_LOCAL(norm)(const float* x, const float* w, int64_t h, float eps, int64
 void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out);
 void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
 
-extern const Level QMM_SYMBOL = {QMM_NAME,        quantize,           matmul,
-                                 dequantize,      QMM_LOCAL(attend),  QMM_LOCAL(norm),
-                                 QMM_LOCAL(silu_mul), QMM_LOCAL(rope_write)};
+#if defined(__AVX2__)
+constexpr auto PANELS = matmul_panels;
+#else
+constexpr decltype(Level::matmul_panels) PANELS = nullptr;
+#endif
+
+extern const Level QMM_SYMBOL = {QMM_NAME,          quantize,          matmul,         PANELS,
+                                 dequantize,        QMM_LOCAL(attend), QMM_LOCAL(norm), QMM_LOCAL(silu_mul),
+                                 QMM_LOCAL(rope_write)};
 
 }  // namespace qmm

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,9 +38,79 @@ int64_t block_bytes(int type) {
   }
 }
 
+bool packs(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0; }
+
 }  // namespace qmm
 
 namespace {
+
+// Panels (qmm.h): one row's block and its place in a panel's block, copied one way or the other. The fields
+// of the file's block, in its order: d, the minimum where there is one, Q5's fifth bits, the codes.
+template <int T>
+void move_block(uint8_t* file, uint8_t* panel, int64_t r, bool pack) {
+  using B = qmm::PanelBlock<T>;
+  const auto copy = [pack](uint8_t* f, uint8_t* p, int bytes) {
+    pack ? std::memcpy(p, f, bytes) : std::memcpy(f, p, bytes);
+  };
+  copy(file, panel + B::D_AT + 2 * r, 2);
+  uint8_t* rest = file + 2;
+  if (B::MIN) {
+    copy(rest, panel + B::M_AT + 2 * r, 2);
+    rest += 2;
+  }
+  if (B::FIFTH) {  // bit 4 d + b of the file's 32 is bit d of byte b in the panel's
+    uint8_t* dword = panel + B::FIFTH_AT + 4 * r;
+    uint32_t bits = 0;
+    if (pack) {
+      std::memcpy(&bits, rest, 4);
+      for (int b = 0; b < 4; ++b) {
+        uint8_t byte = 0;
+        for (int d = 0; d < 8; ++d) byte |= uint8_t(((bits >> (4 * d + b)) & 1) << d);
+        dword[b] = byte;
+      }
+    } else {
+      for (int b = 0; b < 4; ++b)
+        for (int d = 0; d < 8; ++d) bits |= uint32_t((dword[b] >> d) & 1) << (4 * d + b);
+      std::memcpy(rest, &bits, 4);
+    }
+    rest += 4;
+  }
+  for (int c = 0; c < B::CHUNKS; ++c) copy(rest + 4 * c, panel + 64 * c + 4 * r, 4);
+}
+
+// Rows [n0, n1) of a weight's panels between rows (the same rows in the file's layout) and panels (the whole
+// packed weight), one way or the other.
+template <int T>
+void move_rows(uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, int64_t n1, bool pack) {
+  const int64_t bytes = qmm::block_bytes(T), nb = row_bytes / bytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t r = n % qmm::PANEL_ROWS;
+    uint8_t* panel = panels + (n - r) * row_bytes;
+    for (int64_t j = 0; j < nb; ++j)
+      move_block<T>(rows + (n - n0) * row_bytes + bytes * j, panel + qmm::PanelBlock<T>::BYTES * j, r, pack);
+  }
+}
+
+void move(int type, uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, int64_t n1, bool pack) {
+  switch (type) {
+    case qmm::Q4_0: move_rows<qmm::Q4_0>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q4_1: move_rows<qmm::Q4_1>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q5_0: move_rows<qmm::Q5_0>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q5_1: move_rows<qmm::Q5_1>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q8_0: move_rows<qmm::Q8_0>(rows, panels, row_bytes, n0, n1, pack); break;
+    default: break;
+  }
+}
+
+// Rows [n0, n1) of a packed weight w back in the file's layout, into rows.
+void unpack_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, uint8_t* rows) {
+  move(type, rows, const_cast<uint8_t*>(w), row_bytes, n0, n1, false);
+}
+
+// The rows of a weight that lie in panels: its whole panels, for a type held so.
+int64_t panel_rows(int64_t type, int64_t rows) {
+  return qmm::packs(int(type)) ? rows / qmm::PANEL_ROWS * qmm::PANEL_ROWS : 0;
+}
 
 struct Entry {
   const qmm::Level* level;
@@ -137,11 +209,58 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   // threads pays for waking them.
   constexpr int64_t UNIT = 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
+  static_assert(UNIT % qmm::PANEL_ROWS == 0, "a task's rows must be whole panels");
+  const int64_t paneled = panel_rows(type, n);
   at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t a, int64_t b) {
     const auto scratch = scratch_for(k);
-    lv.matmul(int(type), ws, row_bytes, a * UNIT, std::min(b * UNIT, n), acts, m, ys, n, scratch.get());
+    const int64_t n0 = a * UNIT, n1 = std::min(b * UNIT, n), split = std::clamp(paneled, n0, n1);
+    if (lv.matmul_panels != nullptr) {
+      if (split > n0) lv.matmul_panels(int(type), ws, row_bytes, n0, split, acts, m, ys, n);
+    } else {  // the portable level reads rows in the file's layout: a panel at a time, put back
+      std::vector<uint8_t> rows(qmm::PANEL_ROWS * row_bytes);
+      for (int64_t p = n0; p < split; p += qmm::PANEL_ROWS) {
+        unpack_rows(int(type), ws, row_bytes, p, p + qmm::PANEL_ROWS, rows.data());
+        lv.matmul(int(type), rows.data(), row_bytes, 0, qmm::PANEL_ROWS, acts, m, ys + p, n, scratch.get());
+      }
+    }
+    lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, n, scratch.get());
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// The file's blocks [rows, row bytes] -> the library's layout (qmm.h): panels for the types held so, the same
+// bytes otherwise.
+at::Tensor pack(const at::Tensor& blocks, int64_t type) {
+  check_weight(blocks, type);
+  auto out = blocks.clone();
+  const int64_t row_bytes = blocks.size(1), panels = panel_rows(type, blocks.size(0)) / qmm::PANEL_ROWS;
+  uint8_t *from = blocks.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 16, [&](int64_t a, int64_t b) {
+    const int64_t n0 = a * qmm::PANEL_ROWS;
+    move(int(type), from + n0 * row_bytes, to, row_bytes, n0, b * qmm::PANEL_ROWS, true);
+  });
+  return out;
+}
+
+// Rows ids of a weight in the library's layout, back in the file's: what dequantize and the embedding read.
+at::Tensor unpack(const at::Tensor& w, int64_t type, const at::Tensor& ids_in) {
+  check_weight(w, type);
+  const auto ids = ids_in.to(at::kLong).contiguous();
+  const int64_t rows = w.size(0), row_bytes = w.size(1), paneled = panel_rows(type, rows), count = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " of ", rows);
+  auto out = at::empty({count, row_bytes}, w.options());
+  uint8_t *from = w.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      if (id[i] < paneled) {
+        unpack_rows(int(type), from, row_bytes, id[i], id[i] + 1, to + i * row_bytes);
+      } else {
+        std::memcpy(to + i * row_bytes, from + id[i] * row_bytes, row_bytes);
+      }
+    }
+  });
+  return out;
 }
 
 at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
@@ -274,6 +393,8 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("levels() -> str[]", &levels);
   m.def("matmul(Tensor x, Tensor w, int type, int level) -> Tensor", &matmul);
+  m.def("pack(Tensor blocks, int type) -> Tensor", &pack);
+  m.def("unpack(Tensor w, int type, Tensor ids) -> Tensor", &unpack);
   m.def("dequantize(Tensor w, int type, int level) -> Tensor", &dequantize);
   m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int window, int level) -> Tensor",
