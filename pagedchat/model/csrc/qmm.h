@@ -9,25 +9,31 @@ namespace qmm {
 // GGML's type ids: a weight tensor is its GGUF blocks, row by row, as the file holds them.
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-// The 32-weight-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are held in panels of PANEL_ROWS weight rows
-// (pack() in qmm_torch.cpp), laid out so that a SIMD level reads 4 codes of every row of the panel in one
-// load, the layout llama.cpp's repacked x86 kernels use, with nothing rearranged per call. A panel's bytes are
-// its rows' blocks, reordered, so the weights keep the file's size. Per block of 32 inputs, PanelBlock<T>::BYTES
-// (16 blocks' worth) hold:
-//  - the codes, in 64-byte chunks of 16 dwords, row r's in dword r: chunk c holds bytes 4c..4c+3 of each row's
-//    codes (4 chunks of nibbles, where the low nibbles are codes 4c..4c+3 and the high ones 16 more; 8 of Q8_0's
-//    bytes);
-//  - Q5's fifth bits in one such chunk: in row r's dword, bit d of byte b is the fifth bit of code 4 d + b;
-//  - the rows' scales d, 16 f16; then Q4_1 and Q5_1's minimums m, 16 f16.
+// Every type is held in panels of PANEL_ROWS weight rows (pack() in qmm_torch.cpp), laid out so that a SIMD
+// level reads 4 bytes of every row of the panel in one load, the layout of llama.cpp's repacked x86 kernels,
+// with nothing rearranged per call. A panel's bytes are its rows' blocks reordered, so the weights keep the
+// file's size. Per file block (32 inputs, 256 for the K types) a panel holds PanelBlock<T>::BYTES, 16 blocks'
+// worth, each field of the file's block in one of these forms:
+//  - bytes in chunks of 64: chunk c holds bytes 4c..4c+3 of the field of every row, row r's at 4r: the codes (at
+//    0), Q5_K's fifth bits and Q6_K's high bits (at HIGH_AT), the K types' sub-block scales (at SCALES_AT);
+//  - f16 values, 16 of them, row r's at 2r: the scale d (at D_AT), the minimum or dmin (at M_AT);
+//  - Q5_0 and Q5_1's fifth bits (32 a block) in one chunk at HIGH_AT, reordered: in row r's dword, bit d of
+//    byte b is the fifth bit of the code whose low bits dword d of the nibbles holds in byte b (code 4 d + b).
 // Rows after the last whole panel keep the file's layout.
 constexpr int64_t PANEL_ROWS = 16;
 
 template <int T>
 struct PanelBlock {
-  static constexpr bool FIFTH = T == Q5_0 || T == Q5_1, MIN = T == Q4_1 || T == Q5_1;
-  static constexpr int CHUNKS = T == Q8_0 ? 8 : 4;
-  static constexpr int64_t FIFTH_AT = 64 * CHUNKS, D_AT = FIFTH_AT + (FIFTH ? 64 : 0), M_AT = D_AT + 32,
-                           BYTES = M_AT + (MIN ? 32 : 0);
+  static constexpr bool K = T == Q4_K || T == Q5_K || T == Q6_K;
+  static constexpr bool MIN = T == Q4_1 || T == Q5_1 || T == Q4_K || T == Q5_K;
+  static constexpr bool FIFTH = T == Q5_0 || T == Q5_1;  // the reordered fifth bits
+  // Bytes per row and file block of each field.
+  static constexpr int64_t CODES = T == Q8_0 ? 32 : K ? 128 : 16;
+  static constexpr int64_t HIGH = FIFTH ? 4 : T == Q5_K ? 32 : T == Q6_K ? 64 : 0;
+  static constexpr int64_t SCALES = T == Q6_K ? 16 : K ? 12 : 0;
+  static constexpr int64_t HIGH_AT = PANEL_ROWS * CODES, SCALES_AT = HIGH_AT + PANEL_ROWS * HIGH,
+                           D_AT = SCALES_AT + PANEL_ROWS * SCALES, M_AT = D_AT + 2 * PANEL_ROWS,
+                           BYTES = M_AT + (MIN ? 2 * PANEL_ROWS : 0);
 };
 
 // Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d written
@@ -89,11 +95,12 @@ struct Level {
   void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16,
                    float* s32);
   // y[i * ldy + n] = x_i . W_n for weight rows n in [n0, n1) and every activation row i. scratch holds
-  // scratch_bytes(k) bytes: one weight row decoded, or a panel of 8 or 16 (qmm_level.cpp).
+  // scratch_bytes(k) bytes: one weight row decoded (the portable level; the SIMD levels need none).
   void (*matmul)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
                  int64_t m, float* y, int64_t ldy, uint8_t* scratch);
   // matmul for weight rows [n0, n1) held in panels (PANEL_ROWS divides n0 and n1), w the whole packed weight;
-  // null on the portable level, which reads each row back in the file's layout.
+  // null on the portable level, which reads each row back in the file's layout. matmul itself serves weights in
+  // the file's layout: the rows after the last whole panel.
   void (*matmul_panels)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                         const Activations& x, int64_t m, float* y, int64_t ldy);
   // rows weight rows, dequantized exactly (the file's d * q + m in float32) into out [rows][k].
@@ -110,10 +117,8 @@ struct Level {
   void (*rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
 };
 
-inline int64_t scratch_bytes(int64_t k) { return 24 * k + 256; }
+inline int64_t scratch_bytes(int64_t k) { return 2 * k + 128; }
 
-// Whether the type is held in panels (pack()).
-bool packs(int type);
 // 0 where the type is not one of Type's.
 int64_t block_values(int type);
 int64_t block_bytes(int type);

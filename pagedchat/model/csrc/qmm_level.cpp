@@ -428,11 +428,16 @@ struct PanelIsa {
   static I loadu(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high4(I v) { return low4(_mm512_srli_epi16(v, 4)); }
-  static I fifth(I h, int d) {  // bit d of each byte -> 0x10
-    const I v = d <= 4 ? _mm512_slli_epi16(h, unsigned(4 - d)) : _mm512_srli_epi16(h, unsigned(d - 4));
-    return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+  static I move_to4(I h, int from, char mask) {  // each byte's bits from `from` on moved to bit 4, masked
+    const I v = from <= 4 ? _mm512_slli_epi16(h, unsigned(4 - from)) : _mm512_srli_epi16(h, unsigned(from - 4));
+    return _mm512_and_si512(v, _mm512_set1_epi8(mask));
   }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  // 32-bit lanes, for the K types' scales.
+  static I srl32(I v, int n) { return _mm512_srli_epi32(v, unsigned(n)); }
+  static I sll32(I v, int n) { return _mm512_slli_epi32(v, unsigned(n)); }
+  static I sra32(I v, int n) { return _mm512_srai_epi32(v, unsigned(n)); }
+  static I and32(I v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
   static I flip(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))); }
   static F halves(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -541,11 +546,16 @@ struct PanelIsa {
   static I loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high4(I v) { return low4(_mm256_srli_epi16(v, 4)); }
-  static I fifth(I h, int d) {  // bit d of each byte -> 0x10
-    const I v = d <= 4 ? _mm256_slli_epi16(h, 4 - d) : _mm256_srli_epi16(h, d - 4);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+  static I move_to4(I h, int from, char mask) {  // each byte's bits from `from` on moved to bit 4, masked
+    const I v = from <= 4 ? _mm256_slli_epi16(h, 4 - from) : _mm256_srli_epi16(h, from - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(mask));
   }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  // 32-bit lanes, for the K types' scales.
+  static I srl32(I v, int n) { return _mm256_srli_epi32(v, n); }
+  static I sll32(I v, int n) { return _mm256_slli_epi32(v, n); }
+  static I sra32(I v, int n) { return _mm256_srai_epi32(v, n); }
+  static I and32(I v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi32(mask)); }
   static I flip(I w) { return _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))); }
   static F halves(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -585,155 +595,111 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 
 #endif
 
-// Panels: PanelIsa::ROWS weight rows whose codes lie so that each vector holds 4 codes of every row (the layout
-// of llama.cpp's repacked x86 GEMMs). A maddubs (or dpbusd) against 4 broadcast activation codes then gives every
-// row's partial dot in its own lane: a block's sum stays in integer adds, and each conversion, scale and offset
-// serves a lane per weight row where the per-row tiles spend them on one. The 32-block types are held so
-// (qmm.h's packed panels, read as they lie); the K types' panels are built per call from the file's blocks,
-// decoded and transposed, at a cost that one activation row does not repay.
-constexpr int PANEL = PanelIsa::ROWS;
+// Panels: the weights' codes lie so that each vector holds 4 codes of PanelIsa::ROWS weight rows (qmm.h; the
+// layout of llama.cpp's repacked x86 GEMMs). A maddubs (or dpbusd) against 4 broadcast activation codes then
+// gives every row's partial dot in its own lane: a block's sum stays in integer adds, and each conversion, scale
+// and offset serves a lane per weight row where the per-row tiles spend them on one.
 
-template <int T>
-constexpr int HALVES = TWO_OFFSETS<T> ? 2 : 1;  // scale units per block: Q6_K has one per 16 weights
-
-// Where one call's panel lives in the scratch: per block, 8 code vectors of PANEL * 4 bytes, then per block and
-// scale unit PANEL scales and PANEL offsets.
-struct Panel {
-  uint8_t* codes;  // [blocks][8][PANEL * 4]
-  float* a;        // [blocks][2][PANEL]
-  float* c;        // [blocks][2][PANEL]
-};
-
-Panel panel_layout(uint8_t* scratch, int64_t k) {
-  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
-  const int64_t nb = k / 32;
-  Panel p;
-  p.codes = base;
-  p.a = reinterpret_cast<float*>(base + nb * 32 * PANEL);
-  p.c = p.a + nb * 2 * PANEL;
-  return p;
-}
-
-// u[r] holds row r's 8 dwords; afterwards u[d] holds dword d of rows 0..7.
-inline void transpose8x8_epi32(__m256i* u) {
-  __m256i t[8], s[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(u[i], u[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(u[i], u[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    s[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    s[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    s[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[i] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x20);
-    u[i + 4] = _mm256_permute2x128_si256(s[i], s[i + 4], 0x31);
-  }
-}
-
-// Building a panel reads its rows a block at a time, 8 or 16 short streams side by side that the hardware's
-// prefetchers barely ramp up on before they end: at one activation row the matmuls waited on memory. So each
-// block's step also asks for its share of the next panel's bytes (contiguous: the rows that follow), a
-// panel ahead.
-inline void prefetch_next(const uint8_t* next, int64_t bytes, int64_t j, int64_t nb) {
-  const int64_t lines = (bytes + 63) / 64, from = lines * j / nb, to = lines * (j + 1) / nb;
-  for (int64_t l = from; l < to; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
-}
-
-template <int T>
-void build_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nb, const Panel& p) {
-  const uint8_t* next = w + (n0 + PANEL) * row_bytes;
-  for (int64_t j = 0; j < nb; ++j) {
-    prefetch_next(next, PANEL * row_bytes, j, nb);
-    float* a = p.a + 2 * PANEL * j;
-    float* c = p.c + 2 * PANEL * j;
-    for (int g = 0; g < PANEL; g += 8) {  // eight rows at a time: one 8x8 transpose of their dwords
-      __m256i u[8];
-      for (int r = g; r < g + 8; ++r) {
-        const Block b = block<T>(w + (n0 + r) * row_bytes, j);
-        a[r] = _mm256_cvtss_f32(b.a);
-        a[PANEL + r] = _mm_cvtss_f32(_mm256_extractf128_ps(b.a, 1));
-        if constexpr (SIGNED<T>) {  // Q8_0: w = a q = a (q + 128) - 128 a, unsigned codes and an offset
-          u[r - g] = _mm256_xor_si256(b.u, _mm256_set1_epi8(char(0x80)));
-          c[r] = c[PANEL + r] = -128 * a[r];
-        } else {
-          u[r - g] = b.u;
-          c[r] = b.c0;
-          c[PANEL + r] = b.c1;
-        }
-      }
-      transpose8x8_epi32(u);
-      for (int d = 0; d < 8; ++d)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p.codes + 4 * PANEL * (8 * j + d) + 4 * g), u[d]);
-    }
-  }
-}
-
-// Two code vectors of a panel's block, and which 4 activation codes of the block each one meets.
+// Two code vectors of a panel's block of 32, and which 4 activation codes of the block each one meets.
 struct Pair {
   PanelIsa::I w0, w1;
   int d0, d1;
 };
 
-// A panel built per call (build_panel): its code vectors, scales and offsets as they lie in the scratch.
-template <int T>
-struct Built {
-  static constexpr int UNITS = HALVES<T>, PAIRS = 4 / HALVES<T>;  // scale units per block, code pairs per unit
-  static constexpr bool OFFSET = true;
-  const Panel& p;
-  Pair pair(int64_t j, int h, int pr) const {
-    const int d = 8 / UNITS * h + 2 * pr;
-    const uint8_t* codes = p.codes + 4 * PANEL * (8 * j + d);
-    return {PanelIsa::load(codes), PanelIsa::load(codes + 4 * PANEL), d, d + 1};
-  }
-  PanelIsa::F scale(int64_t j, int h) const { return PanelIsa::loadf(p.a + 2 * PANEL * j + PANEL * h); }
-  PanelIsa::F offset(int64_t j, int h) const { return PanelIsa::loadf(p.c + 2 * PANEL * j + PANEL * h); }
-  static PanelIsa::I dot2(PanelIsa::I s, PanelIsa::I w0, PanelIsa::I q0, PanelIsa::I w1, PanelIsa::I q1) {
-    return PanelIsa::dot2(s, w0, q0, w1, q1);
-  }
-};
-
-// A panel of a packed weight (qmm.h), as one group of PanelIsa::ROWS of its rows: the codes come straight from
-// the weight's chunks, a mask and a shift away, and nothing is built per call.
+// One group of PanelIsa::ROWS rows of a panel: each block's code vectors, a load, a mask and a shift or two
+// away, with its scales and offsets.
 template <int T>
 struct Packed {
+  using V = PanelIsa;
   using B = PanelBlock<T>;
-  static constexpr int UNITS = 1, PAIRS = 4;
+  static constexpr int PER = B::K ? 8 : 1;                 // blocks of 32 per file block
+  static constexpr int UNITS = TWO_OFFSETS<T> ? 2 : 1;     // scale units per block of 32
+  static constexpr int PAIRS = 4 / UNITS;                  // code pairs per unit
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
-  // 255, whose maddubs pairs overflow int16); with it they are made unsigned, as the built panels' are.
-  static constexpr bool SIGNED_DOTS = T == Q8_0 && !PanelIsa::DPBUSD;
+  // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
+  static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
   static constexpr bool OFFSET = !SIGNED_DOTS;
   const uint8_t* panel;
-  int lanes;  // this group's byte offset in a chunk
-  const uint8_t* at(int64_t j) const { return panel + B::BYTES * j; }
-  Pair pair(int64_t j, int, int pr) const {
-    using V = PanelIsa;
-    const uint8_t* b = at(j) + lanes;
+  int lanes;  // this group's byte offset in a chunk of dwords
+
+  const uint8_t* file_block(int64_t j) const { return panel + B::BYTES * (j / PER); }
+  V::I chunk(const uint8_t* at, int64_t c) const { return V::loadu(at + 64 * c + lanes); }
+  V::F halves(const uint8_t* at) const { return V::halves(at + lanes / 2); }
+
+  // Code vector d (codes 4d..4d+3 of every row) of block j.
+  V::I code(int64_t j, int d) const {
+    const uint8_t* b = file_block(j);
+    const int sub = int(j % PER);
     if constexpr (T == Q8_0) {
-      const V::I w0 = V::loadu(b + 128 * pr), w1 = V::loadu(b + 128 * pr + 64);
-      return SIGNED_DOTS ? Pair{w0, w1, 2 * pr, 2 * pr + 1} : Pair{V::flip(w0), V::flip(w1), 2 * pr, 2 * pr + 1};
-    } else {
-      const V::I chunk = V::loadu(b + 64 * pr);
-      V::I w0 = V::low4(chunk), w1 = V::high4(chunk);
-      if constexpr (B::FIFTH) {
-        const V::I h = V::loadu(b + B::FIFTH_AT);
-        w0 = V::or_(w0, V::fifth(h, pr));
-        w1 = V::or_(w1, V::fifth(h, pr + 4));
-      }
-      return {w0, w1, pr, pr + 4};
+      const V::I w = chunk(b, d);
+      return SIGNED_DOTS ? w : V::flip(w);
+    } else if constexpr (!B::K) {  // chunk d % 4: low nibbles codes 4d.., high ones 16 more
+      const V::I c = chunk(b, d % 4);
+      const V::I u = d < 4 ? V::low4(c) : V::high4(c);
+      return B::FIFTH ? V::or_(u, V::move_to4(chunk(b + B::HIGH_AT, 0), d, 0x10)) : u;
+    } else if constexpr (T == Q6_K) {  // low 4 bits from ql, a nibble of its bytes; 2 high bits from qh
+      const int half = sub / 4, quarter = sub % 4;
+      const V::I c = chunk(b, 16 * half + 8 * (quarter & 1) + d);
+      const V::I low = quarter < 2 ? V::low4(c) : V::high4(c);
+      return V::or_(low, V::move_to4(chunk(b + B::HIGH_AT, 8 * half + d), 2 * quarter, 0x30));
+    } else {  // Q4_K, Q5_K: two blocks of 32 share 32 bytes, the first in the low nibbles
+      const V::I c = chunk(b, 8 * (sub / 2) + d);
+      const V::I u = sub % 2 ? V::high4(c) : V::low4(c);
+      return T == Q5_K ? V::or_(u, V::move_to4(chunk(b + B::HIGH_AT, d), sub, 0x10)) : u;
     }
   }
-  PanelIsa::F scale(int64_t j, int) const { return PanelIsa::halves(at(j) + B::D_AT + lanes / 2); }
-  PanelIsa::F offset(int64_t j, int h) const {
-    if constexpr (B::MIN) return PanelIsa::halves(at(j) + B::M_AT + lanes / 2);
-    // w = d (q - z): the offset is -z d, exact in float32 (z a power of two)
-    const float z = T == Q4_0 ? 8.f : T == Q5_0 ? 16.f : 128.f;
-    return PanelIsa::mul(scale(j, h), PanelIsa::set1(-z));
+  Pair pair(int64_t j, int h, int pr) const {
+    if constexpr (B::K || T == Q8_0) {
+      const int d = 4 * h + 2 * pr;
+      return {code(j, d), code(j, d + 1), d, d + 1};
+    } else {  // one load serves both: codes 4pr.. and 16 + 4pr..
+      return {code(j, pr), code(j, pr + 4), pr, pr + 4};
+    }
   }
-  static PanelIsa::I dot2(PanelIsa::I s, PanelIsa::I w0, PanelIsa::I q0, PanelIsa::I w1, PanelIsa::I q1) {
-    return SIGNED_DOTS ? PanelIsa::dot2_signed(s, w0, q0, w1, q1) : PanelIsa::dot2(s, w0, q0, w1, q1);
+
+  // Q4_K and Q5_K's 6-bit scale and minimum of block j (ggml's get_scale_min_k4, a row per lane).
+  void k4_scale_min(int64_t j, V::I* sc, V::I* mn) const {
+    const uint8_t* b = file_block(j) + B::SCALES_AT;
+    const int sub = int(j % 8);
+    const V::I q0 = chunk(b, 0), q1 = chunk(b, 1), q2 = chunk(b, 2);
+    if (sub < 4) {
+      *sc = V::and32(V::srl32(q0, 8 * sub), 63);
+      *mn = V::and32(V::srl32(q1, 8 * sub), 63);
+    } else {
+      const int at = 8 * (sub - 4);
+      *sc = V::or_(V::and32(V::srl32(q2, at), 0xF), V::sll32(V::and32(V::srl32(q0, at + 6), 3), 4));
+      *mn = V::or_(V::and32(V::srl32(q2, at + 4), 0xF), V::sll32(V::and32(V::srl32(q1, at + 6), 3), 4));
+    }
+  }
+  V::F scale(int64_t j, int h) const {
+    const uint8_t* b = file_block(j);
+    const V::F d = halves(b + B::D_AT);
+    if constexpr (T == Q6_K) {  // the signed byte 2 (j % 8) + h of the block's 16
+      const int sub = int(j % 8), byte = 2 * (sub % 2) + h;
+      const V::I sc = V::sra32(V::sll32(chunk(b + B::SCALES_AT, sub / 2), 24 - 8 * byte), 24);
+      return V::mul(d, V::cvt(sc));
+    } else if constexpr (B::K) {
+      V::I sc, mn;
+      k4_scale_min(j, &sc, &mn);
+      return V::mul(d, V::cvt(sc));
+    } else {
+      return d;
+    }
+  }
+  V::F offset(int64_t j, int h) const {
+    if constexpr (B::K && B::MIN) {  // -dmin times the minimum
+      V::I sc, mn;
+      k4_scale_min(j, &sc, &mn);
+      return V::mul(V::mul(halves(file_block(j) + B::M_AT), V::set1(-1.f)), V::cvt(mn));
+    } else if constexpr (B::MIN) {
+      return halves(file_block(j) + B::M_AT);
+    } else {  // w = a (u - z): the offset is -z a, exact in float32 (z a power of two)
+      const float z = T == Q4_0 ? 8.f : T == Q5_0 ? 16.f : T == Q6_K ? 32.f : 128.f;
+      return V::mul(scale(j, h), V::set1(-z));
+    }
+  }
+  static V::I dot2(V::I s, V::I w0, V::I q0, V::I w1, V::I q1) {
+    return SIGNED_DOTS ? V::dot2_signed(s, w0, q0, w1, q1) : V::dot2(s, w0, q0, w1, q1);
   }
 };
 
@@ -787,15 +753,6 @@ void panel_passes(const S& s, const Activations& x, int64_t m, float* y, int64_t
   panel_rest<PanelIsa::TILE - 1>(s, x, i, m - i, y, ldy);
 }
 
-// Weight rows [n0, n0 + PANEL) of a weight in the file's layout against every activation row.
-template <int T>
-void panel_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, const Activations& x, int64_t m, float* y,
-                int64_t ldy, uint8_t* scratch) {
-  const Panel p = panel_layout(scratch, x.k);
-  build_panel<T>(w, row_bytes, n0, x.k / 32, p);
-  panel_passes(Built<T>{p}, x, m, y + n0, ldy);
-}
-
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
@@ -813,6 +770,9 @@ void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, in
     case Q5_0: packed_rows<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
     case Q5_1: packed_rows<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
     case Q8_0: packed_rows<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_K: packed_rows<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_K: packed_rows<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q6_K: packed_rows<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
     default: break;
   }
 }
@@ -829,16 +789,11 @@ void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float
   }
 }
 
+// Weight rows in the file's layout (the rows after a weight's last whole panel): per-row tiles, at every row
+// count, so that a row's result does not depend on how many rows share the step.
 template <int T>
 void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
-               float* y, int64_t ldy, uint8_t* scratch) {
-  // Every row count takes the panel, one chat's decode too: a row's result then does not depend on how many
-  // rows share the step, so a chat's tokens do not change with the other chats. Here the weight is in the
-  // file's layout (a K type, or the rows after a packed weight's last panel). Q8_0's codes made unsigned reach
-  // 255, whose maddubs pairs overflow int16 (two of them at most 2 * 63 * 127 for every other type): without
-  // VNNI's dpbusd, which sums in int32, it keeps the per-row tiles, at every row count.
-  if (!SIGNED<T> || PanelIsa::DPBUSD)
-    for (; n0 + PANEL <= n1; n0 += PANEL) panel_rows<T>(w, row_bytes, n0, x, m, y, ldy, scratch);
+               float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     int64_t i = 0;
@@ -848,16 +803,16 @@ void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, cons
 }
 
 void matmul(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
-            int64_t m, float* y, int64_t ldy, uint8_t* scratch) {
+            int64_t m, float* y, int64_t ldy, uint8_t*) {
   switch (type) {
-    case Q4_0: matmul_of<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q4_1: matmul_of<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q5_0: matmul_of<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q5_1: matmul_of<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q8_0: matmul_of<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q4_K: matmul_of<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q5_K: matmul_of<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
-    case Q6_K: matmul_of<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy, scratch); break;
+    case Q4_0: matmul_of<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_1: matmul_of<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_0: matmul_of<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_1: matmul_of<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q8_0: matmul_of<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q4_K: matmul_of<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q5_K: matmul_of<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
+    case Q6_K: matmul_of<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
     default: break;
   }
 }

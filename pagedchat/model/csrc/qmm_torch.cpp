@@ -38,31 +38,41 @@ int64_t block_bytes(int type) {
   }
 }
 
-bool packs(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0; }
-
 }  // namespace qmm
 
 namespace {
 
-// Panels (qmm.h): one row's block and its place in a panel's block, copied one way or the other. The fields
-// of the file's block, in its order: d, the minimum where there is one, Q5's fifth bits, the codes.
+// Panels (qmm.h): one row's block and its place in a panel's block, copied one way or the other, field by
+// field in the file's order.
 template <int T>
 void move_block(uint8_t* file, uint8_t* panel, int64_t r, bool pack) {
   using B = qmm::PanelBlock<T>;
-  const auto copy = [pack](uint8_t* f, uint8_t* p, int bytes) {
+  const auto copy = [pack](uint8_t* f, uint8_t* p, int64_t bytes) {
     pack ? std::memcpy(p, f, bytes) : std::memcpy(f, p, bytes);
   };
-  copy(file, panel + B::D_AT + 2 * r, 2);
-  uint8_t* rest = file + 2;
-  if (B::MIN) {
-    copy(rest, panel + B::M_AT + 2 * r, 2);
-    rest += 2;
+  const auto f16 = [&](int64_t at) {
+    copy(file, panel + at + 2 * r, 2);
+    file += 2;
+  };
+  const auto chunks = [&](int64_t at, int64_t bytes) {
+    for (int64_t c = 0; c < bytes / 4; ++c) copy(file + 4 * c, panel + at + 64 * c + 4 * r, 4);
+    file += bytes;
+  };
+  if constexpr (T == qmm::Q6_K) {
+    chunks(0, B::CODES);
+    chunks(B::HIGH_AT, B::HIGH);
+    chunks(B::SCALES_AT, B::SCALES);
+    f16(B::D_AT);
+    return;
   }
+  f16(B::D_AT);
+  if (B::MIN) f16(B::M_AT);
+  chunks(B::SCALES_AT, B::SCALES);
   if (B::FIFTH) {  // bit 4 d + b of the file's 32 is bit d of byte b in the panel's
-    uint8_t* dword = panel + B::FIFTH_AT + 4 * r;
+    uint8_t* dword = panel + B::HIGH_AT + 4 * r;
     uint32_t bits = 0;
     if (pack) {
-      std::memcpy(&bits, rest, 4);
+      std::memcpy(&bits, file, 4);
       for (int b = 0; b < 4; ++b) {
         uint8_t byte = 0;
         for (int d = 0; d < 8; ++d) byte |= uint8_t(((bits >> (4 * d + b)) & 1) << d);
@@ -71,11 +81,13 @@ void move_block(uint8_t* file, uint8_t* panel, int64_t r, bool pack) {
     } else {
       for (int b = 0; b < 4; ++b)
         for (int d = 0; d < 8; ++d) bits |= uint32_t((dword[b] >> d) & 1) << (4 * d + b);
-      std::memcpy(rest, &bits, 4);
+      std::memcpy(file, &bits, 4);
     }
-    rest += 4;
+    file += 4;
+  } else {
+    chunks(B::HIGH_AT, B::HIGH);
   }
-  for (int c = 0; c < B::CHUNKS; ++c) copy(rest + 4 * c, panel + 64 * c + 4 * r, 4);
+  chunks(0, B::CODES);
 }
 
 // Rows [n0, n1) of a weight's panels between rows (the same rows in the file's layout) and panels (the whole
@@ -98,6 +110,9 @@ void move(int type, uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n
     case qmm::Q5_0: move_rows<qmm::Q5_0>(rows, panels, row_bytes, n0, n1, pack); break;
     case qmm::Q5_1: move_rows<qmm::Q5_1>(rows, panels, row_bytes, n0, n1, pack); break;
     case qmm::Q8_0: move_rows<qmm::Q8_0>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q4_K: move_rows<qmm::Q4_K>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q5_K: move_rows<qmm::Q5_K>(rows, panels, row_bytes, n0, n1, pack); break;
+    case qmm::Q6_K: move_rows<qmm::Q6_K>(rows, panels, row_bytes, n0, n1, pack); break;
     default: break;
   }
 }
@@ -107,10 +122,8 @@ void unpack_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int6
   move(type, rows, const_cast<uint8_t*>(w), row_bytes, n0, n1, false);
 }
 
-// The rows of a weight that lie in panels: its whole panels, for a type held so.
-int64_t panel_rows(int64_t type, int64_t rows) {
-  return qmm::packs(int(type)) ? rows / qmm::PANEL_ROWS * qmm::PANEL_ROWS : 0;
-}
+// The rows of a weight that lie in panels: its whole panels.
+int64_t panel_rows(int64_t rows) { return rows / qmm::PANEL_ROWS * qmm::PANEL_ROWS; }
 
 struct Entry {
   const qmm::Level* level;
@@ -210,7 +223,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   constexpr int64_t UNIT = 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
   static_assert(UNIT % qmm::PANEL_ROWS == 0, "a task's rows must be whole panels");
-  const int64_t paneled = panel_rows(type, n);
+  const int64_t paneled = panel_rows(n);
   at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t a, int64_t b) {
     const auto scratch = scratch_for(k);
     const int64_t n0 = a * UNIT, n1 = std::min(b * UNIT, n), split = std::clamp(paneled, n0, n1);
@@ -228,12 +241,11 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
-// The file's blocks [rows, row bytes] -> the library's layout (qmm.h): panels for the types held so, the same
-// bytes otherwise.
+// The file's blocks [rows, row bytes] -> the library's layout: panels (qmm.h).
 at::Tensor pack(const at::Tensor& blocks, int64_t type) {
   check_weight(blocks, type);
   auto out = blocks.clone();
-  const int64_t row_bytes = blocks.size(1), panels = panel_rows(type, blocks.size(0)) / qmm::PANEL_ROWS;
+  const int64_t row_bytes = blocks.size(1), panels = panel_rows(blocks.size(0)) / qmm::PANEL_ROWS;
   uint8_t *from = blocks.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 16, [&](int64_t a, int64_t b) {
     const int64_t n0 = a * qmm::PANEL_ROWS;
@@ -246,7 +258,7 @@ at::Tensor pack(const at::Tensor& blocks, int64_t type) {
 at::Tensor unpack(const at::Tensor& w, int64_t type, const at::Tensor& ids_in) {
   check_weight(w, type);
   const auto ids = ids_in.to(at::kLong).contiguous();
-  const int64_t rows = w.size(0), row_bytes = w.size(1), paneled = panel_rows(type, rows), count = ids.numel();
+  const int64_t rows = w.size(0), row_bytes = w.size(1), paneled = panel_rows(rows), count = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " of ", rows);
   auto out = at::empty({count, row_bytes}, w.options());
