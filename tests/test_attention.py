@@ -117,12 +117,12 @@ def test_native_decode_shapes(each_level, heads, kv_heads, head_dim):
     _assert_close(got, want)
 
 
-def test_native_decode_is_the_same_on_every_level(kernels):
-    """The kernel's sums keep one order, so every level this CPU runs gives the same bits (the near-tie rule of
-    a model's tokens then does not depend on the CPU's level)."""
+def test_native_decode_is_the_same_on_every_simd_level(kernels):
+    """The kernel's sums keep one order and every SIMD level fuses its multiply-adds, so every SIMD level this CPU
+    runs gives the same bits (the portable level, which does not fuse them, is checked against torch above)."""
     kernels("portable")
     outputs = {}
-    for name in qmm.runnable():
+    for name in (lv for lv in qmm.runnable() if lv != "portable"):
         qmm.use(name)
         outputs[name], _, _ = _run([(100, 1), (70, 1), (33, 1)], torch.float32, share_pages=2, path="native")
     first = next(iter(outputs.values()))

@@ -12,7 +12,8 @@
 // one core, were as long as a third of the step's matmuls.
 //
 // The loops run over eight floats at a time in a vector type the compiler maps onto whatever vectors the level
-// has; the sums keep one order whatever the level, so every level gives the same numbers bit for bit. As in
+// has; the sums keep one order whatever the level, so every SIMD level gives the same numbers bit for bit
+// (attention's multiply-adds are fused there, not on the portable level). As in
 // qmm_level.cpp, nothing here may use an inline function of a header shared with other levels.
 
 #include <stdint.h>
@@ -60,7 +61,7 @@ template <typename E>
 inline float dot(const float* q, const E* k, int64_t d) {
   f8 acc = splat(0.f);
   int64_t i = 0;
-  for (; i + LANES <= d; i += LANES) acc += load(q + i) * load(k + i);
+  for (; i + LANES <= d; i += LANES) acc = fma8(load(q + i), load(k + i), acc);
   float s = sum(acc);
   for (; i < d; ++i) s += q[i] * value(k, i);
   return s;
@@ -93,7 +94,7 @@ __attribute__((always_inline)) inline void dot8(const float* q, const E* k, int6
   int64_t i = 0;
   for (; i + LANES <= d; i += LANES) {
     const f8 qv = load(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] += qv * load(k + j * row + i);
+    for (int j = 0; j < 8; ++j) acc[j] = fma8(qv, load(k + j * row + i), acc[j]);
   }
   float r[8];
   store(r, sums8(acc));
@@ -134,7 +135,7 @@ __attribute__((always_inline)) inline void add_values_of(const float* w, const E
   for (int j = 0; j < V; ++j) o[j] = load(out + j * LANES) * shrink;
   for (int64_t t = t0; t < t1; ++t) {
     const E* vt = v + t * row;
-    for (int j = 0; j < V; ++j) o[j] += w[t] * load(vt + j * LANES);
+    for (int j = 0; j < V; ++j) o[j] = fma8(splat(w[t]), load(vt + j * LANES), o[j]);
   }
   for (int j = 0; j < V; ++j) store(out + j * LANES, o[j]);
 }

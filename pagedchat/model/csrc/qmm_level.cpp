@@ -408,14 +408,14 @@ struct PanelIsa {
 #endif
   static I load(const uint8_t* p) { return _mm512_load_si512(p); }
   static I bcast4(const int8_t* q) { return _mm512_broadcastd_epi32(_mm_loadu_si32(q)); }
-  static I dot2(I sum, I w0, I q0, I w1, I q1) {
 #if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, w0, q0), w1, q1);
-#else
-    const I pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w0, q0), _mm512_maddubs_epi16(w1, q1));
-    return _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  static I dpbusd(I sum, I u, I q) { return _mm512_dpbusd_epi32(sum, u, q); }
 #endif
-  }
+  static I maddubs(I u, I q) { return _mm512_maddubs_epi16(u, q); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I widen(I sum, I pairs) { return _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))); }
+  static I abs8(I w) { return _mm512_abs_epi8(w); }
+  static I sign8(I q, I w) { return _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), izero(), q); }  // q, negated where w < 0
   static I izero() { return _mm512_setzero_si512(); }
   static F zero() { return _mm512_setzero_ps(); }
   static F loadf(const float* p) { return _mm512_load_ps(p); }
@@ -443,16 +443,6 @@ struct PanelIsa {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static F set1(float v) { return _mm512_set1_ps(v); }
-  // Signed codes w against q without VNNI: |w| . (q with w's signs), each maddubs summed in int32 (two in int16
-  // could overflow).
-  static I dot2_signed(I sum, I w0, I q0, I w1, I q1) {
-    const I one = _mm512_set1_epi16(1);
-    const I p0 = _mm512_maddubs_epi16(_mm512_abs_epi8(w0), _mm512_mask_sub_epi8(q0, _mm512_movepi8_mask(w0),
-                                                                               izero(), q0));
-    const I p1 = _mm512_maddubs_epi16(_mm512_abs_epi8(w1), _mm512_mask_sub_epi8(q1, _mm512_movepi8_mask(w1),
-                                                                               izero(), q1));
-    return _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_madd_epi16(p0, one), _mm512_madd_epi16(p1, one)));
-  }
 };
 
 inline __m512i dot512(__m512i u, __m512i q) {
@@ -518,7 +508,7 @@ constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 register
 struct PanelIsa {
   using I = __m256i;
   using F = __m256;
-  static constexpr int ROWS = 8, TILE = 5;
+  static constexpr int ROWS = 8, TILE = 8;
 #if defined(__AVXVNNI__)
   static constexpr bool DPBUSD = true;
 #else
@@ -526,14 +516,14 @@ struct PanelIsa {
 #endif
   static I load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static I bcast4(const int8_t* q) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q)); }
-  static I dot2(I sum, I w0, I q0, I w1, I q1) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum, w0, q0), w1, q1);
-#else
-    const I pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, q0), _mm256_maddubs_epi16(w1, q1));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  static I dpbusd(I sum, I u, I q) { return _mm256_dpbusd_avx_epi32(sum, u, q); }
 #endif
-  }
+  static I maddubs(I u, I q) { return _mm256_maddubs_epi16(u, q); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen(I sum, I pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+  static I abs8(I w) { return _mm256_sign_epi8(w, w); }
+  static I sign8(I q, I w) { return _mm256_sign_epi8(q, w); }  // q, negated where w < 0 (0 where w is)
   static I izero() { return _mm256_setzero_si256(); }
   static F zero() { return _mm256_setzero_ps(); }
   static F loadf(const float* p) { return _mm256_load_ps(p); }
@@ -561,14 +551,6 @@ struct PanelIsa {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static F set1(float v) { return _mm256_set1_ps(v); }
-  // Signed codes w against q without VNNI: |w| . (q with w's signs), each maddubs summed in int32 (two in int16
-  // could overflow).
-  static I dot2_signed(I sum, I w0, I q0, I w1, I q1) {
-    const I one = _mm256_set1_epi16(1);
-    const I p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(q0, w0));
-    const I p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(q1, w1));
-    return _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)));
-  }
 };
 
 template <int T, int R>
@@ -600,11 +582,29 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 // gives every row's partial dot in its own lane: a block's sum stays in integer adds, and each conversion, scale
 // and offset serves a lane per weight row where the per-row tiles spend them on one.
 
-// Two code vectors of a panel's block of 32, and which 4 activation codes of the block each one meets.
-struct Pair {
-  PanelIsa::I w0, w1;
-  int d0, d1;
-};
+// The dot of a unit's N code vectors with its activations (code vector d meets the 4 codes at q + 4d), in int32
+// lanes. Without VNNI, G maddubs results are summed in int16 before widening, G the most whose sum cannot
+// overflow (each maddubs lane is at most 2 * 127 times the largest code); signed codes move their signs onto
+// the activations.
+template <int N, int G, bool SIGNED_DOTS>
+inline PanelIsa::I unit_dot(const PanelIsa::I* w, const int8_t* q) {
+  using V = PanelIsa;
+  V::I total = V::izero();
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  for (int d = 0; d < N; ++d) total = V::dpbusd(total, w[d], V::bcast4(q + 4 * d));
+#else
+  for (int g = 0; g < N; g += G) {
+    V::I pairs = V::izero();
+    for (int d = g; d < g + G; ++d) {
+      const V::I b = V::bcast4(q + 4 * d);
+      const V::I p = SIGNED_DOTS ? V::maddubs(V::abs8(w[d]), V::sign8(b, w[d])) : V::maddubs(w[d], b);
+      pairs = d == g ? p : V::add16(pairs, p);
+    }
+    total = V::widen(total, pairs);
+  }
+#endif
+  return total;
+}
 
 // One group of PanelIsa::ROWS rows of a panel: each block's code vectors, a load, a mask and a shift or two
 // away, with its scales and offsets.
@@ -614,11 +614,13 @@ struct Packed {
   using B = PanelBlock<T>;
   static constexpr int PER = B::K ? 8 : 1;                 // blocks of 32 per file block
   static constexpr int UNITS = TWO_OFFSETS<T> ? 2 : 1;     // scale units per block of 32
-  static constexpr int PAIRS = 4 / UNITS;                  // code pairs per unit
+  static constexpr int N = 8 / UNITS;                      // code vectors per unit
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
   // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
   static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
   static constexpr bool OFFSET = !SIGNED_DOTS;
+  // maddubs results summed in int16 (unit_dot): codes up to 15, 31, 63, and Q8_0's up to 128 in magnitude.
+  static constexpr int G = (T == Q4_0 || T == Q4_1 || T == Q4_K) ? 8 : B::FIFTH || T == Q5_K ? 4 : T == Q6_K ? 2 : 1;
   const uint8_t* panel;
   int lanes;  // this group's byte offset in a chunk of dwords
 
@@ -648,15 +650,6 @@ struct Packed {
       return T == Q5_K ? V::or_(u, V::move_to4(chunk(b + B::HIGH_AT, d), sub, 0x10)) : u;
     }
   }
-  Pair pair(int64_t j, int h, int pr) const {
-    if constexpr (B::K || T == Q8_0) {
-      const int d = 4 * h + 2 * pr;
-      return {code(j, d), code(j, d + 1), d, d + 1};
-    } else {  // one load serves both: codes 4pr.. and 16 + 4pr..
-      return {code(j, pr), code(j, pr + 4), pr, pr + 4};
-    }
-  }
-
   // Q4_K and Q5_K's 6-bit scale and minimum of block j (ggml's get_scale_min_k4, a row per lane).
   void k4_scale_min(int64_t j, V::I* sc, V::I* mn) const {
     const uint8_t* b = file_block(j) + B::SCALES_AT;
@@ -698,9 +691,7 @@ struct Packed {
       return V::mul(scale(j, h), V::set1(-z));
     }
   }
-  static V::I dot2(V::I s, V::I w0, V::I q0, V::I w1, V::I q1) {
-    return SIGNED_DOTS ? V::dot2_signed(s, w0, q0, w1, q1) : V::dot2(s, w0, q0, w1, q1);
-  }
+  static V::I dot(const V::I* w, const int8_t* q) { return unit_dot<N, G, SIGNED_DOTS>(w, q); }
 };
 
 // R activation rows against a panel's weight rows, one per lane: y[(i0 + r) * ldy + lane].
@@ -712,18 +703,13 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
   for (int r = 0; r < R; ++r) acc[r] = V::zero();
   for (int64_t j = 0; j < nb; ++j) {
     for (int h = 0; h < S::UNITS; ++h) {
-      typename V::I sum[R];
-      for (int r = 0; r < R; ++r) sum[r] = V::izero();
-      for (int pr = 0; pr < S::PAIRS; ++pr) {
-        const Pair w = s.pair(j, h, pr);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = x.q + (i0 + r) * k + 32 * j;
-          sum[r] = S::dot2(sum[r], w.w0, V::bcast4(q + 4 * w.d0), w.w1, V::bcast4(q + 4 * w.d1));
-        }
-      }
+      typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
+      for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
       const typename V::F a = s.scale(j, h);
-      for (int r = 0; r < R; ++r)
-        acc[r] = V::fmadd(V::cvt(sum[r]), V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
+        acc[r] = V::fmadd(V::cvt(dot), V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
+      }
       if constexpr (S::OFFSET) {
         const typename V::F c = s.offset(j, h);
         const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
