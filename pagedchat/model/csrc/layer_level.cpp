@@ -126,88 +126,89 @@ inline f8 exp8(f8 x) {
   return gone ? splat(0.f) : p * reinterpret_cast<f8>(e);
 }
 
-// out = out * shrink + sum over t in [t0, t1) of w[t] * v[t], the values' rows `row` floats apart: V vectors of
-// out at a time (eight: a head of 64 in one pass), so that V independent sums hide each add's latency.
-template <int V, typename E>
-__attribute__((always_inline)) inline void add_values_of(const float* w, const E* v, int64_t row, int64_t t0,
-                                                        int64_t t1, float shrink, float* out) {
-  f8 o[V];
-  for (int j = 0; j < V; ++j) o[j] = load(out + j * LANES) * shrink;
-  for (int64_t t = t0; t < t1; ++t) {
-    const E* vt = v + t * row;
-    for (int j = 0; j < V; ++j) o[j] = fma8(splat(w[t]), load(vt + j * LANES), o[j]);
-  }
-  for (int j = 0; j < V; ++j) store(out + j * LANES, o[j]);
-}
-
-template <typename E>
-inline void add_values(const float* w, const E* v, int64_t row, int64_t t0, int64_t t1, int64_t d, float shrink,
-                       float* out) {
-  int64_t i = 0;
-  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(w, v + i, row, t0, t1, shrink, out + i);
-  for (; i + LANES <= d; i += LANES) add_values_of<1>(w, v + i, row, t0, t1, shrink, out + i);
-  for (; i < d; ++i) {
-    float o = out[i] * shrink;
-    for (int64_t t = t0; t < t1; ++t) o += w[t] * value(v + t * row, i);
-    out[i] = o;
-  }
-}
-
-// Where one unit keeps its running state (attend_scratch in qmm.h sizes it).
-struct State {
-  float* acc;    // [group][d]: the weighted sum of values
-  float* score;  // [group][slots]: a page's scores, then their weights; -inf outside the page's keys
-  float* high;   // [group]: the running maximum
-  float* mass;   // [group]: the running sum of e^(score - high)
-  int64_t slots;
-};
-
-template <typename E>
-void attend_unit(const AttendArgs& a, int64_t unit, const State& st) {
-  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, group = a.heads / a.kv_heads, d = a.head_dim;
-  const int64_t bs = a.block_size, row = a.kv_heads * d;  // a token's K (or V) row holds every KV head
-  const E* keys = static_cast<const E*>(a.k);
-  const E* values = static_cast<const E*>(a.v);
-  const float* q = a.q + (b * a.heads + h * group) * d;
-  for (int64_t i = 0; i < group * d; ++i) st.acc[i] = 0.f;
-  for (int64_t g = 0; g < group; ++g) st.high[g] = -__builtin_inff(), st.mass[g] = 0.f;
-
-  const int64_t len = a.context_lens[b];
+// The pages sequence b reads for KV head h, in order: fn(base, t0, t1, at) for each, base the offset of the
+// page's row 0 for that head, [t0, t1) the keys it holds of the sequence's range, `at` the first one's index in
+// that range.
+template <typename Fn>
+inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, Fn fn) {
+  const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim, len = a.context_lens[b];
   const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
   const int32_t* table = a.block_tables + b * a.table_stride;
   for (int64_t p = first / bs; p * bs < len; ++p) {
     const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
-    const int64_t base = int64_t(table[p]) * bs * row + h * d;
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = st.score + g * st.slots;
-      for (int64_t t = 0; t < st.slots; ++t) s[t] = -__builtin_inff();
-      int64_t t = t0;
-      for (; t + 8 <= t1; t += 8) dot8(q + g * d, keys + base + t * row, row, d, a.scale, s + t);
-      for (; t < t1; ++t) s[t] = dot(q + g * d, keys + base + t * row, d) * a.scale;
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = st.score + g * st.slots;
-      f8 most = splat(st.high[g]);
-      for (int64_t t = 0; t < st.slots; t += LANES) {
-        const f8 v = load(s + t);
-        most = v > most ? v : most;
-      }
-      const float high = top(most);
-      const float shrink = exp8(splat(st.high[g] - high))[0];  // 0 while nothing was seen
-      f8 total = splat(0.f);
-      for (int64_t t = 0; t < st.slots; t += LANES) {
-        const f8 w = exp8(load(s + t) - high);
-        total += w;
-        store(s + t, w);
-      }
-      st.mass[g] = st.mass[g] * shrink + sum(total);
-      st.high[g] = high;
-      add_values(s, values + base, row, t0, t1, d, shrink, st.acc + g * d);
-    }
+    fn(int64_t(table[p]) * bs * row + h * a.head_dim, t0, t1, p * bs + t0 - first);
   }
-  float* out = a.out + (b * a.heads + h * group) * d;
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = st.mass[g] > 0.f ? st.acc[g * d + i] / st.mass[g] : 0.f;
+}
+
+// out = sum over the sequence's keys of w[key] * v[key]: V vectors of out at a time (eight: a head of 64 in one
+// pass), held in registers across every page, so that V independent sums hide each add's latency.
+template <int V, typename E>
+__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, int64_t b, int64_t h, const float* w,
+                                                        const E* v, float* out) {
+  const int64_t row = a.kv_heads * a.head_dim;
+  f8 o[V];
+  for (int j = 0; j < V; ++j) o[j] = splat(0.f);
+  for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const E* vt = v + base + t * row;
+      const f8 wt = splat(w[at + t - t0]);
+      for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
+    }
+  });
+  for (int j = 0; j < V; ++j) store(out + j * LANES, o[j]);
+}
+
+template <typename E>
+inline void add_values(const AttendArgs& a, int64_t b, int64_t h, const float* w, const E* v, float* out) {
+  const int64_t d = a.head_dim, row = a.kv_heads * d;
+  int64_t i = 0;
+  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, b, h, w, v + i, out + i);
+  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, b, h, w, v + i, out + i);
+  for (; i < d; ++i) {
+    float o = 0.f;
+    for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+      for (int64_t t = t0; t < t1; ++t) o += w[at + t - t0] * value(v + base + t * row, i);
+    });
+    out[i] = o;
+  }
+}
+
+// One (sequence, KV head), each query head of its group in three passes over the sequence's keys: every score,
+// one softmax, then the values' weighted sum. A running softmax a page at a time rescaled its sums on every page,
+// which at a page of 16 keys cost as much as a fifth of the arithmetic. scratch: attend_scratch(a) floats.
+template <typename E>
+void attend_unit(const AttendArgs& a, int64_t unit, float* scratch) {
+  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, group = a.heads / a.kv_heads, d = a.head_dim;
+  const int64_t row = a.kv_heads * d, len = a.context_lens[b];
+  const int64_t n = len - (a.window > 0 && len > a.window ? len - a.window : 0), padded = (n + LANES - 1) / LANES * LANES;
+  const E* keys = static_cast<const E*>(a.k);
+  const E* values = static_cast<const E*>(a.v);
+  float* s = scratch;  // the keys' scores, then their weights; -inf in the padding
+  for (int64_t g = 0; g < group; ++g) {
+    const float* q = a.q + (b * a.heads + h * group + g) * d;
+    float* out = a.out + (b * a.heads + h * group + g) * d;
+    for (int64_t t = n; t < padded; ++t) s[t] = -__builtin_inff();
+    for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+      int64_t t = t0;
+      for (; t + 8 <= t1; t += 8) dot8(q, keys + base + t * row, row, d, a.scale, s + at + t - t0);
+      for (; t < t1; ++t) s[at + t - t0] = dot(q, keys + base + t * row, d) * a.scale;
+    });
+    f8 most = splat(-__builtin_inff());
+    for (int64_t t = 0; t < padded; t += LANES) {
+      const f8 v = load(s + t);
+      most = v > most ? v : most;
+    }
+    const float high = top(most);
+    f8 total = splat(0.f);
+    for (int64_t t = 0; t < padded; t += LANES) {
+      const f8 w = exp8(load(s + t) - high);
+      total += w;
+      store(s + t, w);
+    }
+    const float mass = sum(total);
+    add_values(a, b, h, s, values, out);
+    for (int64_t i = 0; i < d; ++i) out[i] = mass > 0.f ? out[i] / mass : 0.f;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -272,14 +273,11 @@ void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
 }
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
-  const int64_t group = a.heads / a.kv_heads, slots = attend_slots(a);
-  const State st{scratch, scratch + group * a.head_dim, scratch + group * (a.head_dim + slots),
-                 scratch + group * (a.head_dim + slots + 1), slots};
   for (int64_t u = unit0; u < unit1; ++u) {
     if (a.bf16)
-      attend_unit<uint16_t>(a, u, st);
+      attend_unit<uint16_t>(a, u, scratch);
     else
-      attend_unit<float>(a, u, st);
+      attend_unit<float>(a, u, scratch);
   }
 }
 

@@ -62,6 +62,7 @@ struct AttendArgs {
   float scale;
   int64_t window;  // a query sees its last `window` keys only; 0: all of them
   float* out;
+  int64_t max_keys;  // the most keys any sequence attends to (its window's, or its context)
 };
 
 // One step's rotary turn of q and k, with k and v written into the caches (layer_level.cpp).
@@ -77,12 +78,8 @@ struct RopeArgs {
   float* q;             // [tokens][heads][head_dim], turned
 };
 
-// A page's score slots in attend's scratch: its block size rounded up to whole vectors of 8.
-inline int64_t attend_slots(const AttendArgs& a) { return (a.block_size + 7) / 8 * 8; }
-// A task's scratch for attend, in floats.
-inline int64_t attend_scratch(const AttendArgs& a) {
-  return a.heads / a.kv_heads * (a.head_dim + attend_slots(a) + 2);
-}
+// A task's scratch for attend, in floats: one sequence's scores, rounded up to whole vectors of 8.
+inline int64_t attend_scratch(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
 
 // A name local to the level being compiled: attend_avx2, ...
 #define QMM_JOIN2(a, b) a##_##b

@@ -291,18 +291,22 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
 
 // The kernels index the caches with these numbers unchecked, so they are checked here, as torch's own indexing
 // ops check theirs: every page a sequence reads lies in the pool, and every context fits its table.
-void check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pages, int64_t block_size,
-                 int64_t window) {
+// Returns the most keys a sequence attends to.
+int64_t check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pages, int64_t block_size,
+                    int64_t window) {
   const int32_t *table = tables.data_ptr<int32_t>(), *len = lens.data_ptr<int32_t>();
   const int64_t stride = tables.size(1);
+  int64_t most = 0;
   for (int64_t b = 0; b < tables.size(0); ++b, table += stride) {
     TORCH_CHECK(len[b] >= 0 && len[b] <= stride * block_size, "sequence ", b, "'s context of ", len[b],
                 " tokens does not fit its block table");
     const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
+    most = std::max<int64_t>(most, len[b] - first);
     for (int64_t p = first / block_size; p * block_size < len[b]; ++p)
       TORCH_CHECK(table[p] >= 0 && table[p] < pages, "sequence ", b, " reads page ", table[p], " of a pool of ",
                   pages);
   }
+  return most;
 }
 
 // One decode step's attention straight from the pages (layer_level.cpp): q [batch, heads, head_dim], the caches
@@ -324,12 +328,12 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const auto q = q_in.to(at::kFloat).contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
-  check_pages(tables, lens, k_cache.size(0), k_cache.size(1), window);
+  const int64_t max_keys = check_pages(tables, lens, k_cache.size(0), k_cache.size(1), window);
   auto out = at::empty({batch, heads, d}, q.options());
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.scalar_type() == at::kBFloat16, tables.data_ptr<int32_t>(), tables.size(1),
                              lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
-                             out.data_ptr<float>()};
+                             out.data_ptr<float>(), max_keys};
   const qmm::Level& lv = level_at(level);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t a, int64_t b) {
     std::unique_ptr<float[]> scratch(new float[qmm::attend_scratch(args)]);
