@@ -9,6 +9,30 @@ namespace qmm {
 // GGML's type ids: a weight tensor is its GGUF blocks, row by row, as the file holds them.
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+// f(Tag<T>{}) for a type id: the one switch over the types, for every entry point (internal to each including
+// file, so each level keeps its own copy, built with its own flags).
+template <int T>
+struct Tag {
+  static constexpr int type = T;
+};
+
+namespace {
+template <class F>
+void by_type(int type, F f) {
+  switch (type) {
+    case Q4_0: f(Tag<Q4_0>{}); break;
+    case Q4_1: f(Tag<Q4_1>{}); break;
+    case Q5_0: f(Tag<Q5_0>{}); break;
+    case Q5_1: f(Tag<Q5_1>{}); break;
+    case Q8_0: f(Tag<Q8_0>{}); break;
+    case Q4_K: f(Tag<Q4_K>{}); break;
+    case Q5_K: f(Tag<Q5_K>{}); break;
+    case Q6_K: f(Tag<Q6_K>{}); break;
+    default: break;
+  }
+}
+}  // namespace
+
 // Every type is held in panels of PANEL_ROWS weight rows (pack() in qmm_torch.cpp), laid out so that a SIMD
 // level reads 4 bytes of every row of the panel in one load, the layout of llama.cpp's repacked x86 kernels,
 // with nothing rearranged per call. A panel's bytes are its rows' blocks reordered, so the weights keep the

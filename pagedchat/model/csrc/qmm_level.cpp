@@ -750,17 +750,7 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
 
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
                    int64_t m, float* y, int64_t ldy) {
-  switch (type) {
-    case Q4_0: packed_rows<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q4_1: packed_rows<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_0: packed_rows<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_1: packed_rows<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q8_0: packed_rows<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q4_K: packed_rows<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_K: packed_rows<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q6_K: packed_rows<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    default: break;
-  }
+  by_type(type, [&](auto t) { packed_rows<decltype(t)::type>(w, row_bytes, n0, n1, x, m, y, ldy); });
 }
 
 // The last m < ROWS rows: the tile of exactly that height.
@@ -790,17 +780,7 @@ void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, cons
 
 void matmul(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
             int64_t m, float* y, int64_t ldy, uint8_t*) {
-  switch (type) {
-    case Q4_0: matmul_of<Q4_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q4_1: matmul_of<Q4_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_0: matmul_of<Q5_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_1: matmul_of<Q5_1>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q8_0: matmul_of<Q8_0>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q4_K: matmul_of<Q4_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q5_K: matmul_of<Q5_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    case Q6_K: matmul_of<Q6_K>(w, row_bytes, n0, n1, x, m, y, ldy); break;
-    default: break;
-  }
+  by_type(type, [&](auto t) { matmul_of<decltype(t)::type>(w, row_bytes, n0, n1, x, m, y, ldy); });
 }
 
 #else  // the portable path: each weight row decoded into scratch (decode above), then the same sums in plain C++

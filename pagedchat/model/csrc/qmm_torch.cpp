@@ -104,17 +104,7 @@ void move_rows(uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, in
 }
 
 void move(int type, uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, int64_t n1, bool pack) {
-  switch (type) {
-    case qmm::Q4_0: move_rows<qmm::Q4_0>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q4_1: move_rows<qmm::Q4_1>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q5_0: move_rows<qmm::Q5_0>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q5_1: move_rows<qmm::Q5_1>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q8_0: move_rows<qmm::Q8_0>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q4_K: move_rows<qmm::Q4_K>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q5_K: move_rows<qmm::Q5_K>(rows, panels, row_bytes, n0, n1, pack); break;
-    case qmm::Q6_K: move_rows<qmm::Q6_K>(rows, panels, row_bytes, n0, n1, pack); break;
-    default: break;
-  }
+  qmm::by_type(type, [&](auto t) { move_rows<decltype(t)::type>(rows, panels, row_bytes, n0, n1, pack); });
 }
 
 // Rows [n0, n1) of a packed weight w back in the file's layout, into rows.
