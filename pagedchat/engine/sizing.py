@@ -33,20 +33,24 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def default_dtype(device: torch.device, quantized: bool = False) -> torch.dtype:
-    """bf16 where the hardware computes it natively (half the KV cache, faster attention and dense matmuls),
-    else fp32, in which pagedchat's kernels run quantized weights packed. Where they are not built, quantized
-    weights on a CPU without native bf16 still run faster packed on torch's int4 kernel, in bf16, than expanded
-    to float32 (docs/bench.md, "Quantized kernels for every x86-64 level"): so bf16 there too."""
+    """What auto means on a CPU:
+    - quantized weights (a GGUF's, or `--quantize`) where pagedchat's kernels run them: float32, whose
+      activations their panels take. Even where the CPU computes bf16 natively they decode 1.6-1.9x faster so
+      than in bf16 on the int4 groups (docs/bench.md, "Panels packed at load"), at twice the KV bytes a token;
+    - else bf16 where the hardware computes it natively (half the KV cache, faster attention and dense matmuls);
+    - else float32, but for quantized weights without pagedchat's kernels: packed on torch's int4 kernel they
+      decode faster in bf16 than expanded to float32 (docs/bench.md, "Quantized kernels for every x86-64
+      level")."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if cpu_has_native_bf16():
-        return torch.bfloat16
     if quantized:
         from pagedchat.model import qmm, quant
 
-        if qmm.ensure() is not None and quant.int4_available():
+        if qmm.ensure() is None:
+            return torch.float32
+        if quant.int4_available():
             return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def parse_dtype(value: str | torch.dtype | None, device: torch.device, quantized: bool = False) -> torch.dtype:

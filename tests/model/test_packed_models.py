@@ -177,9 +177,16 @@ def test_quantize_a_safetensors_model(tmp_path, monkeypatch, quantize_as, kind):
 def test_auto_dtype_without_the_kernels(monkeypatch, _float32_by_default):
     """Where the kernels are not built, a quantized model on a CPU without native bf16 runs packed on torch's
     int4 kernel in bf16, which decodes faster than weights expanded to float32; a dense model stays float32.
-    With the kernels, float32 activations on the packed blocks."""
+    With the kernels, float32 activations on the packed blocks, also where the CPU has native bf16 (a dense
+    model takes bf16 there)."""
     cpu = torch.device("cpu")
+    if qmm.ensure() is not None:
+        pytest.skip(qmm.ensure())
     assert sizing.parse_dtype("auto", cpu, quantized=True) == torch.float32
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: True)
+    assert sizing.parse_dtype("auto", cpu, quantized=True) == torch.float32
+    assert sizing.parse_dtype("auto", cpu, quantized=False) == torch.bfloat16
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(qmm, "_state", qmm.State())
     monkeypatch.setattr(qmm, "compiler", lambda: None)
     assert sizing.parse_dtype("auto", cpu, quantized=True) == (torch.bfloat16 if quant.int4_available() else
