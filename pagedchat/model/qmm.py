@@ -1,11 +1,11 @@
 """pagedchat's quantized matmuls: a GGUF's weights run from their own blocks (csrc/), compiled once per machine.
 
 Every quantized type of a typical download (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's
-blocks, reordered at load into panels of 16 rows (pack; csrc/qmm.h), so the weights take the file's size in memory. Each call quantizes its activation rows to int8 per 32
-inputs and takes integer dot products against the blocks, as llama.cpp's CPU kernels do (docs/bench.md,
-"Quantized kernels for every x86-64 level"). The same library holds the rest of a decode step's kernels on the
-CPU (csrc/layer_level.cpp): attention straight from the pages, and a float32 step's norms, rotary turn with the
-cache write, and silu(gate) * up.
+blocks, reordered at load into panels of 16 rows (pack; csrc/qmm.h), so the weights take the file's size in
+memory. Each call quantizes its activation rows to int8 per 32 inputs and takes integer dot products against the
+blocks, as llama.cpp's CPU kernels do (docs/bench.md, "Quantized kernels for every x86-64 level"). The same
+library holds the rest of a decode step's kernels on the CPU (csrc/layer_level.cpp): attention straight from the
+pages, and a float32 step's norms, rotary turn with the cache write, and silu(gate) * up.
 
 One library holds several instruction-set levels, the same sources compiled with each one's flags, and the
 level is picked at run time from what the CPU runs: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2, and
