@@ -36,8 +36,8 @@ def concat(parts: list[Blocks]) -> Blocks:
 
 
 class BlockLinear:
-    """y = x @ W.T + b for W held as its GGUF blocks in the kernels' layout (qmm.pack: the 32-block types in
-    panels of rows, the file's bytes reordered; the others as the file holds them)."""
+    """y = x @ W.T + b for W held as its GGUF blocks in the kernels' layout (qmm.pack: panels of 16 rows, the
+    file's bytes reordered)."""
 
     gathers_rows = True  # rows() reads single rows back: the embedding lookup of a tied head
 

@@ -315,8 +315,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """The file's blocks [N, bytes per row] in the layout matmul reads (csrc/qmm.h): the 32-block types in panels
-    of 16 rows, the same bytes reordered; the K types as they are."""
+    """The file's blocks [N, bytes per row] in the layout matmul reads (csrc/qmm.h): panels of 16 rows, the same
+    bytes reordered; the rows after the last whole panel as they are."""
     return torch.ops.pagedchat_qmm.pack(blocks, TYPES[kind])
 
 

@@ -132,7 +132,7 @@ inline f8 exp8(f8 x) {
 template <typename Fn>
 inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, Fn fn) {
   const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim, len = a.context_lens[b];
-  const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
+  const int64_t first = first_key(len, a.window);
   const int32_t* table = a.block_tables + b * a.table_stride;
   for (int64_t p = first / bs; p * bs < len; ++p) {
     const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
@@ -180,7 +180,7 @@ template <typename E>
 void attend_unit(const AttendArgs& a, int64_t unit, float* scratch) {
   const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, group = a.heads / a.kv_heads, d = a.head_dim;
   const int64_t row = a.kv_heads * d, len = a.context_lens[b];
-  const int64_t n = len - (a.window > 0 && len > a.window ? len - a.window : 0), padded = (n + LANES - 1) / LANES * LANES;
+  const int64_t n = len - first_key(len, a.window), padded = (n + LANES - 1) / LANES * LANES;
   const E* keys = static_cast<const E*>(a.k);
   const E* values = static_cast<const E*>(a.v);
   float* s = scratch;  // the keys' scores, then their weights; -inf in the padding

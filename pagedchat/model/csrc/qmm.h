@@ -102,6 +102,11 @@ struct RopeArgs {
   float* q;             // [tokens][heads][head_dim], turned
 };
 
+namespace {
+// The first key a sequence of len keys attends to: its window's first, or its first.
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+}  // namespace
+
 // A task's scratch for attend, in floats: one sequence's scores, rounded up to whole vectors of 8.
 inline int64_t attend_scratch(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
 

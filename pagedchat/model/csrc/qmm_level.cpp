@@ -406,7 +406,6 @@ struct PanelIsa {
 #else
   static constexpr bool DPBUSD = false;
 #endif
-  static I load(const uint8_t* p) { return _mm512_load_si512(p); }
   static I bcast4(const int8_t* q) { return _mm512_broadcastd_epi32(_mm_loadu_si32(q)); }
 #if defined(__AVX512VNNI__)
   static I dpbusd(I sum, I u, I q) { return _mm512_dpbusd_epi32(sum, u, q); }
@@ -415,10 +414,11 @@ struct PanelIsa {
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static I widen(I sum, I pairs) { return _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))); }
   static I abs8(I w) { return _mm512_abs_epi8(w); }
-  static I sign8(I q, I w) { return _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), izero(), q); }  // q, negated where w < 0
+  static I sign8(I q, I w) {  // q, negated where w < 0
+    return _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), izero(), q);
+  }
   static I izero() { return _mm512_setzero_si512(); }
   static F zero() { return _mm512_setzero_ps(); }
-  static F loadf(const float* p) { return _mm512_load_ps(p); }
   static F bcastf(const float* p) { return _mm512_set1_ps(*p); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -503,8 +503,8 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 
 constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 registers
 
-// The panel's vectors on AVX2: 8 weight rows, one per 32-bit lane; 5 activation rows a pass (two accumulators
-// each and two weight vectors in 16 registers).
+// The panel's vectors on AVX2: 8 weight rows, one per 32-bit lane; 8 activation rows a pass (an accumulator
+// each, the unit's code vectors read back from the stack by the maddubs).
 struct PanelIsa {
   using I = __m256i;
   using F = __m256;
@@ -514,7 +514,6 @@ struct PanelIsa {
 #else
   static constexpr bool DPBUSD = false;
 #endif
-  static I load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static I bcast4(const int8_t* q) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q)); }
 #if defined(__AVXVNNI__)
   static I dpbusd(I sum, I u, I q) { return _mm256_dpbusd_avx_epi32(sum, u, q); }
@@ -526,7 +525,6 @@ struct PanelIsa {
   static I sign8(I q, I w) { return _mm256_sign_epi8(q, w); }  // q, negated where w < 0 (0 where w is)
   static I izero() { return _mm256_setzero_si256(); }
   static F zero() { return _mm256_setzero_ps(); }
-  static F loadf(const float* p) { return _mm256_load_ps(p); }
   static F bcastf(const float* p) { return _mm256_broadcast_ss(p); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -607,7 +605,7 @@ inline PanelIsa::I unit_dot(const PanelIsa::I* w, const int8_t* q) {
 }
 
 // One group of PanelIsa::ROWS rows of a panel: each block's code vectors, a load, a mask and a shift or two
-// away, with its scales and offsets.
+// away, with its scale and offset terms.
 template <int T>
 struct Packed {
   using V = PanelIsa;
@@ -664,31 +662,26 @@ struct Packed {
       *mn = V::or_(V::and32(V::srl32(q2, at + 4), 0xF), V::sll32(V::and32(V::srl32(q1, at + 6), 3), 4));
     }
   }
-  V::F scale(int64_t j, int h) const {
+  // Block j's scale unit h: w = a u + c, a row per lane.
+  struct Terms {
+    V::F a, c;
+  };
+  Terms terms(int64_t j, int h) const {
     const uint8_t* b = file_block(j);
     const V::F d = halves(b + B::D_AT);
-    if constexpr (T == Q6_K) {  // the signed byte 2 (j % 8) + h of the block's 16
+    if constexpr (T == Q6_K) {  // the signed byte 2 (j % 8) + h of the block's 16; c = -32 a
       const int sub = int(j % 8), byte = 2 * (sub % 2) + h;
       const V::I sc = V::sra32(V::sll32(chunk(b + B::SCALES_AT, sub / 2), 24 - 8 * byte), 24);
-      return V::mul(d, V::cvt(sc));
-    } else if constexpr (B::K) {
+      const V::F a = V::mul(d, V::cvt(sc));
+      return {a, V::mul(a, V::set1(-32.f))};
+    } else if constexpr (B::K) {  // c = -dmin times the minimum
       V::I sc, mn;
       k4_scale_min(j, &sc, &mn);
-      return V::mul(d, V::cvt(sc));
-    } else {
-      return d;
-    }
-  }
-  V::F offset(int64_t j, int h) const {
-    if constexpr (B::K && B::MIN) {  // -dmin times the minimum
-      V::I sc, mn;
-      k4_scale_min(j, &sc, &mn);
-      return V::mul(V::mul(halves(file_block(j) + B::M_AT), V::set1(-1.f)), V::cvt(mn));
+      return {V::mul(d, V::cvt(sc)), V::mul(V::mul(halves(b + B::M_AT), V::set1(-1.f)), V::cvt(mn))};
     } else if constexpr (B::MIN) {
-      return halves(file_block(j) + B::M_AT);
-    } else {  // w = a (u - z): the offset is -z a, exact in float32 (z a power of two)
-      const float z = T == Q4_0 ? 8.f : T == Q5_0 ? 16.f : T == Q6_K ? 32.f : 128.f;
-      return V::mul(scale(j, h), V::set1(-z));
+      return {d, halves(b + B::M_AT)};
+    } else {  // w = d (u - z): c = -z d, exact in float32 (z a power of two)
+      return {d, V::mul(d, V::set1(T == Q4_0 ? -8.f : T == Q5_0 ? -16.f : -128.f))};
     }
   }
   static V::I dot(const V::I* w, const int8_t* q) { return unit_dot<N, G, SIGNED_DOTS>(w, q); }
@@ -705,15 +698,14 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
     for (int h = 0; h < S::UNITS; ++h) {
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
       for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-      const typename V::F a = s.scale(j, h);
+      const auto terms = s.terms(j, h);
       for (int r = 0; r < R; ++r) {
         const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
-        acc[r] = V::fmadd(V::cvt(dot), V::mul(a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
+        acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
       }
       if constexpr (S::OFFSET) {
-        const typename V::F c = s.offset(j, h);
         const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(c, V::bcastf(sums + i0 + r), acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
       }
     }
   }

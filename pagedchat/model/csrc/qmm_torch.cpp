@@ -234,13 +234,14 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
 // The file's blocks [rows, row bytes] -> the library's layout: panels (qmm.h).
 at::Tensor pack(const at::Tensor& blocks, int64_t type) {
   check_weight(blocks, type);
-  auto out = blocks.clone();
-  const int64_t row_bytes = blocks.size(1), panels = panel_rows(blocks.size(0)) / qmm::PANEL_ROWS;
+  auto out = at::empty_like(blocks);
+  const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), paneled = panel_rows(rows);
   uint8_t *from = blocks.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 16, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, paneled / qmm::PANEL_ROWS, 16, [&](int64_t a, int64_t b) {
     const int64_t n0 = a * qmm::PANEL_ROWS;
     move(int(type), from + n0 * row_bytes, to, row_bytes, n0, b * qmm::PANEL_ROWS, true);
   });
+  if (rows > paneled) std::memcpy(to + paneled * row_bytes, from + paneled * row_bytes, (rows - paneled) * row_bytes);
   return out;
 }
 
@@ -290,7 +291,7 @@ int64_t check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pa
   for (int64_t b = 0; b < tables.size(0); ++b, table += stride) {
     TORCH_CHECK(len[b] >= 0 && len[b] <= stride * block_size, "sequence ", b, "'s context of ", len[b],
                 " tokens does not fit its block table");
-    const int64_t first = window > 0 && len[b] > window ? len[b] - window : 0;
+    const int64_t first = qmm::first_key(len[b], window);
     most = std::max<int64_t>(most, len[b] - first);
     for (int64_t p = first / block_size; p * block_size < len[b]; ++p)
       TORCH_CHECK(table[p] >= 0 && table[p] < pages, "sequence ", b, " reads page ", table[p], " of a pool of ",
