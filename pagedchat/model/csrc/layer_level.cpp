@@ -2,8 +2,8 @@
 // same flags, into the same library (see pagedchat/model/qmm.py), and picked with it.
 //
 // Decode attention: each (sequence, KV head) reads its keys and values straight from the pages its block table
-// names, with every query head of its group at once, and keeps a running softmax per head (flash decoding's
-// online form, a page at a time). torch's path first gathers each sequence's pages into a padded batch, a copy
+// names, with every query head of its group at once: all the scores, one softmax per head, then the values' sums.
+// torch's path first gathers each sequence's pages into a padded batch, a copy
 // of every key and value per layer and step, then runs SDPA: at one chat the gathers and the calls cost more
 // than the arithmetic.
 //
@@ -128,71 +128,102 @@ inline f8 exp8(f8 x) {
 
 // The pages sequence b reads for KV head h, in order: fn(base, t0, t1, at) for each, base the offset of the
 // page's row 0 for that head, [t0, t1) the keys it holds of the sequence's range, `at` the first one's index in
-// that range.
-template <typename Fn>
-inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, Fn fn) {
+// that range. The next page's rows of `ahead` are fetched into the cache while fn works on this one: the pages
+// lie anywhere in the pool, where the hardware's prefetchers cannot guess them.
+template <typename E, typename Fn>
+inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, const E* ahead, Fn fn) {
   const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim, len = a.context_lens[b];
   const int64_t first = first_key(len, a.window);
   const int32_t* table = a.block_tables + b * a.table_stride;
+  const int64_t lines = (a.head_dim * int64_t(sizeof(E)) + 63) / 64;
   for (int64_t p = first / bs; p * bs < len; ++p) {
+    if ((p + 1) * bs < len) {
+      const char* next = reinterpret_cast<const char*>(ahead + (int64_t(table[p + 1]) * bs * row + h * a.head_dim));
+      for (int64_t t = 0; t < bs; ++t)
+        for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + t * row * int64_t(sizeof(E)) + 64 * l);
+    }
     const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
     fn(int64_t(table[p]) * bs * row + h * a.head_dim, t0, t1, p * bs + t0 - first);
   }
 }
 
-// out = sum over the sequence's keys of w[key] * v[key]: V vectors of out at a time (eight: a head of 64 in one
-// pass), held in registers across every page, so that V independent sums hide each add's latency.
+// The query heads of one KV head's group share its keys and values: each page is read from memory once for all
+// of them and then stays in L1, where a pass per head read every key and value from L2 (or further) once per head.
+// Per head the arithmetic is unchanged, so the results are the same bits.
+struct Group {
+  int64_t first, size;  // the group's first query head of the sequence, and its heads
+  int64_t stride;       // floats between the heads' scores (scratch)
+};
+
+// out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of the group: V vectors of out at a
+// time (eight: a head of 64 in one pass), one chain of adds per lane kept across the pages (held in out between
+// them), so that V independent sums hide each add's latency.
 template <int V, typename E>
-__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, int64_t b, int64_t h, const float* w,
-                                                        const E* v, float* out) {
+__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, int64_t b, int64_t h, const Group& g,
+                                                        const float* w, const E* v, float* out) {
   const int64_t row = a.kv_heads * a.head_dim;
-  f8 o[V];
-  for (int j = 0; j < V; ++j) o[j] = splat(0.f);
-  for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const E* vt = v + base + t * row;
-      const f8 wt = splat(w[at + t - t0]);
-      for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
+  for (int64_t e = 0; e < g.size; ++e)
+    for (int j = 0; j < V; ++j) store(out + e * a.head_dim + j * LANES, splat(0.f));
+  for_pages(a, b, h, v, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    for (int64_t e = 0; e < g.size; ++e) {
+      float* oe = out + e * a.head_dim;
+      const float* we = w + e * g.stride + at - t0;
+      f8 o[V];
+      for (int j = 0; j < V; ++j) o[j] = load(oe + j * LANES);
+      for (int64_t t = t0; t < t1; ++t) {
+        const E* vt = v + base + t * row;
+        const f8 wt = splat(we[t]);
+        for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
+      }
+      for (int j = 0; j < V; ++j) store(oe + j * LANES, o[j]);
     }
   });
-  for (int j = 0; j < V; ++j) store(out + j * LANES, o[j]);
 }
 
 template <typename E>
-inline void add_values(const AttendArgs& a, int64_t b, int64_t h, const float* w, const E* v, float* out) {
+inline void add_values(const AttendArgs& a, int64_t b, int64_t h, const Group& g, const float* w, const E* v,
+                       float* out) {
   const int64_t d = a.head_dim, row = a.kv_heads * d;
   int64_t i = 0;
-  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, b, h, w, v + i, out + i);
-  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, b, h, w, v + i, out + i);
+  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, b, h, g, w, v + i, out + i);
+  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, b, h, g, w, v + i, out + i);
   for (; i < d; ++i) {
-    float o = 0.f;
-    for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
-      for (int64_t t = t0; t < t1; ++t) o += w[at + t - t0] * value(v + base + t * row, i);
-    });
-    out[i] = o;
+    for (int64_t e = 0; e < g.size; ++e) {
+      float o = 0.f;
+      for_pages(a, b, h, v, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+        for (int64_t t = t0; t < t1; ++t) o += w[e * g.stride + at + t - t0] * value(v + base + t * row, i);
+      });
+      out[e * d + i] = o;
+    }
   }
 }
 
-// One (sequence, KV head), each query head of its group in three passes over the sequence's keys: every score,
-// one softmax, then the values' weighted sum. A running softmax a page at a time rescaled its sums on every page,
-// which at a page of 16 keys cost as much as a fifth of the arithmetic. scratch: attend_scratch(a) floats.
+// One (sequence, KV head) with every query head of its group, in three passes over the sequence's keys: every
+// score, one softmax per head, then the values' weighted sums. A running softmax a page at a time rescaled its
+// sums on every page, which at a page of 16 keys cost as much as a fifth of the arithmetic. scratch:
+// attend_scratch(a) floats: a row of scores per head, then the heads' softmax sums.
 template <typename E>
 void attend_unit(const AttendArgs& a, int64_t unit, float* scratch) {
-  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, group = a.heads / a.kv_heads, d = a.head_dim;
+  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, d = a.head_dim;
   const int64_t row = a.kv_heads * d, len = a.context_lens[b];
   const int64_t n = len - first_key(len, a.window), padded = (n + LANES - 1) / LANES * LANES;
+  const Group g{b * a.heads + h * (a.heads / a.kv_heads), a.heads / a.kv_heads, attend_scratch_row(a)};
   const E* keys = static_cast<const E*>(a.k);
   const E* values = static_cast<const E*>(a.v);
-  float* s = scratch;  // the keys' scores, then their weights; -inf in the padding
-  for (int64_t g = 0; g < group; ++g) {
-    const float* q = a.q + (b * a.heads + h * group + g) * d;
-    float* out = a.out + (b * a.heads + h * group + g) * d;
-    for (int64_t t = n; t < padded; ++t) s[t] = -__builtin_inff();
-    for_pages(a, b, h, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+  const float* q = a.q + g.first * d;
+  float* out = a.out + g.first * d;
+  for_pages(a, b, h, keys, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    for (int64_t e = 0; e < g.size; ++e) {
+      float* s = scratch + e * g.stride + at - t0;  // the keys' scores, then their weights
       int64_t t = t0;
-      for (; t + 8 <= t1; t += 8) dot8(q, keys + base + t * row, row, d, a.scale, s + at + t - t0);
-      for (; t < t1; ++t) s[at + t - t0] = dot(q, keys + base + t * row, d) * a.scale;
-    });
+      for (; t + 8 <= t1; t += 8) dot8(q + e * d, keys + base + t * row, row, d, a.scale, s + t);
+      for (; t < t1; ++t) s[t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
+    }
+  });
+  float* mass = scratch + g.size * g.stride;
+  for (int64_t e = 0; e < g.size; ++e) {
+    float* s = scratch + e * g.stride;
+    for (int64_t t = n; t < padded; ++t) s[t] = -__builtin_inff();
     f8 most = splat(-__builtin_inff());
     for (int64_t t = 0; t < padded; t += LANES) {
       const f8 v = load(s + t);
@@ -205,10 +236,11 @@ void attend_unit(const AttendArgs& a, int64_t unit, float* scratch) {
       total += w;
       store(s + t, w);
     }
-    const float mass = sum(total);
-    add_values(a, b, h, s, values, out);
-    for (int64_t i = 0; i < d; ++i) out[i] = mass > 0.f ? out[i] / mass : 0.f;
+    mass[e] = sum(total);
   }
+  add_values(a, b, h, g, scratch, values, out);
+  for (int64_t e = 0; e < g.size; ++e)
+    for (int64_t i = 0; i < d; ++i) out[e * d + i] = mass[e] > 0.f ? out[e * d + i] / mass[e] : 0.f;
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -107,8 +107,10 @@ namespace {
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 }  // namespace
 
-// A task's scratch for attend, in floats: one sequence's scores, rounded up to whole vectors of 8.
-inline int64_t attend_scratch(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
+// A task's scratch for attend, in floats: one sequence's scores per query head of a group, each row rounded up
+// to whole vectors of 8, then a float per head.
+inline int64_t attend_scratch_row(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
+inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(a) + 1) * (a.heads / a.kv_heads); }
 
 // A name local to the level being compiled: attend_avx2, ...
 #define QMM_JOIN2(a, b) a##_##b
