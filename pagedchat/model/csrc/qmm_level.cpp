@@ -699,12 +699,14 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
       for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
       const auto terms = s.terms(j, h);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
         acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
       }
       if constexpr (S::OFFSET) {
         const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
       }
     }
