@@ -176,7 +176,7 @@ class _Progress:
 def cmd_pull(args) -> int:
     from pagedchat.model.pull import pull_default_model
 
-    from pagedchat.model import int4_kernel, qmm
+    from pagedchat.model import qmm
 
     progress = _Progress()
     folder = pull_default_model(progress=progress, force=args.force)
@@ -186,11 +186,6 @@ def cmd_pull(args) -> int:
         progress("compiling pagedchat's kernels for this machine (once)", None)
     qmm.ensure()
     progress.done(f"quantized matmuls: {qmm.describe()}")
-    if int4_kernel.unavailable() is None:  # bf16 on AVX-512 runs Q4_* and Q8_0 as int4 groups (README)
-        if not int4_kernel.library_path().exists():
-            progress("compiling pagedchat's int4 kernel for this CPU", None)
-        int4_kernel.ensure(wait=True)
-        progress.done(f"batched int4 matmuls in bf16: {int4_kernel.describe()}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""A fresh Python interpreter running one of this pagedchat's functions: the engine process, the int4 kernel's
-build. Imports nothing heavy: the app's process, which never loads torch, starts the engine with it."""
+"""A fresh Python interpreter running one of this pagedchat's functions: the engine process. Imports nothing
+heavy: the app's process, which never loads torch, starts the engine with it."""
 
 from __future__ import annotations
 

@@ -36,12 +36,8 @@ def _no_user_config(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_loaded():
     """pagedchat's kernels loaded (built first if this machine has none: `pagedchat pull` builds them in CI)
-    before any engine starts: an engine in a test's own cache folder would otherwise compile them there (the
-    int4 kernel in the background, switching kernels partway through a test)."""
-    from pagedchat.model import int4_kernel
-
+    before any engine starts: an engine in a test's own cache folder would otherwise compile them there."""
     qmm.ensure()
-    int4_kernel.ensure(wait=True)
 
 
 @pytest.fixture

@@ -29,13 +29,7 @@ def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]
     from pagedchat.engine.engine import Engine
 
     describe("loading the engine")
-    engine = Engine(**engine_kwargs(cfg, max_chats))
-    if engine.model.runs_int4:
-        from pagedchat.model import int4_kernel
-
-        describe("compiling pagedchat's int4 kernel for this CPU (once)")
-        int4_kernel.ensure(wait=True)  # no round may run while the engine switches kernels
-    return engine
+    return Engine(**engine_kwargs(cfg, max_chats))
 
 
 def warm_up(backend: TokenBackend, work: Workload) -> None:

@@ -33,7 +33,7 @@ DEFAULT_POOL_CONTEXTS = 16
 def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..., Peer]] = LOADERS) -> Report:
     import torch
 
-    from pagedchat.model import int4_kernel, qmm
+    from pagedchat.model import qmm
 
     progress = progress or NoProgress()
     torch.manual_seed(cfg.seed)
@@ -56,7 +56,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         runs = cfg.repeat * (1 + len(every)) + len(once)
         progress.set_total(sum(n * cfg.max_tokens for n in levels) * runs + 2 * WARM_REPEATS)
         paths = [qmm.describe()] if engine.model.runs_blocks else []
-        paths += [f"int4 groups on {int4_kernel.describe()}"] if engine.model.runs_int4 else []
+        paths += ["int4 groups on torch's int4 kernel"] if engine.model.runs_int4 else []
         kernels = "; ".join(paths)
         base = dict(config=cfg, model=ModelInfo(str(engine.model_path), engine.config.architecture,
                                                 str(engine.dtype).removeprefix("torch."),

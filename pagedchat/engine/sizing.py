@@ -35,8 +35,8 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def default_dtype(device: torch.device, quantized: bool = False) -> torch.dtype:
     """What auto means on a CPU:
     - quantized weights (a GGUF's, or `--quantize`) where pagedchat's kernels run them: float32, whose
-      activations their panels take. Even where the CPU computes bf16 natively they decode 1.6-1.9x faster so
-      than in bf16 on the int4 groups (docs/bench.md, "Panels packed at load"), at twice the KV bytes a token;
+      activations their panels take. Even where the CPU computes bf16 natively they decode faster so than with
+      bf16 activations (docs/bench.md, "One kernel library"), at twice the KV bytes a token;
     - else bf16 where the hardware computes it natively (half the KV cache, faster attention and dense matmuls);
     - else float32, but for quantized weights without pagedchat's kernels: packed on torch's int4 kernel they
       decode faster in bf16 than expanded to float32 (docs/bench.md, "Quantized kernels for every x86-64

@@ -6,11 +6,9 @@
   where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's sgemm,
   the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
 - `blocks.BlockLinear`: a GGUF's quantized blocks as the file holds them, run by pagedchat's kernels (qmm.py):
-  the CPU's path wherever they are built.
-- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel on bf16 activations, with
-  pagedchat's AVX-512 int4 kernel for batches (int4_kernel.py): faster there than int8 dot products
-  (docs/bench.md, "Quantized kernels for every x86-64 level"), so it keeps the types it holds where that kernel
-  builds; and the path for them where pagedchat's kernels are not built.
+  the CPU's path wherever they are built, in float32 or bf16.
+- `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel on bf16 activations: the
+  path for the types it holds where pagedchat's kernels are not built.
 - `Concat`: projections side by side, where a fused one (q, k and v) mixes types with no common form.
 
 `build` picks among them for a model's weights: see `Placement`.
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import int4_kernel, qmm, quant
+from pagedchat.model import qmm, quant
 from pagedchat.model.blocks import Blocks, BlockLinear, concat
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
@@ -105,7 +103,7 @@ class Placement:
 
     blocks: quantized tensors stay the file's blocks, run by pagedchat's kernels (CPU, any dtype, the kernels
     built). int4: packed int4 matmuls on torch's kernel (CPU, bf16 activations; its fp32 path is a slow reference
-    loop), for the types it holds, where pagedchat's AVX-512 int4 kernel builds or blocks cannot run. With
+    loop), for the types it holds, where pagedchat's kernels are not built. With
     neither, every quantized tensor is dequantized exactly (gguf's d*q+m) into dtype: the float32 path, whose
     tokens equal transformers'. quantize: "int4"/"int8" quantizes dense (safetensors) weights too."""
 
@@ -120,8 +118,7 @@ class Placement:
     def choose(cls, dtype: torch.dtype, device: torch.device, quantize: str | None) -> "Placement":
         cpu = device.type == "cpu"
         blocks = cpu and qmm.ensure() is None
-        int4 = cpu and dtype == torch.bfloat16 and quant.int4_available() and \
-            (not blocks or int4_kernel.unavailable() is None)
+        int4 = cpu and dtype == torch.bfloat16 and quant.int4_available() and not blocks
         probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
         return cls(dtype, device, int4, quantize, packing_is_exact(probe), blocks)
 

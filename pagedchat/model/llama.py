@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pagedchat.model.attention import AttentionMetadata, backend, paged_attention, write_kv
 from pagedchat.errors import ModelError
-from pagedchat.model import int4_kernel, qmm
+from pagedchat.model import qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
 from pagedchat.model.linear import Builder, Placement, nbytes
@@ -149,8 +149,6 @@ class DecoderModel:
         self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
         self.runs_int4 = build.runs_int4      # whether any of it runs as int4 groups
-        if self.runs_int4:
-            int4_kernel.ensure(wait=False)  # batched int4 steps switch to it once it is loaded
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
         self.norm_fn = NORMS[family.norm]
         self.act = ACTIVATIONS[family.activation]

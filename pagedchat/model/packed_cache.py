@@ -22,7 +22,7 @@ import torch
 
 from pagedchat import paths
 from pagedchat.errors import ModelError
-from pagedchat.model import int4_kernel, qmm, quant
+from pagedchat.model import qmm, quant
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.linear import Builder
 from pagedchat.model.llama import DecoderModel
@@ -41,9 +41,9 @@ class PackedWeights:
 
 def cache_file(folder: Path, dtype: torch.dtype, quantize: str | None) -> Path:
     """Where the packed weights of this model, in this dtype and quantization, on this torch, are kept. Which
-    tensors are GGUF blocks and which int4 groups depends on whether pagedchat's kernels and its AVX-512 int4
-    kernel serve here (linear.Placement), so both are part of the key, with torch's int4 layout."""
-    layout = [qmm.ready(), int4_kernel.unavailable() is None, quant.packed_layout()]
+    tensors are GGUF blocks and which int4 groups depends on whether pagedchat's kernels serve here
+    (linear.Placement), so that is part of the key, with torch's int4 layout."""
+    layout = [qmm.ready(), quant.packed_layout()]
     key = json.dumps([FORMAT, source_fingerprint(folder), torch.__version__, layout, str(dtype), quantize])
     return paths.cache_dir() / "packed" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 

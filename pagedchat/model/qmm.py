@@ -137,7 +137,7 @@ NO_COMPILER = "no C++ compiler (c++ or $CXX) on PATH"
 
 
 def compiler() -> str | None:
-    """The C++ compiler both of pagedchat's kernel libraries are built with (this one and int4_kernel's)."""
+    """The C++ compiler pagedchat's kernels are built with."""
     return shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
 
 

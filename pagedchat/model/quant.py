@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pagedchat.model import int4_kernel
 
 GROUP = 32
 # From this many rows (a prefill chunk) a matmul dequantizes its weight into float32 scratch and runs a dense
@@ -186,8 +185,6 @@ class Int4Linear:
         self.packed, self.scale_zeros, self.bias = packed, scale_zeros, bias
         self.doubled, self.source = doubled, source
         self.out_features = scale_zeros.shape[1]
-        # Whether pagedchat's int4 kernel reads this weight: whole tiles of the layout it was written for.
-        self.batched_fits = packed_block_rows() == int4_kernel.BLOCK and self.out_features % int4_kernel.BLOCK == 0
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
@@ -206,8 +203,6 @@ class Int4Linear:
         rows = x.shape[0]
         if rows >= DENSE_MIN_ROWS and self.gathers_rows:
             y = self._dense_matmul(x)
-        elif rows >= int4_kernel.MIN_ROWS and self.batched_fits and (batched := int4_kernel.op()) is not None:
-            y = batched(x, self.packed, self.scale_zeros, self.doubled)
         else:
             if self.doubled:
                 x = torch.cat((x, x), dim=-1)

@@ -405,19 +405,20 @@ def test_peer_names_match_the_loaders():
     assert set(bench_config.PEERS) == set(LOADERS)
 
 
-def test_the_header_names_both_packed_paths(tiny_llama, tmp_path, monkeypatch):
-    """A GGUF in bf16 where pagedchat's AVX-512 int4 kernel builds: its Q8_0 tensors run as int4 groups, and the
-    header says so beside the blocks' kernels (which then serve nothing here, so they are not named)."""
+def test_the_header_names_torchs_int4_path(tiny_llama, tmp_path, monkeypatch, kernels):
+    """A GGUF in bf16 where pagedchat's kernels are off: its Q8_0 tensors run as int4 groups on torch's kernel,
+    and the header says so (the blocks' kernels serve nothing then, so they are not named)."""
     from tiny_gguf import write_tiny_gguf
 
-    from pagedchat.model import int4_kernel, quant
+    from pagedchat.model import quant
 
-    if int4_kernel.unavailable() is not None or not quant.int4_available():
-        pytest.skip("int4 groups run only where pagedchat's AVX-512 int4 kernel builds")
+    if not quant.int4_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    kernels("off")
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
     gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf")
     cfg = BenchConfig(model=str(gguf), chats=(1,), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
                       kv_cache_memory="1MiB", dtype="bfloat16", startup=False)
     header = "\n".join(header_lines(run_bench(cfg)))
-    assert "Q8_0 as 2×int4" in header and f"int4 groups on {int4_kernel.describe()}" in header
+    assert "Q8_0 as 2×int4" in header and "int4 groups on torch's int4 kernel" in header
     assert "kernels (int8 dot products" not in header
