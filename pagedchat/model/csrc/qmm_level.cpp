@@ -608,6 +608,7 @@ inline PanelIsa::I unit_dot(const PanelIsa::I* w, const int8_t* q) {
 // away, with its scale and offset terms.
 template <int T>
 struct Packed {
+  static constexpr int64_t AHEAD = 8192;
   using V = PanelIsa;
   using B = PanelBlock<T>;
   static constexpr int PER = B::K ? 8 : 1;                 // blocks of 32 per file block
@@ -623,6 +624,13 @@ struct Packed {
   int lanes;  // this group's byte offset in a chunk of dwords
 
   const uint8_t* file_block(int64_t j) const { return panel + B::BYTES * (j / PER); }
+  // Block j's share of the panel's bytes, AHEAD bytes further on (docs/bench.md, "Panels fetched ahead"). A
+  // step's weights and pages outgrow the caches, so every call streams its panels from memory, and the
+  // hardware's prefetchers, which start over at each 4 KiB page, do not run far enough ahead of the first pass.
+  void fetch_ahead(int64_t j) const {
+    const uint8_t* at = panel + B::BYTES * j / PER + AHEAD;
+    for (int64_t l = 0; l < (B::BYTES / PER + 63) / 64; ++l) __builtin_prefetch(at + 64 * l);
+  }
   V::I chunk(const uint8_t* at, int64_t c) const { return V::loadu(at + 64 * c + lanes); }
   V::F halves(const uint8_t* at) const { return V::halves(at + lanes / 2); }
 
@@ -689,12 +697,13 @@ struct Packed {
 
 // R activation rows against a panel's weight rows, one per lane: y[(i0 + r) * ldy + lane].
 template <int R, class S>
-void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy) {
+void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, bool fetch) {
   using V = PanelIsa;
   const int64_t k = x.k, m = x.m, nb = k / 32;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::zero();
   for (int64_t j = 0; j < nb; ++j) {
+    if (fetch) s.fetch_ahead(j);
     for (int h = 0; h < S::UNITS; ++h) {
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
       for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
@@ -715,22 +724,24 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
 }
 
 template <int R, class S>
-void panel_rest(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
+void panel_rest(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, bool fetch) {
   if constexpr (R > 0) {
     if (m == R) {
-      panel_tile<R>(s, x, i0, y, ldy);
+      panel_tile<R>(s, x, i0, y, ldy, fetch);
     } else {
-      panel_rest<R - 1>(s, x, i0, m, y, ldy);
+      panel_rest<R - 1>(s, x, i0, m, y, ldy, fetch);
     }
   }
 }
 
 // A panel's weight rows against every activation row, TILE rows a pass.
 template <class S>
-void panel_passes(const S& s, const Activations& x, int64_t m, float* y, int64_t ldy) {
+void panel_passes(const S& s, const Activations& x, int64_t m, float* y, int64_t ldy, bool fetch) {
   int64_t i = 0;
-  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE) panel_tile<PanelIsa::TILE>(s, x, i, y, ldy);
-  panel_rest<PanelIsa::TILE - 1>(s, x, i, m - i, y, ldy);
+  // The first pass fetches ahead; the later ones find the panel in L1.
+  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE)
+    panel_tile<PanelIsa::TILE>(s, x, i, y, ldy, fetch && i == 0);
+  panel_rest<PanelIsa::TILE - 1>(s, x, i, m - i, y, ldy, fetch && i == 0);
 }
 
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups.
@@ -739,7 +750,8 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
                  float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; n += PANEL_ROWS)
     for (int g = 0; g < PANEL_ROWS / PanelIsa::ROWS; ++g)
-      panel_passes(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, m, y + n + PanelIsa::ROWS * g, ldy);
+      panel_passes(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, m, y + n + PanelIsa::ROWS * g, ldy,
+                   g == 0);
 }
 
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
