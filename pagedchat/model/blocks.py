@@ -35,6 +35,21 @@ def concat(parts: list[Blocks]) -> Blocks:
     return Blocks(np.concatenate([p.data for p in parts]), parts[0].kind)
 
 
+def runs_dense(rows: int) -> bool:
+    """Whether a batch of rows is run dequantized through sgemm rather than by pagedchat's kernels."""
+    return rows >= DENSE_MIN_ROWS and not qmm.integer_batches()
+
+
+def block_parts(projection) -> tuple[list[torch.Tensor], list[str]] | None:
+    """The panels and kinds of a projection that is block weights alone, without bias: one BlockLinear, or a
+    Concat (linear.py) of them; None for any other."""
+    parts = getattr(projection, "parts", [projection])
+    if getattr(projection, "bias", None) is not None or \
+            not all(isinstance(p, BlockLinear) and p.bias is None for p in parts):
+        return None
+    return [p.panels for p in parts], [p.kind for p in parts]
+
+
 class BlockLinear:
     """y = x @ W.T + b for W held as its GGUF blocks in the kernels' layout (qmm.pack: panels of 16 rows, the
     file's bytes reordered)."""
@@ -58,8 +73,7 @@ class BlockLinear:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dense = x.shape[0] >= DENSE_MIN_ROWS and not qmm.integer_batches()
-        y = self._dense_matmul(x) if dense else qmm.matmul(x, self.panels, self.kind)
+        y = self._dense_matmul(x) if runs_dense(x.shape[0]) else qmm.matmul(x, self.panels, self.kind)
         return y if self.bias is None else y + self.bias
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.model import qmm, quant
-from pagedchat.model.blocks import Blocks, BlockLinear, concat
+from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat, runs_dense
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
 QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
@@ -68,6 +68,7 @@ class Concat:
 
     def __init__(self, parts: list, bias: torch.Tensor | None):
         self.parts, self.bias = parts, bias
+        self.blocks = block_parts(self)  # block weights of several kinds: one call, the input quantized once
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.tensors()] + ([] if self.bias is None else [self.bias])
@@ -77,6 +78,8 @@ class Concat:
         return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and not runs_dense(x.shape[0]):
+            return qmm.matmul_cat(x, *self.blocks)
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
 

@@ -314,6 +314,25 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.ops.pagedchat_qmm.matmul(x, weight, TYPES[kind], _state.index)
 
 
+def matmul_cat(x: torch.Tensor, weights: list[torch.Tensor], kinds: list[str]) -> torch.Tensor:
+    """x [M, K] @ [W_0; W_1; ...].T, each W packed (pack) and of its own kind: the outputs side by side, x
+    quantized once for all of them. Each output equals matmul's of its weight alone."""
+    return torch.ops.pagedchat_qmm.matmul_cat(x, weights, [TYPES[k] for k in kinds], _state.index)
+
+
+def decode_layer(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], parts: list[int], eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, heads: int, kv_heads: int, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, window: int) -> None:
+    """One decoder layer of a float32 decode step in one call, x [T, hidden] updated in place: norm, qkv, rotary
+    turn and cache write, attention, o, residual; norm, gate_up, silu(gate) * up, down, residual. The same ops
+    as norm, matmul_cat, rope_write, attend and silu_mul one by one. weights: the input and post-attention norms'
+    weights, then the panels of qkv's, o's, gate_up's and down's parts; types: each part's GGML type id (TYPES);
+    parts: the four projections' part counts."""
+    torch.ops.pagedchat_qmm.decode_layer(x, weights, types, parts, eps, cos, sin, slots, k_cache, v_cache, heads,
+                                         kv_heads, block_tables, context_lens, scale, window, _state.index)
+
+
 def pack(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """The file's blocks [N, bytes per row] in the layout matmul reads (csrc/qmm.h): panels of 16 rows, the same
     bytes reordered; the rows after the last whole panel as they are."""

@@ -152,6 +152,26 @@ def test_a_q4_k_m_file_runs_every_tensor_packed(tmp_path, monkeypatch):
         assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=NEAR_TIE_BF16)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_decode_layer_in_one_call_is_its_ops_one_by_one(level, kernels, tmp_path, monkeypatch):
+    """A float32 decode step runs each layer as one call (qmm.decode_layer): the tokens and their log-
+    probabilities bit for bit those of the per-op path, on a Q4_K_M-shaped model (v beside q and k, up beside
+    gate, of other types), several chats decoding together."""
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    kernels(level)
+    folder, *_ = tiny_gguf_model(tmp_path, Q4_K_M, tie=False, seed=5)
+    runs = []
+    for fused in (True, False):
+        engine = Engine(str(folder), kv_cache_memory="4MiB", dtype="float32")
+        assert all(f is not None for f in engine.model.fused)
+        if not fused:
+            engine.model.fused = [None] * len(engine.model.fused)
+        outs = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0))
+        engine.shutdown()
+        runs.append([(o.token_ids, [s.logprob for s in o.logprobs]) for o in outs])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("quantize_as,kind", [("int4", "Q4_1"), ("int8", "Q8_0")])
 def test_quantize_a_safetensors_model(tmp_path, monkeypatch, quantize_as, kind):
     """--quantize: gguf's quantizer makes blocks of the float weights, which then run like a GGUF's: the tokens

@@ -110,6 +110,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(level, kind):
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_weights_of_several_types_side_by_side_are_each_ones_matmul(level):
+    """matmul_cat quantizes the activations once for every weight: each output bit for bit its weight's matmul
+    alone (q and k beside a v of another type, as a Q4_K_M file has them)."""
+    kinds = ["Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+    weights = [qmm.pack(torch.from_numpy(random_blocks(kind, n, 256, seed=n)), kind)
+               for kind, n in zip(kinds, (48, 16, 32, 19))]
+    for rows in (1, 9):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        alone = torch.cat([qmm.matmul(x, w, kind) for w, kind in zip(weights, kinds)], dim=1)
+        assert torch.equal(qmm.matmul_cat(x, weights, kinds), alone)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_is_ggufs_bit_for_bit(level, kind):
     """The rows an embedding lookup and the prefill path read: gguf's own dequantization, exactly."""

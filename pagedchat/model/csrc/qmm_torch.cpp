@@ -183,28 +183,34 @@ std::unique_ptr<uint8_t[]> scratch_for(int64_t k) {
   return std::unique_ptr<uint8_t[]>(new uint8_t[qmm::scratch_bytes(k)]);
 }
 
-at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t level) {
-  const int64_t k = check_weight(w, type);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "]");
-  const qmm::Level& lv = level_at(level);
-  const auto x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0), n = w.size(0);
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y.to(x_in.scalar_type());
+// Activation rows quantized once for every weight they meet (qmm.h's Activations), with the tensors that hold
+// them.
+struct Quantized {
+  at::Tensor q, d8, s16, s32;
+  qmm::Activations acts;
+};
 
-  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto d8 = at::empty({m, k / 4}, x.options());
-  auto s16 = at::empty({k / 16, m}, x.options());
-  auto s32 = at::empty({k / 32, m}, x.options());
+// x: contiguous float32 [m, k], m > 0.
+Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
+  const int64_t m = x.size(0), k = x.size(1);
+  Quantized a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / 4}, x.options()),
+              at::empty({k / 16, m}, x.options()), at::empty({k / 32, m}, x.options()), {}};
   const float* xs = x.data_ptr<float>();
-  int8_t* qs = q.data_ptr<int8_t>();
-  float *ds = d8.data_ptr<float>(), *ss = s16.data_ptr<float>(), *s2 = s32.data_ptr<float>();
+  int8_t* qs = a.q.data_ptr<int8_t>();
+  float *ds = a.d8.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
   // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / k),
-                   [&](int64_t a, int64_t b) { lv.quantize(xs, a, b, m, k, qs, ds, ss, s2); });
-  const qmm::Activations acts{qs, ds, ss, s2, k, m};
+                   [&](int64_t b0, int64_t b1) { lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2); });
+  a.acts = qmm::Activations{qs, ds, ss, s2, k, m};
+  return a;
+}
+
+// ys[i * ldy + n] = x_i . W_n for every activation row i and weight row n of w.
+void matmul_into(const Quantized& a, const at::Tensor& w, int64_t type, const qmm::Level& lv, float* ys,
+                 int64_t ldy) {
+  const qmm::Activations& acts = a.acts;
+  const int64_t k = acts.k, m = acts.m, n = w.size(0);
   const uint8_t* ws = w.data_ptr<uint8_t>();
-  float* ys = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
   // Tasks take whole units of UNIT weight rows, so the levels' panels of 8 or 16 rows always start at the same
   // rows: which rows share a panel, and so every output's rounding, must not depend on how the work is split
@@ -214,21 +220,48 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
   static_assert(UNIT % qmm::PANEL_ROWS == 0, "a task's rows must be whole panels");
   const int64_t paneled = panel_rows(n);
-  at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t b0, int64_t b1) {
     const auto scratch = scratch_for(k);
-    const int64_t n0 = a * UNIT, n1 = std::min(b * UNIT, n), split = std::clamp(paneled, n0, n1);
+    const int64_t n0 = b0 * UNIT, n1 = std::min(b1 * UNIT, n), split = std::clamp(paneled, n0, n1);
     if (lv.matmul_panels != nullptr) {
-      if (split > n0) lv.matmul_panels(int(type), ws, row_bytes, n0, split, acts, m, ys, n);
+      if (split > n0) lv.matmul_panels(int(type), ws, row_bytes, n0, split, acts, m, ys, ldy);
     } else {  // the portable level reads rows in the file's layout: a panel at a time, put back
       std::vector<uint8_t> rows(qmm::PANEL_ROWS * row_bytes);
       for (int64_t p = n0; p < split; p += qmm::PANEL_ROWS) {
         unpack_rows(int(type), ws, row_bytes, p, p + qmm::PANEL_ROWS, rows.data());
-        lv.matmul(int(type), rows.data(), row_bytes, 0, qmm::PANEL_ROWS, acts, m, ys + p, n, scratch.get());
+        lv.matmul(int(type), rows.data(), row_bytes, 0, qmm::PANEL_ROWS, acts, m, ys + p, ldy, scratch.get());
       }
     }
-    lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, n, scratch.get());
+    lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, ldy, scratch.get());
   });
+}
+
+// x @ [W_0; W_1; ...].T: the weights' outputs side by side, the activations quantized once for all of them
+// (q, k and v of different types, say). Each output is the one matmul of its weight alone would give.
+at::Tensor matmul_cat(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef types, int64_t level) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "one type per weight");
+  int64_t n = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t k = check_weight(ws[i], types[i]);
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "]");
+    n += ws[i].size(0);
+  }
+  const qmm::Level& lv = level_at(level);
+  const auto x = x_in.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0 && n > 0) {
+    const Quantized a = quantize_rows(x, lv);
+    int64_t at_col = 0;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      matmul_into(a, ws[i], types[i], lv, y.data_ptr<float>() + at_col, n);
+      at_col += ws[i].size(0);
+    }
+  }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t level) {
+  return matmul_cat(x, {w}, {type}, level);
 }
 
 // The file's blocks [rows, row bytes] -> the library's layout: panels (qmm.h).
@@ -395,11 +428,38 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// One decoder layer of a decode step, in llama's order, as one call (model/llama.py's fused layers): the same
+// ops as the per-op path, so the same numbers, without a Python call and a dispatch per op. x [T, hidden], the
+// residual stream, is updated in place. weights: the two norms' weights, then the panels of qkv's, o's, gate_up's
+// and down's parts; types: each part's GGML type, in the same order; parts: how many parts each projection has.
+void decode_layer(at::Tensor& x, at::TensorList weights, at::IntArrayRef types, at::IntArrayRef parts, double eps,
+                  const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, int64_t heads, int64_t kv_heads, const at::Tensor& block_tables,
+                  const at::Tensor& context_lens, double scale, int64_t window, int64_t level) {
+  TORCH_CHECK(parts.size() == 4 && types.size() + 2 == weights.size(), "weights: two norms and the projections' "
+              "parts; types: one per part; parts: the counts of qkv, o, gate_up and down");
+  size_t at_part = 0;
+  const auto project = [&](const at::Tensor& in, int64_t which) {
+    const size_t count = size_t(parts[which]);
+    TORCH_CHECK(count > 0 && at_part + count <= types.size(), "parts do not add up to the weights");
+    const auto y = matmul_cat(in, weights.slice(2 + at_part, count), types.slice(at_part, count), level);
+    at_part += count;
+    return y;
+  };
+  const auto q = rope_write(project(norm(x, weights[0], eps, level), 0), cos, sin, slots, k_cache, v_cache, heads,
+                            kv_heads, level);
+  const auto attn = attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, level);
+  x.add_(project(attn.view({x.size(0), -1}), 1));
+  const auto gate_up = project(norm(x, weights[1], eps, level), 2);
+  x.add_(project(silu_mul(gate_up, level), 3));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("levels() -> str[]", &levels);
   m.def("matmul(Tensor x, Tensor w, int type, int level) -> Tensor", &matmul);
+  m.def("matmul_cat(Tensor x, Tensor[] ws, int[] types, int level) -> Tensor", &matmul_cat);
   m.def("pack(Tensor blocks, int type) -> Tensor", &pack);
   m.def("unpack(Tensor w, int type, Tensor ids) -> Tensor", &unpack);
   m.def("dequantize(Tensor w, int type, int level) -> Tensor", &dequantize);
@@ -411,4 +471,8 @@ TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int heads, int kv_heads, int level) -> Tensor",
         &rope_write);
+  m.def("decode_layer(Tensor(a!) x, Tensor[] weights, int[] types, int[] parts, float eps, Tensor cos, Tensor sin, "
+        "Tensor slots, Tensor(b!) k_cache, Tensor(c!) v_cache, int heads, int kv_heads, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window, int level) -> ()",
+        &decode_layer);
 }
