@@ -27,6 +27,14 @@ def test_greedy_rows_take_the_argmax_and_need_no_generator():
     assert pick(logits, [Row(SamplingParams())] * 3) == [1, 3, 2]
 
 
+def test_a_greedy_tie_goes_to_the_first_of_the_tied_tokens_over_a_whole_vocabulary():
+    """transformers' greedy pick is argmax's: the lowest id among equal logits, at any vocabulary size."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [40000, 7, 30000]] = 5.0
+    logits[1, [49151, 20000]] = 1.0
+    assert pick(logits, [Row(SamplingParams())] * 3) == [7, 20000, 0]
+
+
 def test_low_precision_logits_are_sampled_in_float32():
     assert pick(LOGITS[None].to(torch.bfloat16), [Row(SamplingParams())]) == [1]
 
