@@ -137,14 +137,25 @@ def test_native_decode_of_long_contexts(each_level, window):
     _assert_close(got, want)
 
 
-def test_native_decode_does_not_depend_on_the_batch(kernels):
-    """A sequence's result is the same bits alone and beside others (each sequence is its own units): a chat's
-    tokens do not change with the chats decoding beside it."""
+@pytest.mark.parametrize("window", [0, 300])
+def test_native_decode_does_not_depend_on_the_batch(kernels, window):
+    """A sequence's result is the same bits alone and beside others, whatever the thread count: sequences side by
+    side go through their pages together, in chunks that depend on both, and a chat's tokens must not change with
+    the chats decoding beside it."""
     kernels("portable")  # skips where the kernels are not built
     qmm.use(qmm.runnable()[0])  # then the CPU's best level
-    batch = make_batch([(600, 1), (50, 1), (900, 1)], 6, 2, 64, 16, torch.float32)
-    together = qmm.attend(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
-                          batch.scale, 0)
-    alone = qmm.attend(batch.q[:1], batch.k_cache, batch.v_cache, batch.block_tables[:1],
-                       batch.context_lens[:1], batch.scale, 0)
-    assert torch.equal(together[:1], alone)
+    seqs = [(600, 1), (50, 1), (900, 1)] + [(330 + 9 * i, 1) for i in range(14)]
+    batch = make_batch(seqs, 9, 3, 64, 16, torch.float32, share_pages=20)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return qmm.attend(batch.q[rows], batch.k_cache, batch.v_cache, batch.block_tables[rows],
+                          batch.context_lens[rows], batch.scale, window)
+
+    alone = torch.cat([attend(slice(i, i + 1)) for i in range(len(seqs))])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            assert torch.equal(attend(slice(None)), alone), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)

@@ -1,8 +1,9 @@
 // The decoder's per-step work besides its matmuls, one instruction-set level: built beside qmm_level.cpp with the
 // same flags, into the same library (see pagedchat/model/qmm.py), and picked with it.
 //
-// Decode attention: each (sequence, KV head) reads its keys and values straight from the pages its block table
+// Decode attention: each KV head of each sequence reads its keys and values straight from the pages its block table
 // names, with every query head of its group at once: all the scores, one softmax per head, then the values' sums.
+// Sequences side by side go through their pages together, so that a page they share is read from memory once.
 // torch's path first gathers each sequence's pages into a padded batch, a copy
 // of every key and value per layer and step, then runs SDPA: at one chat the gathers and the calls cost more
 // than the arithmetic.
@@ -126,24 +127,45 @@ inline f8 exp8(f8 x) {
   return gone ? splat(0.f) : p * reinterpret_cast<f8>(e);
 }
 
-// The pages sequence b reads for KV head h, in order: fn(base, t0, t1, at) for each, base the offset of the
-// page's row 0 for that head, [t0, t1) the keys it holds of the sequence's range, `at` the first one's index in
-// that range. The next page's rows of `ahead` are fetched into the cache while fn works on this one: the pages
-// lie anywhere in the pool, where the hardware's prefetchers cannot guess them.
+// The sequences a unit attends for, [b0, b1), with one KV head h.
+struct Chunk {
+  int64_t b0, b1, h;
+};
+
+// The pages the chunk's sequences read for its KV head, page index by page index: at index p, sequence b0's page
+// p, then b0 + 1's, and so on, so that a page the sequences share (a common system prompt's) is read from memory
+// once and from L1 by the others. fn(b, base, t0, t1, at) for each, base the offset of the page's row 0 for that
+// head, [t0, t1) the keys it holds of b's range, `at` the first one's index in that range; per sequence the
+// pages come in order. The next index's pages of `ahead` are fetched into the cache while fn works on these: the
+// pages lie anywhere in the pool, where the hardware's prefetchers cannot guess them.
 template <typename E, typename Fn>
-inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, const E* ahead, Fn fn) {
-  const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim, len = a.context_lens[b];
-  const int64_t first = first_key(len, a.window);
-  const int32_t* table = a.block_tables + b * a.table_stride;
+inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn) {
+  const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim;
   const int64_t lines = (a.head_dim * int64_t(sizeof(E)) + 63) / 64;
-  for (int64_t p = first / bs; p * bs < len; ++p) {
-    if ((p + 1) * bs < len) {
-      const char* next = reinterpret_cast<const char*>(ahead + (int64_t(table[p + 1]) * bs * row + h * a.head_dim));
+  int64_t pages = 0;
+  for (int64_t b = c.b0; b < c.b1; ++b) {
+    const int64_t n = (a.context_lens[b] + bs - 1) / bs;
+    pages = n > pages ? n : pages;
+  }
+  for (int64_t p = 0; p < pages; ++p) {
+    int64_t fetched = -1;  // sequences side by side often share the next page: fetch it once
+    for (int64_t b = c.b0; b < c.b1; ++b) {
+      const int64_t len = a.context_lens[b];
+      if ((p + 1) * bs >= len || p + 1 < first_key(len, a.window) / bs) continue;
+      const int64_t page = a.block_tables[b * a.table_stride + p + 1];
+      if (page == fetched) continue;
+      fetched = page;
+      const char* next = reinterpret_cast<const char*>(ahead + (page * bs * row + c.h * a.head_dim));
       for (int64_t t = 0; t < bs; ++t)
         for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + t * row * int64_t(sizeof(E)) + 64 * l);
     }
-    const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
-    fn(int64_t(table[p]) * bs * row + h * a.head_dim, t0, t1, p * bs + t0 - first);
+    for (int64_t b = c.b0; b < c.b1; ++b) {
+      const int64_t len = a.context_lens[b], first = first_key(len, a.window);
+      if (p < first / bs || p * bs >= len) continue;
+      const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
+      fn(b, int64_t(a.block_tables[b * a.table_stride + p]) * bs * row + c.h * a.head_dim, t0, t1,
+         p * bs + t0 - first);
+    }
   }
 }
 
@@ -153,25 +175,35 @@ inline void for_pages(const AttendArgs& a, int64_t b, int64_t h, const E* ahead,
 struct Group {
   int64_t first, size;  // the group's first query head of the sequence, and its heads
   int64_t stride;       // floats between the heads' scores (scratch)
+  float* scratch;       // the sequence's own: a row of scores per head, then the heads' softmax sums
 };
 
-// out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of the group: V vectors of out at a
-// time (eight: a head of 64 in one pass), one chain of adds per lane kept across the pages (held in out between
-// them), so that V independent sums hide each add's latency.
+inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scratch) {
+  const int64_t size = a.heads / a.kv_heads;
+  return {b * a.heads + c.h * size, size, attend_scratch_row(a), scratch + (b - c.b0) * attend_scratch(a)};
+}
+
+// out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of each sequence's group: V vectors
+// of out at a time (eight: a head of 64 in one pass), one chain of adds per lane kept across the pages (held in
+// out between them), so that V independent sums hide each add's latency.
 template <int V, typename E>
-__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, int64_t b, int64_t h, const Group& g,
-                                                        const float* w, const E* v, float* out) {
+__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
+                                                        const E* v, int64_t i) {
   const int64_t row = a.kv_heads * a.head_dim;
-  for (int64_t e = 0; e < g.size; ++e)
-    for (int j = 0; j < V; ++j) store(out + e * a.head_dim + j * LANES, splat(0.f));
-  for_pages(a, b, h, v, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+  for (int64_t b = c.b0; b < c.b1; ++b) {
+    const Group g = group_of(a, c, b, scratch);
+    for (int64_t e = 0; e < g.size; ++e)
+      for (int j = 0; j < V; ++j) store(a.out + (g.first + e) * a.head_dim + i + j * LANES, splat(0.f));
+  }
+  for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    const Group g = group_of(a, c, b, scratch);
     for (int64_t e = 0; e < g.size; ++e) {
-      float* oe = out + e * a.head_dim;
-      const float* we = w + e * g.stride + at - t0;
+      float* oe = a.out + (g.first + e) * a.head_dim + i;
+      const float* we = g.scratch + e * g.stride + at - t0;
       f8 o[V];
       for (int j = 0; j < V; ++j) o[j] = load(oe + j * LANES);
       for (int64_t t = t0; t < t1; ++t) {
-        const E* vt = v + base + t * row;
+        const E* vt = v + base + i + t * row;
         const f8 wt = splat(we[t]);
         for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
       }
@@ -181,66 +213,77 @@ __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, in
 }
 
 template <typename E>
-inline void add_values(const AttendArgs& a, int64_t b, int64_t h, const Group& g, const float* w, const E* v,
-                       float* out) {
+inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, const E* v) {
   const int64_t d = a.head_dim, row = a.kv_heads * d;
   int64_t i = 0;
-  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, b, h, g, w, v + i, out + i);
-  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, b, h, g, w, v + i, out + i);
+  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, c, scratch, v, i);
+  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, c, scratch, v, i);
   for (; i < d; ++i) {
-    for (int64_t e = 0; e < g.size; ++e) {
-      float o = 0.f;
-      for_pages(a, b, h, v, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
-        for (int64_t t = t0; t < t1; ++t) o += w[e * g.stride + at + t - t0] * value(v + base + t * row, i);
-      });
-      out[e * d + i] = o;
+    for (int64_t b = c.b0; b < c.b1; ++b) {
+      const Group g = group_of(a, c, b, scratch);
+      for (int64_t e = 0; e < g.size; ++e) a.out[(g.first + e) * d + i] = 0.f;
     }
+    for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
+      const Group g = group_of(a, c, b, scratch);
+      for (int64_t e = 0; e < g.size; ++e) {
+        float o = a.out[(g.first + e) * d + i];
+        for (int64_t t = t0; t < t1; ++t) o += g.scratch[e * g.stride + at + t - t0] * value(v + base + t * row, i);
+        a.out[(g.first + e) * d + i] = o;
+      }
+    });
   }
 }
 
-// One (sequence, KV head) with every query head of its group, in three passes over the sequence's keys: every
-// score, one softmax per head, then the values' weighted sums. A running softmax a page at a time rescaled its
-// sums on every page, which at a page of 16 keys cost as much as a fifth of the arithmetic. scratch:
-// attend_scratch(a) floats: a row of scores per head, then the heads' softmax sums.
+// One unit: a chunk of sequences with one KV head, each with every query head of its group, in three passes over
+// the keys: every score, one softmax per head, then the values' weighted sums. A running softmax a page at a time
+// rescaled its sums on every page, which at a page of 16 keys cost as much as a fifth of the arithmetic.
+// scratch: attend_scratch(a) floats per sequence of the chunk.
 template <typename E>
-void attend_unit(const AttendArgs& a, int64_t unit, float* scratch) {
-  const int64_t b = unit / a.kv_heads, h = unit % a.kv_heads, d = a.head_dim;
-  const int64_t row = a.kv_heads * d, len = a.context_lens[b];
-  const int64_t n = len - first_key(len, a.window), padded = (n + LANES - 1) / LANES * LANES;
-  const Group g{b * a.heads + h * (a.heads / a.kv_heads), a.heads / a.kv_heads, attend_scratch_row(a)};
+void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
+  const int64_t d = a.head_dim, row = a.kv_heads * d;
   const E* keys = static_cast<const E*>(a.k);
   const E* values = static_cast<const E*>(a.v);
-  const float* q = a.q + g.first * d;
-  float* out = a.out + g.first * d;
-  for_pages(a, b, h, keys, [&](int64_t base, int64_t t0, int64_t t1, int64_t at) {
+  for_pages(a, c, keys, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    const Group g = group_of(a, c, b, scratch);
+    const float* q = a.q + g.first * d;
     for (int64_t e = 0; e < g.size; ++e) {
-      float* s = scratch + e * g.stride + at - t0;  // the keys' scores, then their weights
+      float* s = g.scratch + e * g.stride + at - t0;  // the keys' scores, then their weights
       int64_t t = t0;
       for (; t + 8 <= t1; t += 8) dot8(q + e * d, keys + base + t * row, row, d, a.scale, s + t);
       for (; t < t1; ++t) s[t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
     }
   });
-  float* mass = scratch + g.size * g.stride;
-  for (int64_t e = 0; e < g.size; ++e) {
-    float* s = scratch + e * g.stride;
-    for (int64_t t = n; t < padded; ++t) s[t] = -__builtin_inff();
-    f8 most = splat(-__builtin_inff());
-    for (int64_t t = 0; t < padded; t += LANES) {
-      const f8 v = load(s + t);
-      most = v > most ? v : most;
+  for (int64_t b = c.b0; b < c.b1; ++b) {
+    const Group g = group_of(a, c, b, scratch);
+    const int64_t len = a.context_lens[b];
+    const int64_t n = len - first_key(len, a.window), padded = (n + LANES - 1) / LANES * LANES;
+    float* mass = g.scratch + g.size * g.stride;
+    for (int64_t e = 0; e < g.size; ++e) {
+      float* s = g.scratch + e * g.stride;
+      for (int64_t t = n; t < padded; ++t) s[t] = -__builtin_inff();
+      f8 most = splat(-__builtin_inff());
+      for (int64_t t = 0; t < padded; t += LANES) {
+        const f8 v = load(s + t);
+        most = v > most ? v : most;
+      }
+      const float high = top(most);
+      f8 total = splat(0.f);
+      for (int64_t t = 0; t < padded; t += LANES) {
+        const f8 w = exp8(load(s + t) - high);
+        total += w;
+        store(s + t, w);
+      }
+      mass[e] = sum(total);
     }
-    const float high = top(most);
-    f8 total = splat(0.f);
-    for (int64_t t = 0; t < padded; t += LANES) {
-      const f8 w = exp8(load(s + t) - high);
-      total += w;
-      store(s + t, w);
-    }
-    mass[e] = sum(total);
   }
-  add_values(a, b, h, g, scratch, values, out);
-  for (int64_t e = 0; e < g.size; ++e)
-    for (int64_t i = 0; i < d; ++i) out[e * d + i] = mass[e] > 0.f ? out[e * d + i] / mass[e] : 0.f;
+  add_values(a, c, scratch, values);
+  for (int64_t b = c.b0; b < c.b1; ++b) {
+    const Group g = group_of(a, c, b, scratch);
+    const float* mass = g.scratch + g.size * g.stride;
+    float* out = a.out + g.first * d;
+    for (int64_t e = 0; e < g.size; ++e)
+      for (int64_t i = 0; i < d; ++i) out[e * d + i] = mass[e] > 0.f ? out[e * d + i] / mass[e] : 0.f;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -306,10 +349,12 @@ void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   for (int64_t u = unit0; u < unit1; ++u) {
+    const int64_t b0 = u / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
+    const Chunk c{b0, b1, u % a.kv_heads};
     if (a.bf16)
-      attend_unit<uint16_t>(a, u, scratch);
+      attend_unit<uint16_t>(a, c, scratch);
     else
-      attend_unit<float>(a, u, scratch);
+      attend_unit<float>(a, c, scratch);
   }
 }
 

@@ -87,6 +87,8 @@ struct AttendArgs {
   int64_t window;  // a query sees its last `window` keys only; 0: all of them
   float* out;
   int64_t max_keys;  // the most keys any sequence attends to (its window's, or its context)
+  int64_t batch;     // the sequences
+  int64_t chunk;     // the sequences a unit takes: consecutive ones, each with the unit's KV head
 };
 
 // One step's rotary turn of q and k, with k and v written into the caches (layer_level.cpp).
@@ -107,8 +109,8 @@ namespace {
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 }  // namespace
 
-// A task's scratch for attend, in floats: one sequence's scores per query head of a group, each row rounded up
-// to whole vectors of 8, then a float per head.
+// A sequence's scratch for attend, in floats: its scores per query head of a group, each row rounded up to whole
+// vectors of 8, then a float per head. A task needs a chunk's worth.
 inline int64_t attend_scratch_row(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
 inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(a) + 1) * (a.heads / a.kv_heads); }
 
@@ -134,8 +136,8 @@ struct Level {
   // rows weight rows, dequantized exactly (the file's d * q + m in float32) into out [rows][k].
   void (*dequantize)(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows, float* out,
                      uint8_t* scratch);
-  // Units [u0, u1) of (sequence, KV head), unit = sequence * kv_heads + head, each with every query head of its
-  // group. scratch: attend_scratch(a) floats.
+  // Units [u0, u1) of (chunk of a.chunk sequences, KV head), unit = chunk * kv_heads + head, each sequence with
+  // every query head of its group. scratch: a.chunk * attend_scratch(a) floats.
   void (*attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scratch);
   // Rows [r0, r1) of x [rows][h]: x / sqrt(mean(x^2) + eps) * w.
   void (*norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out);

@@ -354,13 +354,19 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const auto lens = context_lens.contiguous();
   const int64_t max_keys = check_pages(tables, lens, k_cache.size(0), k_cache.size(1), window);
   auto out = at::empty({batch, heads, d}, q.options());
+  if (batch == 0) return out;
+  // A unit takes a chunk of sequences side by side with one KV head, which then read a page they share once
+  // (layer_level.cpp): chunks of one size, and at least two units a thread.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunks = std::min<int64_t>(batch, (2 * threads + kv_heads - 1) / kv_heads);
+  const int64_t chunk = std::min<int64_t>(16, (batch + chunks - 1) / chunks);
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.scalar_type() == at::kBFloat16, tables.data_ptr<int32_t>(), tables.size(1),
                              lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
-                             out.data_ptr<float>(), max_keys};
+                             out.data_ptr<float>(), max_keys, batch, chunk};
   const qmm::Level& lv = level_at(level);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t a, int64_t b) {
-    std::unique_ptr<float[]> scratch(new float[qmm::attend_scratch(args)]);
+  at::parallel_for(0, (batch + chunk - 1) / chunk * kv_heads, 1, [&](int64_t a, int64_t b) {
+    std::unique_ptr<float[]> scratch(new float[chunk * qmm::attend_scratch(args)]);
     lv.attend(args, a, b, scratch.get());
   });
   return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
