@@ -734,24 +734,25 @@ void panel_rest(const S& s, const Activations& x, int64_t i0, int64_t m, float* 
   }
 }
 
-// A panel's weight rows against every activation row, TILE rows a pass.
-template <class S>
-void panel_passes(const S& s, const Activations& x, int64_t m, float* y, int64_t ldy, bool fetch) {
-  int64_t i = 0;
-  // The first pass fetches ahead; the later ones find the panel in L1.
-  for (; i + PanelIsa::TILE <= m; i += PanelIsa::TILE)
-    panel_tile<PanelIsa::TILE>(s, x, i, y, ldy, fetch && i == 0);
-  panel_rest<PanelIsa::TILE - 1>(s, x, i, m - i, y, ldy, fetch && i == 0);
-}
-
-// Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups.
+// Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
+// every activation row, TILE rows a pass. A pass takes each lane group in turn, so that the panel's outputs of
+// those rows are written whole at once: a line of them written by one group and completed by the next a pass over
+// every row later has left the cache by then, at a prompt's many rows.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; n += PANEL_ROWS)
-    for (int g = 0; g < PANEL_ROWS / PanelIsa::ROWS; ++g)
-      panel_passes(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, m, y + n + PanelIsa::ROWS * g, ldy,
-                   g == 0);
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+    int64_t i = 0;
+    // The first pass fetches ahead; the later ones find the panel in L1.
+    for (; i + TILE <= m; i += TILE)
+      for (int g = 0; g < GROUPS; ++g)
+        panel_tile<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, y + n + PanelIsa::ROWS * g, ldy,
+                         i == 0 && g == 0);
+    for (int g = 0; g < GROUPS; ++g)
+      panel_rest<TILE - 1>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i,
+                           y + n + PanelIsa::ROWS * g, ldy, i == 0 && g == 0);
+  }
 }
 
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
