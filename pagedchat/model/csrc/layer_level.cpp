@@ -190,11 +190,6 @@ template <int V, typename E>
 __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
                                                         const E* v, int64_t i) {
   const int64_t row = a.kv_heads * a.head_dim;
-  for (int64_t b = c.b0; b < c.b1; ++b) {
-    const Group g = group_of(a, c, b, scratch);
-    for (int64_t e = 0; e < g.size; ++e)
-      for (int j = 0; j < V; ++j) store(a.out + (g.first + e) * a.head_dim + i + j * LANES, splat(0.f));
-  }
   for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
     for (int64_t e = 0; e < g.size; ++e) {
@@ -215,14 +210,14 @@ __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, co
 template <typename E>
 inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, const E* v) {
   const int64_t d = a.head_dim, row = a.kv_heads * d;
+  for (int64_t b = c.b0; b < c.b1; ++b) {  // the sums start at 0, and are held in out between the pages
+    const Group g = group_of(a, c, b, scratch);
+    for (int64_t l = 0; l < g.size * d; ++l) a.out[g.first * d + l] = 0.f;
+  }
   int64_t i = 0;
   for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, c, scratch, v, i);
   for (; i + LANES <= d; i += LANES) add_values_of<1>(a, c, scratch, v, i);
   for (; i < d; ++i) {
-    for (int64_t b = c.b0; b < c.b1; ++b) {
-      const Group g = group_of(a, c, b, scratch);
-      for (int64_t e = 0; e < g.size; ++e) a.out[(g.first + e) * d + i] = 0.f;
-    }
     for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
       const Group g = group_of(a, c, b, scratch);
       for (int64_t e = 0; e < g.size; ++e) {

@@ -723,13 +723,14 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
 }
 
+// The tile of exactly m <= R rows.
 template <int R, class S>
-void panel_rest(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, bool fetch) {
+void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, bool fetch) {
   if constexpr (R > 0) {
     if (m == R) {
       panel_tile<R>(s, x, i0, y, ldy, fetch);
     } else {
-      panel_rest<R - 1>(s, x, i0, m, y, ldy, fetch);
+      panel_tile_of<R - 1>(s, x, i0, m, y, ldy, fetch);
     }
   }
 }
@@ -742,17 +743,11 @@ template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
-  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
-    int64_t i = 0;
-    // The first pass fetches ahead; the later ones find the panel in L1.
-    for (; i + TILE <= m; i += TILE)
-      for (int g = 0; g < GROUPS; ++g)
-        panel_tile<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, y + n + PanelIsa::ROWS * g, ldy,
-                         i == 0 && g == 0);
-    for (int g = 0; g < GROUPS; ++g)
-      panel_rest<TILE - 1>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i,
-                           y + n + PanelIsa::ROWS * g, ldy, i == 0 && g == 0);
-  }
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS)
+    for (int64_t i = 0; i < m; i += TILE)
+      for (int g = 0; g < GROUPS; ++g)  // the first pass fetches ahead; the later ones find the panel in L1
+        panel_tile_of<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i < TILE ? m - i : TILE,
+                            y + n + PanelIsa::ROWS * g, ldy, i == 0 && g == 0);
 }
 
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
