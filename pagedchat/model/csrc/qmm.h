@@ -60,13 +60,13 @@ struct PanelBlock {
                            BYTES = M_AT + (MIN ? 2 * PANEL_ROWS : 0);
 };
 
-// Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d written
-// 8 times (one per SIMD lane of the block), and d * (sum of the codes) per 16 inputs, which turns a weight's
-// per-block offset into one multiply (s32 the same per 32, for weights with one offset per block). The sums are
-// stored by column, so that one load holds a block's sums for several activation rows.
+// Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d, and d *
+// (sum of the codes) per 16 inputs, which turns a weight's per-block offset into one multiply (s32 the same per
+// 32, for weights with one offset per block). The sums are stored by column, so that one load holds a block's
+// sums for several activation rows.
 struct Activations {
   const int8_t* q;    // [m][k]
-  const float* d8;    // [m][k / 4]
+  const float* d32;   // [m][k / 32]
   const float* s16;   // [k / 16][m]
   const float* s32;   // [k / 32][m]
   int64_t k, m;
@@ -122,7 +122,7 @@ inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(
 struct Level {
   const char* name;
   // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays.
-  void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16,
+  void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d32, float* s16,
                    float* s32);
   // y[i * ldy + n] = x_i . W_n for weight rows n in [n0, n1) and every activation row i. scratch holds
   // scratch_bytes(k) bytes: one weight row decoded (the portable level; the SIMD levels need none).

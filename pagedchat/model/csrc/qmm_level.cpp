@@ -238,13 +238,13 @@ inline float quantize_block(const float* xb, int8_t* qb, int sums[2]) {
   return d;
 }
 
-void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d8, float* s16,
+void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d32, float* s16,
               float* s32) {
   for (int64_t i = i0; i < i1; ++i) {
     for (int64_t j = 0; j < k / 32; ++j) {
       int sums[2];
       const float d = quantize_block(x + i * k + 32 * j, q + i * k + 32 * j, sums);
-      for (int l = 0; l < 8; ++l) d8[i * k / 4 + 8 * j + l] = d;
+      d32[i * k / 32 + j] = d;
       s16[(2 * j) * m + i] = d * float(sums[0]);
       s16[(2 * j + 1) * m + i] = d * float(sums[1]);
       s32[j * m + i] = d * float(sums[0] + sums[1]);
@@ -382,7 +382,7 @@ inline Block step256(const uint8_t* row, int64_t j, const Activations& x, int64_
     __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * k + 32 * j));
     if (SIGNED<T>) q = _mm256_sign_epi8(q, b.u);
     const __m256 p = _mm256_cvtepi32_ps(dot256(u, q));
-    acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(b.a, _mm256_loadu_ps(x.d8 + i * k / 4 + 8 * j)), acc[r]);
+    acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(b.a, _mm256_broadcast_ss(x.d32 + i * k / 32 + j)), acc[r]);
   }
   return b;
 }
@@ -424,6 +424,8 @@ struct PanelIsa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storei(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
   // For packed panels (qmm.h): a chunk of 16 rows' dwords, and 16 rows' f16 scales.
   static I loadu(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
@@ -473,7 +475,9 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
       __m512i q = _mm512_loadu_si512(x.q + i * k + 32 * j);
       if (SIGNED<T>) q = _mm512_mask_sub_epi8(q, negative, _mm512_setzero_si512(), q);
       const __m512 p = _mm512_cvtepi32_ps(dot512(u, q));
-      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(a, _mm512_loadu_ps(x.d8 + i * k / 4 + 8 * j)), acc[r]);
+      const float* d = x.d32 + i * k / 32 + j;  // the two blocks' scales, each over its 8 lanes
+      const __m512 d16 = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(a, d16), acc[r]);
     }
     if (TWO_OFFSETS<T>) {
       const float c[4] = {b0.c0, b0.c1, b1.c0, b1.c1};
@@ -530,6 +534,8 @@ struct PanelIsa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storei(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   // For packed panels (qmm.h): half a chunk (8 rows' dwords), and 8 rows' f16 scales.
   static I loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
@@ -695,14 +701,49 @@ struct Packed {
   static V::I dot(const V::I* w, const int8_t* q) { return unit_dot<N, G, SIGNED_DOTS>(w, q); }
 };
 
-// R activation rows against a panel's weight rows, one per lane: y[(i0 + r) * ldy + lane].
-template <int R, class S>
-void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, bool fetch) {
+// A lane group's blocks [j0, j1) decoded (Packed's codes and terms, as they are) into a buffer, for a call with
+// more than one tile of activation rows: each tile then reads them where each decoded them again. Its code and
+// terms are Packed's, so every sum is the same bits whichever a tile reads.
+template <int T>
+struct Buffered : Packed<T> {
   using V = PanelIsa;
-  const int64_t k = x.k, m = x.m, nb = k / 32;
+  using P = Packed<T>;
+  static constexpr int64_t VECTORS = 8 + 2 * P::UNITS;  // a block's: its code vectors, then (a, c) per unit
+  static constexpr int64_t BYTES = VECTORS * int64_t(sizeof(V::I));
+  uint8_t* buffer;
+  int64_t j0;
+
+  uint8_t* at(int64_t j, int v) const { return buffer + BYTES * (j - j0) + int64_t(sizeof(V::I)) * v; }
+  void fill(int64_t j1, bool fetch) const {
+    for (int64_t j = j0; j < j1; ++j) {
+      if (fetch) P::fetch_ahead(j);
+      for (int d = 0; d < 8; ++d) V::storei(at(j, d), P::code(j, d));
+      for (int h = 0; h < P::UNITS; ++h) {
+        const typename P::Terms t = P::terms(j, h);
+        V::store(reinterpret_cast<float*>(at(j, 8 + 2 * h)), t.a);
+        V::store(reinterpret_cast<float*>(at(j, 9 + 2 * h)), t.c);
+      }
+    }
+  }
+  V::I code(int64_t j, int d) const { return V::loadu(at(j, d)); }
+  typename P::Terms terms(int64_t j, int h) const {
+    return {V::loadf(reinterpret_cast<const float*>(at(j, 8 + 2 * h))),
+            V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h)))};
+  }
+  void fetch_ahead(int64_t) const {}
+};
+
+// R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
+// the sums carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as
+// one pass over every block).
+template <int R, class S>
+void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
+                bool fetch) {
+  using V = PanelIsa;
+  const int64_t k = x.k, m = x.m;
   typename V::F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V::zero();
-  for (int64_t j = 0; j < nb; ++j) {
+  for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
+  for (int64_t j = j0; j < j1; ++j) {
     if (fetch) s.fetch_ahead(j);
     for (int h = 0; h < S::UNITS; ++h) {
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
@@ -711,7 +752,7 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
-        acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d8 + (i0 + r) * k / 4 + 8 * j)), acc[r]);
+        acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
       }
       if constexpr (S::OFFSET) {
         const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
@@ -725,12 +766,13 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
 
 // The tile of exactly m <= R rows.
 template <int R, class S>
-void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, bool fetch) {
+void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, int64_t j0,
+                   int64_t j1, bool fetch) {
   if constexpr (R > 0) {
     if (m == R) {
-      panel_tile<R>(s, x, i0, y, ldy, fetch);
+      panel_tile<R>(s, x, i0, y, ldy, j0, j1, fetch);
     } else {
-      panel_tile_of<R - 1>(s, x, i0, m, y, ldy, fetch);
+      panel_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1, fetch);
     }
   }
 }
@@ -738,16 +780,38 @@ void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, floa
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
 // every activation row, TILE rows a pass. A pass takes each lane group in turn, so that the panel's outputs of
 // those rows are written whole at once: a line of them written by one group and completed by the next a pass over
-// every row later has left the cache by then, at a prompt's many rows.
+// every row later has left the cache by then, at a prompt's many rows. One tile decodes its codes in registers
+// as it goes; more than one decode them once into a buffer, SPAN blocks at a time (a stack buffer L1 holds
+// beside the tiles' activations), and every tile reads them there.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
-  for (int64_t n = n0; n < n1; n += PANEL_ROWS)
-    for (int64_t i = 0; i < m; i += TILE)
-      for (int g = 0; g < GROUPS; ++g)  // the first pass fetches ahead; the later ones find the panel in L1
-        panel_tile_of<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i < TILE ? m - i : TILE,
-                            y + n + PanelIsa::ROWS * g, ldy, i == 0 && g == 0);
+  constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
+  const int64_t nb = x.k / 32;
+  if (m <= TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
+    for (int64_t n = n0; n < n1; n += PANEL_ROWS)
+      for (int64_t i = 0; i < m; i += TILE)
+        for (int g = 0; g < GROUPS; ++g)
+          panel_tile_of<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i < TILE ? m - i : TILE,
+                              y + n + PanelIsa::ROWS * g, ldy, 0, nb, i == 0 && g == 0);
+    return;
+  }
+  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
+      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
+      Buffered<T> groups[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) {
+        groups[g] = Buffered<T>{{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, buffer[g], j0};
+        groups[g].fill(j1, g == 0);
+      }
+      for (int64_t i = 0; i < m; i += TILE)
+        for (int g = 0; g < GROUPS; ++g)
+          panel_tile_of<TILE>(groups[g], x, i, m - i < TILE ? m - i : TILE, y + n + PanelIsa::ROWS * g, ldy, j0, j1,
+                              false);
+    }
+  }
 }
 
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
@@ -799,7 +863,7 @@ void add_offsets(const float* c16, const Activations& x, float* y, int64_t ldy) 
 void dot_row(const Decoded& w, bool is_signed, const Activations& x, int64_t i, float* y) {
   const int64_t k = x.k;
   const int8_t* q = x.q + i * k;
-  const float* d8 = x.d8 + i * k / 4;
+  const float* d32 = x.d32 + i * k / 32;
   float sum = 0.f;
   for (int64_t g = 0; g < k / 16; ++g) {
     int32_t dot = 0;
@@ -807,7 +871,7 @@ void dot_row(const Decoded& w, bool is_signed, const Activations& x, int64_t i, 
       const int32_t u = is_signed ? int32_t(int8_t(w.u[16 * g + l])) : int32_t(w.u[16 * g + l]);
       dot += u * int32_t(q[16 * g + l]);
     }
-    sum += w.a16[g] * float(dot) * d8[4 * g];
+    sum += w.a16[g] * float(dot) * d32[g / 2];
   }
   *y = sum;
 }

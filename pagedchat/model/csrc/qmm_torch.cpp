@@ -186,18 +186,18 @@ std::unique_ptr<uint8_t[]> scratch_for(int64_t k) {
 // Activation rows quantized once for every weight they meet (qmm.h's Activations), with the tensors that hold
 // them.
 struct Quantized {
-  at::Tensor q, d8, s16, s32;
+  at::Tensor q, d32, s16, s32;
   qmm::Activations acts;
 };
 
 // x: contiguous float32 [m, k], m > 0.
 Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
   const int64_t m = x.size(0), k = x.size(1);
-  Quantized a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / 4}, x.options()),
+  Quantized a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / 32}, x.options()),
               at::empty({k / 16, m}, x.options()), at::empty({k / 32, m}, x.options()), {}};
   const float* xs = x.data_ptr<float>();
   int8_t* qs = a.q.data_ptr<int8_t>();
-  float *ds = a.d8.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
+  float *ds = a.d32.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
   // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / k),
                    [&](int64_t b0, int64_t b1) { lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2); });
