@@ -241,12 +241,15 @@ void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
   for_pages(a, c, keys, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
     const float* q = a.q + g.first * d;
-    for (int64_t e = 0; e < g.size; ++e) {
-      float* s = g.scratch + e * g.stride + at - t0;  // the keys' scores, then their weights
-      int64_t t = t0;
-      for (; t + 8 <= t1; t += 8) dot8(q + e * d, keys + base + t * row, row, d, a.scale, s + t);
-      for (; t < t1; ++t) s[t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
-    }
+    // The keys' scores, then their weights, a row per head. Eight keys at a time meet every head of the group in
+    // turn, while their lines are in L1.
+    float* s = g.scratch + at - t0;
+    int64_t t = t0;
+    for (; t + 8 <= t1; t += 8)
+      for (int64_t e = 0; e < g.size; ++e)
+        dot8(q + e * d, keys + base + t * row, row, d, a.scale, s + e * g.stride + t);
+    for (; t < t1; ++t)
+      for (int64_t e = 0; e < g.size; ++e) s[e * g.stride + t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
   });
   for (int64_t b = c.b0; b < c.b1; ++b) {
     const Group g = group_of(a, c, b, scratch);
