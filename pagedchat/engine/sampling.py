@@ -16,6 +16,7 @@ import torch
 
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import Sampled, TokenLogprob
+from pagedchat.model import qmm
 
 __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 
@@ -64,8 +65,7 @@ class Sampler:
                     apply_masks(logits, constrained, [rows[i].matcher for i in constrained])
                 except Exception as exc:
                     failed.update(dict.fromkeys(constrained, exc))
-        # max's indices are argmax's (the first of ties, NaN alike); over a vocabulary torch's max is the faster
-        picks = logits.max(dim=-1).indices.tolist()
+        picks = qmm.argmax_rows(logits).tolist()
         out: list[Sampled | Exception] = []
         for i, row in enumerate(rows):
             sampled: Sampled | Exception

@@ -363,6 +363,15 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.pagedchat_qmm.norm(x, weight, eps, _state.index)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first of ties, a NaN above every number: torch's max indices.
+    The library's where it serves (contiguous float32 rows on the CPU), else torch's."""
+    if ready() and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() \
+            and x.shape[0] > 0:
+        return torch.ops.pagedchat_qmm.argmax_rows(x, _state.index)
+    return x.max(dim=-1).indices
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for float32 [T, 2 I] holding gate and up side by side -> [T, I]."""
     return torch.ops.pagedchat_qmm.silu_mul(gate_up, _state.index)

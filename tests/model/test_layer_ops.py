@@ -34,6 +34,23 @@ def test_silu_mul_is_torchs(each_level, rows, inter):
     torch.testing.assert_close(qmm.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [49152, 1003, 8, 1])
+def test_argmax_rows_are_torchs_max_indices(each_level, width):
+    """The greedy pick: the first of tied largest values, a NaN above every number (the first NaN), an all -inf
+    row's 0, -0.0 and 0.0 equal; at a vocabulary's width and at widths that are not whole vectors."""
+    x = torch.randn(9, width, generator=_gen())
+    x[1, [width // 2, width - 1]] = 50.0
+    x[2, [width - 1, width // 3]] = float("nan")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[4, width // 2] = -0.0
+    x[5, width - 1] = float("inf")
+    x[6, width // 4] = -float("inf")
+    x[7] = x[7].abs().neg()
+    x[7, width - 1] = 0.0
+    assert torch.equal(qmm.argmax_rows(x), x.max(dim=-1).indices)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary", [(9, 3, 64, 64), (4, 2, 24, 12), (2, 1, 20, 20)])
 def test_rope_write_turns_q_and_k_and_writes_the_cache_as_torch_does(each_level, heads, kv_heads, head_dim, rotary):
     """Bit for bit: the same products and sums, each rounded once, as apply_rope; partial rotary copies the dims

@@ -322,7 +322,47 @@ void turn(const float* src, const float* cos, const float* sin, int64_t rot, int
   for (int64_t i = rot; i < d; ++i) dst[i] = src[i];
 }
 
+// Whether any lane is set: their bits ORed in 64-bit pieces (one test on AVX).
+inline bool any(i8 mask) {
+  uint64_t bits[4];
+  __builtin_memcpy(bits, &mask, sizeof bits);
+  return (bits[0] | bits[1] | bits[2] | bits[3]) != 0;
+}
+
+// One pass finds the largest value (or that there is a NaN), a second its first index: the comparisons are
+// exact, so the index is the first of ties whatever the order of the first pass.
+int64_t argmax_row(const float* x, int64_t n) {
+  f8 most = splat(-__builtin_inff());
+  i8 nan = i8{};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const f8 v = load(x + i);
+    nan |= v != v;
+    most = v > most ? v : most;
+  }
+  float top = -__builtin_inff();
+  bool seen_nan = any(nan);
+  for (int j = 0; j < LANES; ++j) top = most[j] > top ? most[j] : top;
+  for (int64_t j = i; j < n; ++j) {
+    seen_nan |= x[j] != x[j];
+    top = x[j] > top ? x[j] : top;
+  }
+  for (i = 0; i + LANES <= n; i += LANES) {
+    const f8 v = load(x + i);
+    if (any(seen_nan ? v != v : v == top))
+      for (int j = 0;; ++j)
+        if (seen_nan ? v[j] != v[j] : v[j] == top) return i + j;
+  }
+  for (; i < n; ++i)
+    if (seen_nan ? x[i] != x[i] : x[i] == top) return i;
+  return 0;  // n == 0
+}
+
 }  // namespace
+
+void QMM_LOCAL(argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out) {
+  for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(x + r * n, n);
+}
 
 void QMM_LOCAL(norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out) {
   for (int64_t r = r0; r < r1; ++r) norm_row(x + r * h, w, h, eps, out + r * h);

@@ -145,6 +145,9 @@ struct Level {
   void (*silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out);
   // Tokens [t0, t1) of a step (RopeArgs).
   void (*rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
+  // Rows [r0, r1) of x [rows][n]: each row's first index of its largest value, a NaN above every number (the
+  // index torch's max gives).
+  void (*argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out);
 };
 
 inline int64_t scratch_bytes(int64_t k) { return 2 * k + 128; }

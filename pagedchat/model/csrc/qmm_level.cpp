@@ -916,6 +916,7 @@ void QMM_LOCAL(attend)(const AttendArgs& a, int64_t u0, int64_t u1, float* scrat
 void QMM_LOCAL(norm)(const float* x, const float* w, int64_t h, float eps, int64_t r0, int64_t r1, float* out);
 void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1, float* out);
 void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1);
+void QMM_LOCAL(argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out);
 
 #if defined(__AVX2__)
 constexpr auto PANELS = matmul_panels;
@@ -925,6 +926,6 @@ constexpr decltype(Level::matmul_panels) PANELS = nullptr;
 
 extern const Level QMM_SYMBOL = {QMM_NAME,          quantize,          matmul,         PANELS,
                                  dequantize,        QMM_LOCAL(attend), QMM_LOCAL(norm), QMM_LOCAL(silu_mul),
-                                 QMM_LOCAL(rope_write)};
+                                 QMM_LOCAL(rope_write), QMM_LOCAL(argmax)};
 
 }  // namespace qmm

@@ -406,6 +406,19 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t level) {
   return out;
 }
 
+// Each row's first index of its largest value, a NaN above every number: torch's max indices, for greedy picks
+// over a vocabulary, where torch's reduction took a visible part of a step.
+at::Tensor argmax_rows(const at::Tensor& x, int64_t level) {
+  check_rows(x, "x");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const qmm::Level& lv = level_at(level);
+  const float* xs = x.data_ptr<float>();
+  int64_t* os = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1);
+  at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.argmax(xs, n, a, b, os); });
+  return out;
+}
+
 // q and k turned by the rotary table's rows, k and v written into the caches at slots; returns q [T, heads, D].
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t heads, int64_t kv_heads,
@@ -474,6 +487,7 @@ TORCH_LIBRARY(pagedchat_qmm, m) {
         &attend);
   m.def("norm(Tensor x, Tensor w, float eps, int level) -> Tensor", &norm);
   m.def("silu_mul(Tensor gate_up, int level) -> Tensor", &silu_mul);
+  m.def("argmax_rows(Tensor x, int level) -> Tensor", &argmax_rows);
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int heads, int kv_heads, int level) -> Tensor",
         &rope_write);
