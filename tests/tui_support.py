@@ -58,7 +58,9 @@ async def wait_for(pilot, condition, what: str = "condition", timeout: float = W
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            app = pilot.app
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (focused: {app.focused!r}; "
+                                 f"screen: {app.screen!r}; the app's exception: {app._exception!r})")
         await pilot.pause(0.01)
 
 

@@ -181,8 +181,10 @@ async def palette_pick(pilot, command: str, *keys: str) -> None:
 
 
 async def on_message(pilot, by_keys: bool, index: int, key: str, command: str, *picks: str) -> None:
-    """A message action through the walk (to message `index`, then its key) or through the palette's pick."""
+    """A message action through the walk (to message `index`, then its key) or through the palette's pick. The walk
+    starts once the app has settled: what the last reply's end queued (its final render, the save) is done."""
     if by_keys:
+        await idle(pilot)
         await walk_to(pilot, index)
         await pilot.press(key)
     else:
