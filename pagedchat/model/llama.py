@@ -256,16 +256,16 @@ class DecoderModel:
         norm = qmm.norm if self.native_steps else self.norm_fn
         t = input_ids.shape[0]
         x = self.embed_tokens(input_ids)  # this forward's own tensor: the residual adds below write into it
-        # rotary table -> (cos, sin) at this step's positions [T, 1, rotary dims], and as [T, rotary dims] for the
-        # kernels: looked up once per table and step
-        turns, flat = {}, {}
+        # rotary table -> (cos, sin) at this step's positions, [T, 1, rotary dims] and as the kernels take them,
+        # [T, rotary dims]: looked up once per table and step
+        turns = {}
         for layer, table, (k_cache, v_cache), meta, fused in zip(self.layers, self.rope_tables, kv, metas, self.fused):
             if table is not None and id(table) not in turns:
-                turns[id(table)] = table.at(positions, meta.max_context_len)
-                flat[id(table)] = tuple(c.view(t, -1) for c in turns[id(table)])
-            turn = turns.get(id(table))
+                turn = table.at(positions, meta.max_context_len)
+                turns[id(table)] = turn, tuple(c.view(t, -1) for c in turn)
+            turn, flat = turns.get(id(table), (None, None))
             if fused is not None and meta.decode_only and not runs_dense(t):
-                cos, sin = flat[id(table)]
+                cos, sin = flat
                 qmm.decode_layer(x, fused.weights, fused.types, fused.parts, eps, cos, sin, meta.slot_mapping,
                                  k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, meta.block_tables,
                                  meta.context_lens, self.scale, layer.spec.window or 0)
@@ -273,7 +273,7 @@ class DecoderModel:
             h = norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
             if self.native_steps and turn is not None and layer.qk_norm is None:
-                cos, sin = flat[id(table)]
+                cos, sin = flat
                 q = qmm.rope_write(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, cfg.num_heads,
                                    cfg.num_kv_heads)
             else:

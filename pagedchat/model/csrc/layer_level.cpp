@@ -340,21 +340,20 @@ int64_t argmax_row(const float* x, int64_t n) {
     nan |= v != v;
     most = v > most ? v : most;
   }
-  float top = -__builtin_inff();
+  float high = top(most);
   bool seen_nan = any(nan);
-  for (int j = 0; j < LANES; ++j) top = most[j] > top ? most[j] : top;
   for (int64_t j = i; j < n; ++j) {
     seen_nan |= x[j] != x[j];
-    top = x[j] > top ? x[j] : top;
+    high = x[j] > high ? x[j] : high;
   }
   for (i = 0; i + LANES <= n; i += LANES) {
     const f8 v = load(x + i);
-    if (any(seen_nan ? v != v : v == top))
+    if (any(seen_nan ? v != v : v == high))
       for (int j = 0;; ++j)
-        if (seen_nan ? v[j] != v[j] : v[j] == top) return i + j;
+        if (seen_nan ? v[j] != v[j] : v[j] == high) return i + j;
   }
   for (; i < n; ++i)
-    if (seen_nan ? x[i] != x[i] : x[i] == top) return i;
+    if (seen_nan ? x[i] != x[i] : x[i] == high) return i;
   return 0;  // n == 0
 }
 

@@ -730,7 +730,6 @@ struct Buffered : Packed<T> {
     return {V::loadf(reinterpret_cast<const float*>(at(j, 8 + 2 * h))),
             V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h)))};
   }
-  void fetch_ahead(int64_t) const {}
 };
 
 // R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
@@ -777,6 +776,18 @@ void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, floa
   }
 }
 
+// Every tile of TILE activation rows against a panel's lane groups (one source each, Packed or Buffered), over
+// blocks [j0, j1), each pass taking the groups in turn; the first pass fetches ahead where asked.
+template <class S>
+void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int64_t ldy, int64_t j0, int64_t j1,
+                 bool fetch) {
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
+  for (int64_t i = 0; i < m; i += TILE)
+    for (int g = 0; g < GROUPS; ++g)
+      panel_tile_of<TILE>(groups[g], x, i, m - i < TILE ? m - i : TILE, y + PanelIsa::ROWS * g, ldy, j0, j1,
+                          fetch && i == 0 && g == 0);
+}
+
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
 // every activation row, TILE rows a pass. A pass takes each lane group in turn, so that the panel's outputs of
 // those rows are written whole at once: a line of them written by one group and completed by the next a pass over
@@ -789,12 +800,13 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
   constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
   const int64_t nb = x.k / 32;
+  const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
   if (m <= TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
-    for (int64_t n = n0; n < n1; n += PANEL_ROWS)
-      for (int64_t i = 0; i < m; i += TILE)
-        for (int g = 0; g < GROUPS; ++g)
-          panel_tile_of<TILE>(Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, x, i, m - i < TILE ? m - i : TILE,
-                              y + n + PanelIsa::ROWS * g, ldy, 0, nb, i == 0 && g == 0);
+    for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+      Packed<T> groups[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
+      tile_passes(groups, x, m, y + n, ldy, 0, nb, true);
+    }
     return;
   }
   alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
@@ -803,13 +815,10 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
       const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
       Buffered<T> groups[GROUPS];
       for (int g = 0; g < GROUPS; ++g) {
-        groups[g] = Buffered<T>{{w + n * row_bytes, 4 * PanelIsa::ROWS * g}, buffer[g], j0};
+        groups[g] = Buffered<T>{packed(n, g), buffer[g], j0};
         groups[g].fill(j1, g == 0);
       }
-      for (int64_t i = 0; i < m; i += TILE)
-        for (int g = 0; g < GROUPS; ++g)
-          panel_tile_of<TILE>(groups[g], x, i, m - i < TILE ? m - i : TILE, y + n + PanelIsa::ROWS * g, ldy, j0, j1,
-                              false);
+      tile_passes(groups, x, m, y + n, ldy, j0, j1, false);
     }
   }
 }
