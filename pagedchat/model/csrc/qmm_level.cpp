@@ -209,45 +209,88 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 
 // In lanes.h's eight-lane vectors, the level's own: as scalar loops this was a visible part of a batched step
 // (docs/bench.md, "Activation quantization in vectors"). Each lane does the scalar formula's operations in its
-// order (no contraction: -ffp-contract=off), so the codes and scales are the same bits on every level.
+// order (no contraction: -ffp-contract=off), so the codes and scales are the same bits on every level; the
+// largest magnitude and the codes' sums are exact whatever order they are reduced in.
 typedef int8_t b8 __attribute__((vector_size(8)));
+typedef int8_t b32 __attribute__((vector_size(32)));
+
+// Lanes picked by constant indices: GCC's own builtin, which every GCC with the vector extension has, or Clang's.
+#if defined(__clang__)
+#define PICK(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define PICK(v, ...) __builtin_shuffle(v, i8{__VA_ARGS__})
+#endif
+
+// The largest lane, halving the vector three times.
+inline float largest(f8 v) {
+  v = v > PICK(v, 4, 5, 6, 7, 0, 1, 2, 3) ? v : PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > PICK(v, 2, 3, 0, 1, 6, 7, 4, 5) ? v : PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > PICK(v, 1, 0, 3, 2, 5, 4, 7, 6) ? v : PICK(v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+inline int total(i8 v) {
+  v += PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+}
+
+// Four vectors of codes in [-127, 127] as 32 bytes in order. AVX2 narrows them with two rounds of packs (which
+// interleave 128-bit halves, put back by one permute); a lane-by-lane conversion compiles to a byte at a time
+// there.
+inline b32 narrow(const i8 c[4]) {
+#if defined(__AVX2__)
+  const auto m = [](i8 v) { return reinterpret_cast<__m256i>(v); };
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(m(c[0]), m(c[1])), _mm256_packs_epi32(m(c[2]), m(c[3])));
+  return reinterpret_cast<b32>(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  b32 out;
+  for (int l = 0; l < 4; ++l) {
+    const b8 bytes = __builtin_convertvector(c[l], b8);
+    __builtin_memcpy(reinterpret_cast<int8_t*>(&out) + 8 * l, &bytes, sizeof bytes);
+  }
+  return out;
+#endif
+}
 
 // One block of 32 inputs: its codes into qb, the block's scale returned, the codes' sums per 16 in sums.
-inline float quantize_block(const float* xb, int8_t* qb, int sums[2]) {
+__attribute__((always_inline)) inline float quantize_block(const float* xb, int8_t* qb, int sums[2]) {
   f8 v[4], most = f8{};
   for (int l = 0; l < 4; ++l) {
     v[l] = load(xb + 8 * l);
     const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(v[l]) & 0x7FFFFFFFu);
     most = a > most ? a : most;
   }
-  float amax = 0.f;
-  for (int l = 0; l < 8; ++l) amax = most[l] > amax ? most[l] : amax;
+  const float amax = largest(most);
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  i8 half[2] = {i8{}, i8{}};
+  i8 c[4];
   for (int l = 0; l < 4; ++l) {
     const f8 scaled = v[l] * id;
-    const i8 c = __builtin_convertvector(scaled + (scaled < 0 ? f8{} - 0.5f : f8{} + 0.5f), i8);
-    const b8 bytes = __builtin_convertvector(c, b8);
-    __builtin_memcpy(qb + 8 * l, &bytes, sizeof bytes);
-    half[l / 2] += c;
+    c[l] = __builtin_convertvector(scaled + (scaled < 0 ? f8{} - 0.5f : f8{} + 0.5f), i8);
   }
-  for (int h = 0; h < 2; ++h) {
-    sums[h] = 0;
-    for (int l = 0; l < 8; ++l) sums[h] += half[h][l];
-  }
+  const b32 bytes = narrow(c);
+  __builtin_memcpy(qb, &bytes, sizeof bytes);
+  sums[0] = total(c[0] + c[1]);
+  sums[1] = total(c[2] + c[3]);
   return d;
 }
 
 void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d32, float* s16,
               float* s32) {
-  for (int64_t i = i0; i < i1; ++i) {
+  // Sixteen rows block by block: the sums are stored by column, so rows side by side fill a line between them,
+  // where one row at a time stored each sum into a line of its own.
+  constexpr int64_t ROWS = 16;
+  for (int64_t r0 = i0; r0 < i1; r0 += ROWS) {
+    const int64_t r1 = r0 + ROWS < i1 ? r0 + ROWS : i1;
     for (int64_t j = 0; j < k / 32; ++j) {
-      int sums[2];
-      const float d = quantize_block(x + i * k + 32 * j, q + i * k + 32 * j, sums);
-      d32[i * k / 32 + j] = d;
-      s16[(2 * j) * m + i] = d * float(sums[0]);
-      s16[(2 * j + 1) * m + i] = d * float(sums[1]);
-      s32[j * m + i] = d * float(sums[0] + sums[1]);
+      for (int64_t i = r0; i < r1; ++i) {
+        int sums[2];
+        const float d = quantize_block(x + i * k + 32 * j, q + i * k + 32 * j, sums);
+        d32[i * k / 32 + j] = d;
+        s16[(2 * j) * m + i] = d * float(sums[0]);
+        s16[(2 * j + 1) * m + i] = d * float(sums[1]);
+        s32[j * m + i] = d * float(sums[0] + sums[1]);
+      }
     }
   }
 }
