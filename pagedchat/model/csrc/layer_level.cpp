@@ -279,8 +279,16 @@ void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
     const Group g = group_of(a, c, b, scratch);
     const float* mass = g.scratch + g.size * g.stride;
     float* out = a.out + g.first * d;
-    for (int64_t e = 0; e < g.size; ++e)
-      for (int64_t i = 0; i < d; ++i) out[e * d + i] = mass[e] > 0.f ? out[e * d + i] / mass[e] : 0.f;
+    for (int64_t e = 0; e < g.size; ++e) {
+      float* oe = out + e * d;
+      if (!(mass[e] > 0.f)) {
+        for (int64_t i = 0; i < d; ++i) oe[i] = 0.f;
+        continue;
+      }
+      int64_t i = 0;
+      for (; i + LANES <= d; i += LANES) store(oe + i, load(oe + i) / splat(mass[e]));
+      for (; i < d; ++i) oe[i] /= mass[e];
+    }
   }
 }
 
