@@ -190,73 +190,105 @@ struct Quantized {
   qmm::Activations acts;
 };
 
-// x: contiguous float32 [m, k], m > 0.
-Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
-  const int64_t m = x.size(0), k = x.size(1);
-  Quantized a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / 32}, x.options()),
-              at::empty({k / 16, m}, x.options()), at::empty({k / 32, m}, x.options()), {}};
-  const float* xs = x.data_ptr<float>();
+// Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
+int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, (1 << 12) / k); }
+
+// m rows of k floats at xs quantized, each task first making its rows there (make(b0, b1): a norm's or
+// silu_mul's output, in decode_layer), so that the op before a matmul and its quantization share one parallel
+// loop and the rows are still in the core's cache when quantized.
+template <typename Make>
+Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorOptions& options,
+                        const qmm::Level& lv, const Make& make) {
+  Quantized a{at::empty({m, k}, options.dtype(at::kChar)), at::empty({m, k / 32}, options),
+              at::empty({k / 16, m}, options), at::empty({k / 32, m}, options), {}};
   int8_t* qs = a.q.data_ptr<int8_t>();
   float *ds = a.d32.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
-  // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
-  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 12) / k),
-                   [&](int64_t b0, int64_t b1) { lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2); });
+  at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
+    make(b0, b1);
+    lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2);
+  });
   a.acts = qmm::Activations{qs, ds, ss, s2, k, m};
   return a;
 }
 
-// ys[i * ldy + n] = x_i . W_n for every activation row i and weight row n of w.
-void matmul_into(const Quantized& a, const at::Tensor& w, int64_t type, const qmm::Level& lv, float* ys,
-                 int64_t ldy) {
-  const qmm::Activations& acts = a.acts;
-  const int64_t k = acts.k, m = acts.m, n = w.size(0);
+// x: contiguous float32 [m, k], m > 0.
+Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
+  return quantize_made(x.data_ptr<float>(), x.size(0), x.size(1), x.options(), lv, [](int64_t, int64_t) {});
+}
+
+// Tasks take whole units of UNIT weight rows, so the levels' panels of 8 or 16 rows always start at the same
+// rows: which rows share a panel, and so every output's rounding, must not depend on how the work is split
+// (it would change with the number of activation rows).
+constexpr int64_t UNIT = 16;
+static_assert(UNIT % qmm::PANEL_ROWS == 0, "a task's rows must be whole panels");
+
+// ys[i * ldy + n] = x_i . W_n for activation rows i and weight rows [n0, n1) of w, n0 a multiple of UNIT.
+void matmul_rows(const qmm::Activations& acts, const at::Tensor& w, int64_t type, const qmm::Level& lv,
+                 int64_t n0, int64_t n1, float* ys, int64_t ldy, uint8_t* scratch) {
   const uint8_t* ws = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
-  // Tasks take whole units of UNIT weight rows, so the levels' panels of 8 or 16 rows always start at the same
-  // rows: which rows share a panel, and so every output's rounding, must not depend on how the work is split
-  // (it would change with the number of activation rows). Units per task: enough work that a split across
-  // threads pays for waking them.
-  constexpr int64_t UNIT = 16;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
-  static_assert(UNIT % qmm::PANEL_ROWS == 0, "a task's rows must be whole panels");
-  const int64_t paneled = panel_rows(n);
-  at::parallel_for(0, (n + UNIT - 1) / UNIT, grain, [&](int64_t b0, int64_t b1) {
-    const auto scratch = scratch_for(k);
-    const int64_t n0 = b0 * UNIT, n1 = std::min(b1 * UNIT, n), split = std::clamp(paneled, n0, n1);
-    if (lv.matmul_panels != nullptr) {
-      if (split > n0) lv.matmul_panels(int(type), ws, row_bytes, n0, split, acts, m, ys, ldy);
-    } else {  // the portable level reads rows in the file's layout: a panel at a time, put back
-      std::vector<uint8_t> rows(qmm::PANEL_ROWS * row_bytes);
-      for (int64_t p = n0; p < split; p += qmm::PANEL_ROWS) {
-        unpack_rows(int(type), ws, row_bytes, p, p + qmm::PANEL_ROWS, rows.data());
-        lv.matmul(int(type), rows.data(), row_bytes, 0, qmm::PANEL_ROWS, acts, m, ys + p, ldy, scratch.get());
-      }
+  const int64_t row_bytes = w.size(1), m = acts.m, split = std::clamp(panel_rows(w.size(0)), n0, n1);
+  if (lv.matmul_panels != nullptr) {
+    if (split > n0) lv.matmul_panels(int(type), ws, row_bytes, n0, split, acts, m, ys, ldy);
+  } else {  // the portable level reads rows in the file's layout: a panel at a time, put back
+    std::vector<uint8_t> rows(qmm::PANEL_ROWS * row_bytes);
+    for (int64_t p = n0; p < split; p += qmm::PANEL_ROWS) {
+      unpack_rows(int(type), ws, row_bytes, p, p + qmm::PANEL_ROWS, rows.data());
+      lv.matmul(int(type), rows.data(), row_bytes, 0, qmm::PANEL_ROWS, acts, m, ys + p, ldy, scratch);
     }
-    lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, ldy, scratch.get());
+  }
+  lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, ldy, scratch);
+}
+
+// ys = x @ [W_0; W_1; ...].T, the weights' outputs side by side in rows of ldy floats: one parallel loop over
+// every weight's units, so that q, k and v of different types (say) cost one wait for the slowest thread, not
+// one each.
+void matmul_parts(const Quantized& a, at::TensorList ws, at::IntArrayRef types, const qmm::Level& lv, float* ys,
+                  int64_t ldy) {
+  const int64_t k = a.acts.k, m = a.acts.m;
+  std::vector<int64_t> first_unit{0};  // each weight's first unit among all of them, then the total
+  for (const auto& w : ws) first_unit.push_back(first_unit.back() + (w.size(0) + UNIT - 1) / UNIT);
+  // Units per task: enough work that a split across threads pays for waking them.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
+  at::parallel_for(0, first_unit.back(), grain, [&](int64_t b0, int64_t b1) {
+    const auto scratch = scratch_for(k);
+    int64_t col = 0;
+    for (size_t i = 0; i < ws.size(); col += ws[i].size(0), ++i) {
+      const int64_t u0 = std::max(b0, first_unit[i]) - first_unit[i], u1 = std::min(b1, first_unit[i + 1]) - first_unit[i];
+      if (u0 < u1)
+        matmul_rows(a.acts, ws[i], types[i], lv, u0 * UNIT, std::min(u1 * UNIT, ws[i].size(0)), ys + col, ldy,
+                    scratch.get());
+    }
   });
+}
+
+int64_t check_parts(at::TensorList ws, at::IntArrayRef types, int64_t k) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "one type per weight");
+  int64_t n = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    TORCH_CHECK(check_weight(ws[i], types[i]) == k, "x must be [rows, ", check_weight(ws[i], types[i]), "]");
+    n += ws[i].size(0);
+  }
+  return n;
+}
+
+// The quantized rows times the weights side by side, as a new float32 [m, n] tensor.
+at::Tensor project(const Quantized& a, at::TensorList ws, at::IntArrayRef types, const qmm::Level& lv,
+                   const at::TensorOptions& options) {
+  const int64_t n = check_parts(ws, types, a.acts.k);
+  auto y = at::empty({a.acts.m, n}, options);
+  if (n > 0) matmul_parts(a, ws, types, lv, y.data_ptr<float>(), n);
+  return y;
 }
 
 // x @ [W_0; W_1; ...].T: the weights' outputs side by side, the activations quantized once for all of them
 // (q, k and v of different types, say). Each output is the one matmul of its weight alone would give.
 at::Tensor matmul_cat(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef types, int64_t level) {
-  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "one type per weight");
-  int64_t n = 0;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const int64_t k = check_weight(ws[i], types[i]);
-    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [rows, ", k, "]");
-    n += ws[i].size(0);
-  }
+  TORCH_CHECK(x_in.dim() == 2, "x must be [rows, inputs]");
+  const int64_t n = check_parts(ws, types, x_in.size(1));
   const qmm::Level& lv = level_at(level);
   const auto x = x_in.to(at::kFloat).contiguous();
-  auto y = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) > 0 && n > 0) {
-    const Quantized a = quantize_rows(x, lv);
-    int64_t at_col = 0;
-    for (size_t i = 0; i < ws.size(); ++i) {
-      matmul_into(a, ws[i], types[i], lv, y.data_ptr<float>() + at_col, n);
-      at_col += ws[i].size(0);
-    }
-  }
+  auto y = x.size(0) > 0 && n > 0 ? project(quantize_rows(x, lv), ws, types, lv, x.options())
+                                  : at::empty({x.size(0), n}, x.options());
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
@@ -380,11 +412,15 @@ void check_rows(const at::Tensor& x, const char* what) {
               " must be contiguous float32 [rows, width]");
 }
 
+void check_norm_weight(const at::Tensor& w, int64_t h) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h, "w must be float32 [", h, "]");
+}
+
 // x / sqrt(mean(x^2) + eps) * w, row by row (layer_level.cpp).
 at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t level) {
   check_rows(x, "x");
   const int64_t h = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h, "w must be float32 [", h, "]");
+  check_norm_weight(w, h);
   auto out = at::empty_like(x);
   const qmm::Level& lv = level_at(level);
   const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
@@ -443,34 +479,77 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                            slots.data_ptr<int64_t>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                            heads, kv_heads, d, q.data_ptr<float>()};
   const qmm::Level& lv = level_at(level);
-  at::parallel_for(0, t, row_grain(qkv.size(1)), [&](int64_t a, int64_t b) { lv.rope_write(args, a, b); });
+  // A few rows a task: a row's key and value go to a page anywhere in the pool, and those stores, not the
+  // arithmetic, are most of its time, so threads pay at far fewer values than row_grain's.
+  at::parallel_for(0, t, 4, [&](int64_t a, int64_t b) { lv.rope_write(args, a, b); });
   return q;
 }
 
+// The ops before a decode layer's matmuls, each fused with the quantization of its output (quantize_made): the
+// same functions on the same rows, so the same numbers as norm, silu_mul and matmul_cat one after another.
+
+// norm(x) * w quantized.
+Quantized normed(const at::Tensor& x, const at::Tensor& w, double eps, const qmm::Level& lv) {
+  const int64_t h = x.size(1);
+  check_norm_weight(w, h);
+  const auto out = at::empty_like(x);
+  const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  return quantize_made(os, x.size(0), h, x.options(), lv,
+                       [&](int64_t b0, int64_t b1) { lv.norm(xs, ws, h, float(eps), b0, b1, os); });
+}
+
+// x += y in place (torch's float add, a + b rounded once), then norm(x) * w quantized.
+Quantized added_normed(at::Tensor& x, const at::Tensor& y, const at::Tensor& w, double eps, const qmm::Level& lv) {
+  const int64_t h = x.size(1);
+  check_norm_weight(w, h);
+  const auto out = at::empty_like(x);
+  float* xs = x.data_ptr<float>();
+  const float *ys = y.data_ptr<float>(), *ws = w.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  return quantize_made(os, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
+    lv.norm(xs, ws, h, float(eps), b0, b1, os);
+  });
+}
+
+// silu(gate) * up quantized, for gate_up [rows, 2 n].
+Quantized silu_quantized(const at::Tensor& gate_up, const qmm::Level& lv) {
+  const int64_t n = gate_up.size(1) / 2;
+  const auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+  const float* gs = gate_up.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  return quantize_made(os, gate_up.size(0), n, gate_up.options(), lv,
+                       [&](int64_t b0, int64_t b1) { lv.silu_mul(gs, n, b0, b1, os); });
+}
+
 // One decoder layer of a decode step, in llama's order, as one call (model/llama.py's fused layers): the same
-// ops as the per-op path, so the same numbers, without a Python call and a dispatch per op. x [T, hidden], the
-// residual stream, is updated in place. weights: the two norms' weights, then the panels of qkv's, o's, gate_up's
-// and down's parts; types: each part's GGML type, in the same order; parts: how many parts each projection has.
+// ops as the per-op path, so the same numbers, without a Python call and a dispatch per op, and with each op
+// before a matmul sharing its quantization's parallel loop. x [T, hidden], the residual stream, is updated in
+// place. weights: the two norms' weights, then the panels of qkv's, o's, gate_up's and down's parts; types: each
+// part's GGML type, in the same order; parts: how many parts each projection has.
 void decode_layer(at::Tensor& x, at::TensorList weights, at::IntArrayRef types, at::IntArrayRef parts, double eps,
                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, int64_t heads, int64_t kv_heads, const at::Tensor& block_tables,
                   const at::Tensor& context_lens, double scale, int64_t window, int64_t level) {
   TORCH_CHECK(parts.size() == 4 && types.size() + 2 == weights.size(), "weights: two norms and the projections' "
               "parts; types: one per part; parts: the counts of qkv, o, gate_up and down");
+  check_rows(x, "x");
+  const qmm::Level& lv = level_at(level);
   size_t at_part = 0;
-  const auto project = [&](const at::Tensor& in, int64_t which) {
+  const auto times = [&](const Quantized& a, int64_t which) {
     const size_t count = size_t(parts[which]);
     TORCH_CHECK(count > 0 && at_part + count <= types.size(), "parts do not add up to the weights");
-    const auto y = matmul_cat(in, weights.slice(2 + at_part, count), types.slice(at_part, count), level);
+    const auto y = project(a, weights.slice(2 + at_part, count), types.slice(at_part, count), lv, x.options());
     at_part += count;
     return y;
   };
-  const auto q = rope_write(project(norm(x, weights[0], eps, level), 0), cos, sin, slots, k_cache, v_cache, heads,
+  const auto q = rope_write(times(normed(x, weights[0], eps, lv), 0), cos, sin, slots, k_cache, v_cache, heads,
                             kv_heads, level);
   const auto attn = attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, level);
-  x.add_(project(attn.view({x.size(0), -1}), 1));
-  const auto gate_up = project(norm(x, weights[1], eps, level), 2);
-  x.add_(project(silu_mul(gate_up, level), 3));
+  const auto o = times(quantize_rows(attn.view({x.size(0), -1}), lv), 1);
+  const auto gate_up = times(added_normed(x, o, weights[1], eps, lv), 2);
+  x.add_(times(silu_quantized(gate_up, lv), 3));
 }
 
 }  // namespace
