@@ -77,7 +77,8 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         startup = startup_times(cfg, top, peers, progress) if cfg.startup else ()
         machine = Machine(device=device, torch=torch.__version__, torch_threads=torch.get_num_threads(),
                           cpu=_cpu_name(), cpus=os.cpu_count(), load_average_at_start=machine_start,
-                          load_average_at_end=_load_average(), cpu_level=qmm.best_label())
+                          load_average_at_end=_load_average(), cpu_level=qmm.best_label(),
+                          torch_level=torch.backends.cpu.get_cpu_capability())
         return Report(machine=machine, ttft_cold_warm=cold_warm, cold_first_token=cold, startup=startup,
                       levels=tuple(out_levels), **base)
     finally:

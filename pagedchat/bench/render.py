@@ -43,7 +43,8 @@ class Section:
 def header_lines(report: Report) -> list[str]:
     m, w, cfg = report.machine, report.workload, report.config
     lines = [f"pagedchat bench · {report.model.path} ({report.model.dtype}) on {m.device} "
-             f"({m.cpu}, {m.cpus or '?'} CPUs, {m.torch_threads} torch threads, torch {m.torch}) · "
+             f"({m.cpu}, {m.cpus or '?'} CPUs, {m.torch_threads} torch threads, torch {m.torch}"
+             f"{f', its kernels {m.torch_level}' if m.torch_level else ''}) · "
              f"system prompt {w.system_tokens} tokens, {w.max_tokens} tokens per reply"]
     if m.cpu_level:
         lines.append(f"this CPU's best level: {m.cpu_level}")

@@ -23,6 +23,7 @@ class Machine:
     load_average_at_start: tuple[float, ...] | None
     load_average_at_end: tuple[float, ...] | None
     cpu_level: str = ""  # the best level of pagedchat's kernels this CPU runs ("": not built)
+    torch_level: str = ""  # the level torch's own CPU kernels run at (SDPA, ...): ATEN_CPU_CAPABILITY lowers it
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import pytest
+import torch
 
 from pagedchat import bench
 from pagedchat.bench import config as bench_config
@@ -272,6 +273,8 @@ def test_rounds_alternate_over_every_peer_and_show_the_median(tiny_llama, report
     assert rep.startup == ()
     assert ("3 rounds per level of pagedchat, transformers, padded batch, llama.cpp, shared prompt"
             in "\n".join(header_lines(rep)))
+    # torch's own CPU kernels (the prompts' SDPA) run at a level of their own, which ATEN_CPU_CAPABILITY lowers
+    assert f"its kernels {torch.backends.cpu.get_cpu_capability()}) · " in header_lines(rep)[0]
     buf = io.StringIO()
     from rich.console import Console
 
