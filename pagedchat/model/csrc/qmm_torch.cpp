@@ -253,10 +253,10 @@ void matmul_parts(const Quantized& a, at::TensorList ws, at::IntArrayRef types, 
     const auto scratch = scratch_for(k);
     int64_t col = 0;
     for (size_t i = 0; i < ws.size(); col += ws[i].size(0), ++i) {
-      const int64_t u0 = std::max(b0, first_unit[i]) - first_unit[i], u1 = std::min(b1, first_unit[i + 1]) - first_unit[i];
+      const int64_t u0 = std::max(b0, first_unit[i]), u1 = std::min(b1, first_unit[i + 1]);  // this weight's
       if (u0 < u1)
-        matmul_rows(a.acts, ws[i], types[i], lv, u0 * UNIT, std::min(u1 * UNIT, ws[i].size(0)), ys + col, ldy,
-                    scratch.get());
+        matmul_rows(a.acts, ws[i], types[i], lv, (u0 - first_unit[i]) * UNIT,
+                    std::min((u1 - first_unit[i]) * UNIT, ws[i].size(0)), ys + col, ldy, scratch.get());
     }
   });
 }
@@ -265,7 +265,8 @@ int64_t check_parts(at::TensorList ws, at::IntArrayRef types, int64_t k) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "one type per weight");
   int64_t n = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    TORCH_CHECK(check_weight(ws[i], types[i]) == k, "x must be [rows, ", check_weight(ws[i], types[i]), "]");
+    const int64_t inputs = check_weight(ws[i], types[i]);
+    TORCH_CHECK(inputs == k, "x must be [rows, ", inputs, "]");
     n += ws[i].size(0);
   }
   return n;
