@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# The working folder leaves the path (a checkout's kernels/ folder, or any stray torch/ where the user stands,
-# would shadow the installed package), and this pagedchat's folder joins at the end: found first wherever
+# The working folder leaves the path (a stray torch/ or transformers/ where the user stands would shadow the
+# installed package), and this pagedchat's folder joins at the end: found first wherever
 # pagedchat is installed, still found where it is not.
 _RUN = ("import importlib, sys; del sys.path[0]; sys.path.append(sys.argv[1]); "
         "getattr(importlib.import_module(sys.argv[2]), sys.argv[3])(*sys.argv[4:])")

@@ -11,8 +11,8 @@ import graphlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Installed names -> their folders (pyproject's package-dir: kernels/ ships as pagedchat.kernels).
-PACKAGES = {"pagedchat": ROOT / "pagedchat", "pagedchat.kernels": ROOT / "kernels"}
+# Installed names -> their folders.
+PACKAGES = {"pagedchat": ROOT / "pagedchat"}
 
 
 def modules() -> dict[str, Path]:

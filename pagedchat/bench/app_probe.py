@@ -63,7 +63,7 @@ class Terminal:
         self.pid, self.fd = os.forkpty()
         if self.pid == 0:  # the child: never return into the caller
             try:
-                os.chdir(cwd)  # not a repo root, whose kernels/ folder would shadow the installed package
+                os.chdir(cwd)  # not a checkout's root, whose folders would join the path
                 os.execve(args[0], args, env)
             finally:
                 os._exit(127)

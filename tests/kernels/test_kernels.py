@@ -244,12 +244,14 @@ def test_write_kv(tk, block_size, kv_heads, head_dim, dtype):
 
 def test_pagedchat_kernels_imports_and_no_top_level_kernels(monkeypatch):
     assert isinstance(kernels.triton_available(), bool)
-    assert Path(kernels.__file__).resolve().parent == REPO / "kernels"
-    # transformers probes for an unrelated `kernels` distribution: we must not provide one. Look the
-    # way an installed app would: without the repo root (a `python -m pytest` cwd) on sys.path.
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != REPO])
+    assert Path(kernels.__file__).resolve().parent == REPO / "pagedchat" / "kernels"
+    # transformers imports an unrelated distribution named `kernels`: nothing at the repo's top may stand in
+    # for it, even with the repo root (a `python -m pytest` cwd) first on sys.path. A virtualenv inside the
+    # checkout, as the README makes, may hold the real one.
+    monkeypatch.setattr(sys, "path", [str(REPO), *sys.path])
     spec = importlib.util.find_spec("kernels")
-    assert spec is None or REPO not in Path(spec.origin or "/").resolve().parents, spec
+    assert spec is None or Path(spec.origin or "/").resolve().parent != REPO / "kernels", spec
+    assert not (REPO / "kernels").exists()
 
 
 def test_imports_without_triton():
