@@ -53,7 +53,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
                    help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
     p.add_argument("--threads", type=positive_int, metavar="N", default=default,
-                   help="torch threads on the CPU (default: one per core)")
+                   help="torch threads on the CPU (default: one per core, fewer while other programs take cores)")
     p.add_argument("--quantize", choices=("int4", "int8"), default=default,
                    help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
                    "files keep their own quantization without it")

@@ -8,7 +8,7 @@ Example `config.toml` (every key optional):
     block_size = 16                                  # tokens per page
     device = "cuda"
     dtype = "float32"                                # default auto: bf16 where computed natively, else float32
-    threads = 2                                      # torch threads on the CPU; default: one per core
+    threads = 2                                      # torch threads on the CPU; default: adapts to the load
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
     server = "http://127.0.0.1:8000/v1"              # an OpenAI-compatible server instead of the local engine
@@ -72,7 +72,7 @@ class EngineOptions:
     block_size: int = 16
     device: str | None = None
     dtype: str | None = None
-    threads: int | None = None               # torch threads on the CPU; None: one per core
+    threads: int | None = None               # torch threads on the CPU; None: the engine's governor
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
 
     def kwargs(self) -> dict:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Union
@@ -33,6 +34,7 @@ from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
+from pagedchat.engine.threads import ThreadGovernor
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
@@ -77,17 +79,30 @@ class _Model:
     runner: ModelRunner
     sampler: Sampler
     core: EngineCore
+    governor: ThreadGovernor | None   # the thread count, where the user left it to the engine
 
     def copy_pages(self, ops) -> None:
         self.runner.copy_pages(ops)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        return self.runner.execute(plan)
+        if self.governor is None:
+            return self.runner.execute(plan)
+        start = time.perf_counter()
+        logits = self.runner.execute(plan)
+        self.governor.observe(plan.num_tokens, time.perf_counter() - start)
+        return logits
 
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Sampled | Exception]:
         sampling = [s.seq for s in plan.scheduled if s.samples]
         rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher) for seq in sampling]
         return self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
+
+
+def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | None:
+    """On the compute thread: a governor of its torch thread count, unless the user set one (or on a GPU)."""
+    if threads is not None or device.type != "cpu" or torch.get_num_threads() < 2:
+        return None
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter)
 
 
 class Engine:
@@ -135,7 +150,8 @@ class Engine:
         self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)
-        self._model = _Model(self.runner, self.sampler, self.core)
+        self.governor = self._compute.call(_governor, self.device, threads)
+        self._model = _Model(self.runner, self.sampler, self.core, self.governor)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.tokenizer.eos_token_id)
         self.failure: str | None = None          # why the engine stopped, if it could not go on
         self._autostart = autostart

@@ -1,0 +1,135 @@
+"""How many threads a step's torch ops use when the user did not say: the most that pay, found from the steps.
+
+The kernels split each parallel loop evenly over the team and meet at a barrier, about ten times a layer. On a
+quiet machine one thread per core is fastest. Once another process takes a core, the thread that shares it
+finishes its part a time slice late, and every barrier waits for it: a step can run several times slower than on
+one thread. So the governor times the steps and tries a neighbouring count now and then: at once when the steps
+slow down against the best this count has done, and on a timer that backs off while nothing changes. A count is
+kept only when its steps were clearly faster than the current count's on steps of the same size.
+
+Torch-free: the engine passes the call that sets the count and the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("pagedchat.engine")
+
+SLOWED = 1.5          # a step this much slower than this count's best for its size: try fewer threads now
+ADOPT = 0.85          # a tried count is kept when its steps take at most this share of the current count's
+PROBE_STEPS = 4       # steps a tried count runs; the first, which may form the new team, is not compared
+FIRST_INTERVAL = 1.0  # seconds between timed tries after a change; doubled after each try that lost
+LAST_INTERVAL = 30.0
+MIN_GAP = 0.5         # seconds between tries that slowed steps start
+FRESH = 3.0           # a count's timing of a step size is compared only this long after it was last seen
+EWMA = 0.3
+
+
+def ladder(most: int) -> tuple[int, ...]:
+    """The counts tried, most first: every core, one fewer (another process took one), halves down to one."""
+    counts = {most, max(most - 1, 1), 1}
+    half = most
+    while half > 1:
+        half //= 2
+        counts.add(max(half, 1))
+    return tuple(sorted(counts, reverse=True))
+
+
+@dataclass
+class _Timing:
+    """One count's steps of one size: a moving average, the best, and when it was last seen."""
+
+    mean: float
+    best: float
+    seen: float
+    steps: int = 1
+
+    def add(self, seconds: float, now: float) -> None:
+        self.mean += EWMA * (seconds - self.mean)
+        self.best = min(self.best, seconds)
+        self.seen = now
+        self.steps += 1
+
+
+@dataclass
+class _Probe:
+    rung: int
+    times: list[tuple[int, float]] = field(default_factory=list)  # (step size, seconds)
+
+
+class ThreadGovernor:
+    def __init__(self, most: int, set_threads: Callable[[int], None], clock: Callable[[], float]):
+        self.counts = ladder(most)
+        self._set = set_threads
+        self._clock = clock
+        self._rung = 0                                       # index into counts: the count in use
+        self._timings: dict[tuple[int, int], _Timing] = {}   # (rung, step size) -> timing
+        self._probe: _Probe | None = None
+        self._interval = FIRST_INTERVAL
+        self._next_try = self._last_try = clock()   # the first try as soon as there are steps to compare
+
+    @property
+    def threads(self) -> int:
+        """The count the steps run on now."""
+        return self.counts[self._probe.rung if self._probe else self._rung]
+
+    def observe(self, size: int, seconds: float) -> None:
+        """A step that computed `size` tokens took `seconds` on the count in use."""
+        now = self._clock()
+        if self._probe is not None:
+            self._observe_probe(size, seconds, now)
+            return
+        timing = self._record(self._rung, size, seconds, now)
+        if len(self.counts) == 1 or timing.steps < PROBE_STEPS:
+            return
+        slowed = timing.mean > SLOWED * timing.best and now - self._last_try >= MIN_GAP
+        if slowed and self._rung + 1 < len(self.counts):
+            self._start(self._rung + 1, now)
+        elif now >= self._next_try:
+            self._start(self._rung - 1 if self._rung > 0 else self._rung + 1, now)
+
+    def _record(self, rung: int, size: int, seconds: float, now: float) -> _Timing:
+        timing = self._timings.get((rung, size))
+        if timing is None:
+            timing = self._timings[(rung, size)] = _Timing(seconds, seconds, now)
+        else:
+            timing.add(seconds, now)
+        return timing
+
+    def _ratio(self, step: tuple[int, float]) -> float | None:
+        """A tried step's time over the current count's recent time for steps of its size, if it has one."""
+        size, seconds = step
+        base = self._timings.get((self._rung, size))
+        if base is None or self._clock() - base.seen > FRESH:
+            return None
+        return seconds / base.mean
+
+    def _start(self, rung: int, now: float) -> None:
+        self._probe = _Probe(rung)
+        self._last_try = now
+        self._set(self.counts[rung])
+
+    def _observe_probe(self, size: int, seconds: float, now: float) -> None:
+        probe = self._probe
+        probe.times.append((size, seconds))
+        ratios = [ratio for ratio in map(self._ratio, probe.times[1:]) if ratio is not None]
+        # A try that is plainly losing ends at once: on a busy machine each of its steps costs several.
+        if len(probe.times) < PROBE_STEPS and not (ratios and ratios[-1] > 1 / ADOPT):
+            return
+        for size, seconds in probe.times[1:]:
+            self._record(probe.rung, size, seconds, now)
+        self._probe = None
+        won = len(probe.times) == PROBE_STEPS and bool(ratios) and statistics.median(ratios) <= ADOPT
+        if won:
+            log.info("torch threads %d -> %d: its steps took %.2fx the time", self.counts[self._rung],
+                     self.counts[probe.rung], statistics.median(ratios))
+            self._rung = probe.rung
+            self._interval = FIRST_INTERVAL
+        else:
+            self._interval = min(self._interval * 2, LAST_INTERVAL)
+            self._set(self.counts[self._rung])
+        self._next_try = now + self._interval

@@ -1,0 +1,93 @@
+"""The thread governor against a simulated machine: each count's step time is given, the clock is the steps'."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedchat.engine.threads import LAST_INTERVAL, ThreadGovernor, ladder
+
+
+class Machine:
+    """Steps whose time depends on the thread count in use: `costs[threads]` seconds a step."""
+
+    def __init__(self, costs: dict[int, float]):
+        self.costs = costs
+        self.now = 0.0
+        self.counts_set: list[int] = []
+        self.governor = ThreadGovernor(max(costs), self.counts_set.append, lambda: self.now)
+
+    def run(self, seconds: float, size: int = 1) -> dict[int, float]:
+        """Step for about `seconds`; the share of the time each count ran."""
+        spent: dict[int, float] = {}
+        end = self.now + seconds
+        while self.now < end:
+            threads = self.governor.threads
+            cost = self.costs[threads]
+            self.now += cost
+            spent[threads] = spent.get(threads, 0.0) + cost
+            self.governor.observe(size, cost)
+        return {t: s / seconds for t, s in spent.items()}
+
+
+def test_ladder_tries_every_core_one_fewer_and_halves():
+    assert ladder(1) == (1,)
+    assert ladder(2) == (2, 1)
+    assert ladder(16) == (16, 15, 8, 4, 2, 1)
+
+
+def test_a_quiet_machine_keeps_every_core_and_tries_fewer_ever_more_rarely():
+    machine = Machine({2: 0.010, 1: 0.018})
+    share = machine.run(120.0)
+    assert machine.governor.threads == 2
+    assert share[2] > 0.995
+    # A try runs a few steps: with the interval doubling to its cap, a couple of minutes hold a handful of tries.
+    tries = machine.counts_set.count(1)
+    assert 3 <= tries <= 4 + 120 / LAST_INTERVAL
+
+
+def test_a_busy_machine_moves_to_one_thread_at_once():
+    machine = Machine({2: 0.100, 1: 0.020})   # a core taken: every barrier waits out a time slice
+    machine.run(0.5)
+    assert machine.governor.threads == 1
+    share = machine.run(10.0)
+    assert machine.governor.threads == 1
+    assert share[1] > 0.9
+
+
+def test_a_machine_that_gets_busy_moves_down_and_back_when_it_is_quiet_again():
+    machine = Machine({2: 0.010, 1: 0.018})
+    machine.run(5.0)
+    assert machine.governor.threads == 2
+    machine.costs = {2: 0.090, 1: 0.020}      # another process takes a core
+    machine.run(1.0)
+    assert machine.governor.threads == 1
+    busy = machine.run(60.0)
+    assert busy[1] > 0.9                      # trying two threads again now and then costs little
+    machine.costs = {2: 0.010, 1: 0.018}      # it ends
+    machine.run(LAST_INTERVAL + 1.0)
+    assert machine.governor.threads == 2
+
+
+def test_a_count_is_compared_only_on_steps_of_the_same_size():
+    machine = Machine({2: 0.010, 1: 0.018})
+    machine.run(3.0, size=1)
+    # A try that meets only steps of another size has nothing to compare, so nothing changes.
+    machine.costs = {2: 0.500, 1: 0.018}
+    machine.run(0.05, size=512)
+    assert machine.governor.threads in (1, 2)
+    machine.costs = {2: 0.010, 1: 0.018}
+    machine.run(30.0, size=1)
+    assert machine.governor.threads == 2
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.10])
+def test_noise_alone_never_settles_on_the_slower_count(noise):
+    import random
+
+    rng = random.Random(0)
+    machine = Machine({2: 0.010, 1: 0.018})
+    base = dict(machine.costs)
+    for _ in range(2000):
+        machine.costs = {t: c * (1 + rng.uniform(-noise, noise)) for t, c in base.items()}
+        machine.run(0.01)
+    assert machine.governor.threads == 2
