@@ -27,7 +27,7 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.page_groups import PageGroups
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.params import SamplingParams, sibling_seed
 from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
@@ -284,11 +284,11 @@ class Engine:
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
         """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds
-        after its own, so that they differ and still repeat."""
+        after its own, so that they differ and still repeat (params.sibling_seed)."""
         seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed + sibling if params.seed is not None else torch.seed())
+            seq.generator.manual_seed(sibling_seed(params.seed, sibling) if params.seed is not None else torch.seed())
         if params.grammar is not None:
             seq.matcher = params.grammar.matcher()
         return seq
