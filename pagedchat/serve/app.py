@@ -34,7 +34,7 @@ from pagedchat.errors import PagedChatError
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
-from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, capped, parse
 from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, ResponseBuilder, sse
 from pagedchat.serve.stream import ChoiceStream, until_disconnect
 
@@ -266,7 +266,8 @@ class Server:
         if self.backend is not None:
             return JSONResponse({"status": "ok"})
         status = "failed" if self.load_error else "loading"
-        return JSONResponse({"status": status, "error": self.load_error}, status_code=503)
+        error = capped(self.load_error) if self.load_error else None
+        return JSONResponse({"status": status, "error": error}, status_code=503)
 
     async def memory(self, request: Request) -> Response:
         backend = self._ready_backend()

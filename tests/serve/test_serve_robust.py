@@ -1,0 +1,67 @@
+"""A real `pagedchat serve` on a tiny model, against inputs that once gave a 500 or an answer nobody could use:
+seeds at the top of their range, logit_bias keys that are digits only to Unicode, errors that quoted the whole
+request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serve_support import CONTEXT, KEY, start_server
+from tiny_models import make_tiny_model
+
+CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("robust") / "tiny", max_positions=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(model_folder, tmp_path_factory):
+    running = start_server(model_folder, tmp_path_factory.mktemp("robust-log") / "server.log",
+                           env={"PAGEDCHAT_API_KEY": KEY})
+    yield running
+    running.stop()
+
+
+def chat(server, **body):
+    return server.http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **body})
+
+
+@pytest.mark.parametrize("seed,n", [(2**64 - 1, 2), (2**64 - 2, 3), (2**64 - 1, 16)])
+def test_a_seed_at_the_top_of_the_range_gives_n_replies_that_repeat(server, seed, n):
+    def texts():
+        response = chat(server, seed=seed, n=n, temperature=1.0, max_tokens=6, ignore_eos=True)
+        assert response.status_code == 200, response.text
+        return [c["message"]["content"] for c in response.json()["choices"]]
+
+    first = texts()
+    assert len(first) == n and texts() == first
+
+
+@pytest.mark.parametrize("key", ["²", "①", "١٢", "𝟏", "-1", " 1", "1 ", "+1", ""])
+def test_logit_bias_keys_are_ascii_digits_only(server, key):
+    response = chat(server, logit_bias={key: 5})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "logit_bias" and "ASCII digits" in error["message"]
+    assert chat(server, logit_bias={"12": 5}).status_code == 200
+
+
+def test_every_error_message_is_a_few_hundred_bytes_whatever_it_quotes(server):
+    """A regex error quotes its pattern, a 404 the model's name or the path: none answers with the request."""
+    pattern = "ab" * 100_000 + "("
+    answers = [
+        chat(server, response_format={"type": "json_schema",
+                                       "json_schema": {"schema": {"type": "string", "pattern": pattern}}}),
+        chat(server, model="m" * 200_000),
+        server.http.get("/v1/" + "x" * 60_000),
+    ]
+    assert [a.status_code for a in answers] == [400, 404, 404]
+    for answer in answers:
+        assert len(answer.content) < 1024, answer.content[:200]
+    first = answers[0].json()["error"]["message"]
+    assert first.startswith("invalid json_schema: regex parse error") and first.endswith("bytes in all)")
