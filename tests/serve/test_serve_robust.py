@@ -1,6 +1,6 @@
 """A real `pagedchat serve` on a tiny model, against inputs that once gave a 500 or an answer nobody could use:
 seeds at the top of their range, logit_bias keys that are digits only to Unicode, errors that quoted the whole
-request."""
+request, and the log's polling lines."""
 
 from __future__ import annotations
 
@@ -65,3 +65,14 @@ def test_every_error_message_is_a_few_hundred_bytes_whatever_it_quotes(server):
         assert len(answer.content) < 1024, answer.content[:200]
     first = answers[0].json()["error"]["message"]
     assert first.startswith("invalid json_schema: regex parse error") and first.endswith("bytes in all)")
+
+
+def test_polled_endpoints_stay_out_of_the_log_and_other_requests_stay_in(server):
+    for _ in range(3):
+        for path in ("/v1/memory", "/metrics", "/health", "/v1/memory?x=1"):
+            assert server.http.get(path).status_code == 200
+    assert server.http.get("/v1/models").status_code == 200
+    log = server.log.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in log
+    for path in ("/v1/memory", "/metrics", "/health"):
+        assert f'"GET {path}' not in log, path
