@@ -156,18 +156,21 @@ class Engine:
         return self.core.steps
 
     # ---- public API --------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A prompt's token ids, checked against the context and the vocabulary; chat messages go through the
-        model's chat template (engine/chat.py, the one path every prompt is built on). A text is tokenized only
-        as far as tells it too long (chat.count_limit)."""
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, unchecked; chat messages go through the model's chat template (engine/chat.py, the
+        one path every prompt is built on). A text is tokenized only as far as tells it too long
+        (chat.count_limit)."""
         counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            ids = encode_up_to(self.tokenizer, prompt, counted)
-        elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
-                                  max_length=counted)
-        else:
-            ids = [int(t) for t in prompt]
+            return encode_up_to(self.tokenizer, prompt, counted)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
+                                   max_length=counted)
+        return [int(t) for t in prompt]
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """tokenize(prompt), checked against the context and the vocabulary."""
+        ids = self.tokenize(prompt)
         self._validate(ids)
         return ids
 
@@ -273,14 +276,15 @@ class Engine:
         if len(ids) >= ctx:
             raise RequestError(f"the prompt has {prompt_size(len(ids), ctx)} tokens but the model's context holds "
                                f"{ctx}: shorten it or start a new chat")
+        self.check_vocabulary(ids)
+
+    def check_vocabulary(self, ids) -> None:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _check_params(self, params: SamplingParams) -> None:
-        bad = [t for t in params.token_ids_used() if t >= self.config.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self.check_vocabulary(params.token_ids_used())
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
         """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds

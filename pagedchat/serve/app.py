@@ -180,6 +180,8 @@ class Server:
         overflow is worded as OpenAI's, which litellm and langchain map to their context-window errors."""
         info = backend.info
         context = info.context_length
+        if not ids:
+            raise ApiError(400, f"the {prompt_field} is empty once tokenized", param=prompt_field)
         if len(ids) >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
                            f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens.",

@@ -69,6 +69,14 @@ def test_the_engine_and_the_backend_refuse_a_chat_with_one_error(backend):
     assert str(from_engine.value).startswith("the chat template cannot render these messages: ")
 
 
+def test_a_text_past_the_context_is_left_for_the_caller_to_refuse(backend):
+    """As a chat's: the server words the refusal as OpenAI does, and submitting it is refused."""
+    ids = backend.prompt_ids("fox " * 600)
+    assert len(ids) >= backend.info.context_length
+    with pytest.raises(RequestError, match="but the model's context holds 512"):
+        backend.submit_ids([ids], SamplingParams(max_tokens=4))
+
+
 def test_chat_prompts_reuse_the_previous_turns_ids(backend):
     """The reply "Hello" as the model might have generated it, in tokens that re-tokenizing does not give back:
     the next turn's prompt keeps those exact ids (and so hits the prefix cache)."""

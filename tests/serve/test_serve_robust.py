@@ -1,6 +1,6 @@
 """A real `pagedchat serve` on a tiny model, against inputs that once gave a 500 or an answer nobody could use:
 seeds at the top of their range, logit_bias keys that are digits only to Unicode, errors that quoted the whole
-request, and the log's polling lines."""
+request, a context overflow that clients could not recognise, and the log's polling lines."""
 
 from __future__ import annotations
 
@@ -65,6 +65,21 @@ def test_every_error_message_is_a_few_hundred_bytes_whatever_it_quotes(server):
         assert len(answer.content) < 1024, answer.content[:200]
     first = answers[0].json()["error"]["message"]
     assert first.startswith("invalid json_schema: regex parse error") and first.endswith("bytes in all)")
+
+
+def test_completions_over_the_context_is_context_length_exceeded_in_openais_words(server):
+    """As chat completions answer: litellm and langchain map the code to their context-window errors."""
+    for body in ({"prompt": "fox " * CONTEXT}, {"prompt": [5] * CONTEXT}):
+        response = server.http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+        assert error["message"].startswith(f"This model's maximum context length is {CONTEXT} tokens. "
+                                           "However, your prompt resulted in ")
+    over = server.http.post("/v1/completions", json={"prompt": "fox", "max_tokens": CONTEXT})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    outside = server.http.post("/v1/completions", json={"prompt": [1, 2, 10**6]}).json()["error"]
+    assert outside["param"] == "prompt" and "outside the vocabulary" in outside["message"]
 
 
 def test_polled_endpoints_stay_out_of_the_log_and_other_requests_stay_in(server):
