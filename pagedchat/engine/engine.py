@@ -156,21 +156,22 @@ class Engine:
         return self.core.steps
 
     # ---- public API --------------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, *, parse_special: bool = False) -> list[int]:
         """A prompt's token ids, unchecked; chat messages go through the model's chat template (engine/chat.py, the
-        one path every prompt is built on). A text is tokenized only as far as tells it too long
-        (chat.count_limit)."""
+        one path every prompt is built on). A text is plain text, its special tokens' text read as text, unless
+        parse_special (a raw prompt whose author writes the template's markers himself). A text is tokenized
+        only as far as tells it too long (chat.count_limit)."""
         counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            return encode_up_to(self.tokenizer, prompt, counted)
+            return encode_up_to(self.tokenizer, prompt, counted, split_special_tokens=not parse_special)
         if prompt and all(isinstance(m, dict) for m in prompt):
             return chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
                                    max_length=counted)
         return [int(t) for t in prompt]
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, parse_special: bool = False) -> list[int]:
         """tokenize(prompt), checked against the context and the vocabulary."""
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, parse_special=parse_special)
         self._validate(ids)
         return ids
 

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Callable
 
 import anyio
@@ -169,7 +170,8 @@ class Server:
         req = parse(CompletionRequest, await request.body())
         self._check_model(req.model)
         try:
-            ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
+            ids = await self._off_loop(partial(backend.prompt_ids, req.prompt_input(),
+                                               parse_special=req.parse_special_tokens))
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
         builder = ResponseBuilder.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))

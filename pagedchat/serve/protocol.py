@@ -315,6 +315,9 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     max_tokens: int | None = Field(16, **_within("max_tokens"))   # the legacy endpoint's default is 16 tokens
+    # A text prompt is plain text, as a chat's messages are: special tokens' text in it is read as text. A raw
+    # prompt whose author writes the template's markers himself asks for them with this.
+    parse_special_tokens: bool = False
 
     @property
     def top_logprobs_wanted(self) -> int | None:
