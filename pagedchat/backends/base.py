@@ -79,10 +79,12 @@ class TokenBackend(Backend, Protocol):
     ids on every runner), start several requests in one step, and read the pool at every update."""
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
-                   continue_final: bool = False) -> list[int]:
-        """A text's ids or token ids, checked against the context and the vocabulary; or chat messages' through
-        the model's template, reusing previous's ids (continue_final: the last, assistant, message is continued
-        rather than answered). Raises PagedChatError when the prompt cannot be built."""
+                   continue_final: bool = False, parse_special: bool = False) -> list[int]:
+        """A text's ids or token ids, checked against the vocabulary (the context is the caller's to compare,
+        and submit_ids checks it); or chat messages' through the model's template, reusing previous's ids
+        (continue_final: the last, assistant, message is continued rather than answered). Only the template's
+        markers become control tokens: a text's special tokens are read as text unless parse_special. Raises
+        PagedChatError when the prompt cannot be built."""
 
     def submit_ids(self, prompts: list[list[int]], params: "SamplingParams", *,
                    request_ids: list[str] | None = None, on_update: OnUpdate | None = None,

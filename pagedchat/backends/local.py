@@ -30,11 +30,14 @@ class LocalBackend:
                                 vocab_size=engine.config.vocab_size)
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], previous: Outcome | None = None, *,
-                   continue_final: bool = False) -> list[int]:
+                   continue_final: bool = False, parse_special: bool = False) -> list[int]:
+        # The context is not checked here: the app and the server compare a prompt's count with it themselves
+        # (the server in OpenAI's words), and submit checks. Past count_limit a prompt is only too long: its ids
+        # are not all built.
         if not prompt or not isinstance(prompt[0], dict):
-            return self.engine.encode_prompt(prompt)
-        # Chat ids are not checked here: the app compares their count with the context itself, and submit checks.
-        # Past count_limit a prompt is only too long: its ids are not all built.
+            ids = self.engine.tokenize(prompt, parse_special=parse_special)
+            self.engine.check_vocabulary(ids)
+            return ids
         counted = count_limit(self.engine.config.max_position_embeddings) + 1
         return chat_prompt_ids(self.engine.tokenizer, prompt, previous.history_ids if previous else None,
                                continue_final, self.engine.config.family.system_role, max_length=counted)

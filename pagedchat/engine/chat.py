@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedchat.engine.markers import Guarded, Rendered, specials_of
 from pagedchat.errors import RequestError, first_line
 
 # Prompts are tokenized up to this many contexts' worth of tokens: past it a prompt is only "more than" that. A
@@ -38,22 +39,50 @@ def render_chat(tokenizer, messages: list[dict], continue_final: bool = False, s
                                          continue_final_message=continue_final, tokenize=False)
 
 
-def encode_up_to(tokenizer, text: str, max_length: int | None, add_special_tokens: bool = True) -> list[int]:
+def encode_up_to(tokenizer, text: str, max_length: int | None, add_special_tokens: bool = True,
+                 split_special_tokens: bool = False) -> list[int]:
     """text's first max_length ids (all of them for None). pagedchat's own tokenizer (model/tokenizer.py) builds
-    no more; transformers' builds them all (its truncation setting is shared state, unsafe across threads)."""
+    no more; transformers' builds them all (its truncation setting is shared state, unsafe across threads).
+    split_special_tokens: special tokens' text is read as text (what a user wrote), not as those tokens."""
+    kwargs = {"add_special_tokens": add_special_tokens, "split_special_tokens": split_special_tokens}
     if max_length is None:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, **kwargs)
     head = getattr(tokenizer, "encode_head", None)
     if head is not None:
-        return head(text, max(max_length, 1), add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max(max_length, 1)]
+        return head(text, max(max_length, 1), **kwargs)
+    return tokenizer.encode(text, **kwargs)[:max(max_length, 1)]
+
+
+def encode_rendered(tokenizer, rendered: Rendered, start: int = 0, max_length: int | None = None) -> list[int]:
+    """The ids of rendered.text[start:]: control tokens only at the template's own markers (engine/markers.py)."""
+    if rendered.markers is None:
+        return encode_up_to(tokenizer, rendered.text[start:], max_length, add_special_tokens=False)
+    max_length = None if max_length is None else max(max_length, 1)
+    ids: list[int] = []
+
+    def plain(end: int | None) -> None:
+        left = None if max_length is None else max_length - len(ids)
+        ids.extend(encode_up_to(tokenizer, rendered.text[start:end], left, add_special_tokens=False,
+                                split_special_tokens=True))
+
+    for begin, end, token in rendered.markers:
+        if begin < start:
+            continue
+        plain(begin)
+        ids.append(token)
+        start = end
+        if max_length is not None and len(ids) >= max_length:
+            return ids[:max_length]
+    plain(None)
+    return ids if max_length is None else ids[:max_length]
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | None = None,
                     continue_final: bool = False, system_role: bool = True,
                     max_length: int | None = None) -> list[int]:
     """The prompt for `messages`, reusing previous_ids (an earlier turn's prompt plus the ids it generated):
-    every chat becomes ids here. Raises RequestError when the model has no template or it refuses them.
+    every chat becomes ids here. Raises RequestError when the model has no template or it refuses them. Only the
+    template's own markers become control tokens; the messages' text is plain text (engine/markers.py).
 
     Re-tokenising a reply's text need not give back the ids the model generated, and then nothing after the
     first difference hits the cache. So when the template renders the earlier ids' text unchanged as a
@@ -62,13 +91,14 @@ def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | N
     """
     if not tokenizer.chat_template:
         raise RequestError("this model has no chat template, so it takes a plain-text prompt, not chat messages")
+    guarded = Guarded.of(messages, specials_of(tokenizer), tokenizer.chat_template)
     try:
-        text = render_chat(tokenizer, messages, continue_final, system_role)
+        rendered = guarded.restore(render_chat(tokenizer, guarded.messages, continue_final, system_role))
     except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
         raise RequestError(f"the chat template cannot render these messages: {first_line(exc)}") from exc
     if previous_ids:
         before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if text.startswith(before):
+        if rendered.text.startswith(before):
             rest = None if max_length is None else max_length - len(previous_ids)
-            return list(previous_ids) + encode_up_to(tokenizer, text[len(before):], rest, add_special_tokens=False)
-    return encode_up_to(tokenizer, text, max_length, add_special_tokens=False)
+            return list(previous_ids) + encode_rendered(tokenizer, rendered, len(before), rest)
+    return encode_rendered(tokenizer, rendered, 0, max_length)

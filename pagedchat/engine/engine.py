@@ -28,7 +28,7 @@ from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, pr
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.page_groups import PageGroups
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.params import SamplingParams, sibling_seed
 from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
@@ -172,18 +172,22 @@ class Engine:
         return self.core.steps
 
     # ---- public API --------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A prompt's token ids, checked against the context and the vocabulary; chat messages go through the
-        model's chat template (engine/chat.py, the one path every prompt is built on). A text is tokenized only
-        as far as tells it too long (chat.count_limit)."""
+    def tokenize(self, prompt: Prompt, *, parse_special: bool = False) -> list[int]:
+        """A prompt's token ids, unchecked; chat messages go through the model's chat template (engine/chat.py, the
+        one path every prompt is built on). A text is plain text, its special tokens' text read as text, unless
+        parse_special (a raw prompt whose author writes the template's markers himself). A text is tokenized
+        only as far as tells it too long (chat.count_limit)."""
         counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
-            ids = encode_up_to(self.tokenizer, prompt, counted)
-        elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
-                                  max_length=counted)
-        else:
-            ids = [int(t) for t in prompt]
+            return encode_up_to(self.tokenizer, prompt, counted, split_special_tokens=not parse_special)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return chat_prompt_ids(self.tokenizer, list(prompt), system_role=self.config.family.system_role,
+                                   max_length=counted)
+        return [int(t) for t in prompt]
+
+    def encode_prompt(self, prompt: Prompt, *, parse_special: bool = False) -> list[int]:
+        """tokenize(prompt), checked against the context and the vocabulary."""
+        ids = self.tokenize(prompt, parse_special=parse_special)
         self._validate(ids)
         return ids
 
@@ -289,22 +293,23 @@ class Engine:
         if len(ids) >= ctx:
             raise RequestError(f"the prompt has {prompt_size(len(ids), ctx)} tokens but the model's context holds "
                                f"{ctx}: shorten it or start a new chat")
+        self.check_vocabulary(ids)
+
+    def check_vocabulary(self, ids) -> None:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _check_params(self, params: SamplingParams) -> None:
-        bad = [t for t in params.token_ids_used() if t >= self.config.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self.check_vocabulary(params.token_ids_used())
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
         """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds
-        after its own, so that they differ and still repeat."""
+        after its own, so that they differ and still repeat (params.sibling_seed)."""
         seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed + sibling if params.seed is not None else torch.seed())
+            seq.generator.manual_seed(sibling_seed(params.seed, sibling) if params.seed is not None else torch.seed())
         if params.grammar is not None:
             seq.matcher = params.grammar.matcher()
         return seq

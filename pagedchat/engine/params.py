@@ -19,6 +19,13 @@ MIN_TEMPERATURE = 0.01
 SEED_RANGE = range(-2**63, 2**64)
 
 
+def sibling_seed(seed: int, sibling: int) -> int:
+    """The seed of the sibling-th of n replies to one seeded prompt: the seeds after seed, so that they differ
+    and still repeat, wrapping past 2**64 - 1 to 0 onward (modulo 2**64) to stay in SEED_RANGE."""
+    following = seed + sibling
+    return following - 2**64 if following >= SEED_RANGE.stop else following
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -10,7 +10,7 @@ pages, and a float32 step's norms, rotary turn with the cache write, and silu(ga
 One library holds several instruction-set levels, the same sources compiled with each one's flags, and the
 level is picked at run time from what the CPU runs: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2, and
 portable C++ for any other CPU (ARM included). PAGEDCHAT_KERNEL names a level to force one (a lower one than the
-CPU's, to test or measure it), or "off" to run torch's paths instead.
+CPU's, to test or measure it), "off" to run torch's paths instead, or "auto" (the default, as unset).
 
 The library is built with the machine's C++ compiler against the installed torch, into the cache folder, under
 a name keyed by the sources, torch and the machine's architecture. `pagedchat pull` builds it, and so does the
@@ -36,7 +36,7 @@ import torch
 
 from pagedchat import paths
 
-ENV = "PAGEDCHAT_KERNEL"  # a level's name, or "off"
+ENV = "PAGEDCHAT_KERNEL"  # a level's name, "off", or "auto" (the default: the best level this CPU runs)
 CSRC = Path(__file__).with_name("csrc")
 # Each level is these sources built with its flags: the matmuls, and the step's other kernels (decode attention,
 # a float32 step's norms, rotary turn with the cache write, silu(gate) * up).
@@ -113,6 +113,12 @@ def integer_batches() -> bool:
     return lv is not None and lv != PORTABLE
 
 
+def forced() -> str:
+    """The level PAGEDCHAT_KERNEL names, "off", or "" where it leaves the choice to the CPU (unset or auto)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    return "" if value == "auto" else value
+
+
 def best_label() -> str:
     """The best level this CPU runs, whichever is in use ("" before the library is loaded)."""
     return next((lv.label for lv in levels_to_build() if _state.runnable and lv.name == _state.runnable[0]), "")
@@ -122,8 +128,8 @@ def describe() -> str:
     """What quantized matmuls run on here, for logs and the bench's header."""
     lv = level()
     if lv is not None:
-        forced = f", forced by {ENV}={lv.name}" if os.environ.get(ENV) else ""
-        return f"pagedchat's {lv.label} kernels (int8 dot products{forced})"
+        by = f", forced by {ENV}={lv.name}" if forced() else ""
+        return f"pagedchat's {lv.label} kernels (int8 dot products{by})"
     return f"torch's kernels ({_state.why_not})"
 
 
@@ -143,7 +149,7 @@ def compiler() -> str | None:
 
 def unavailable() -> str | None:
     """Why the library cannot serve here, or None where it can be built."""
-    if os.environ.get(ENV, "") == "off":
+    if forced() == "off":
         return f"off: {ENV}=off"
     if not sys.platform.startswith("linux"):
         return "built on Linux only"
@@ -252,17 +258,17 @@ def _load_library(path: Path) -> None:
 
 def _choose() -> None:
     """The level in use: the best this CPU runs, or the one PAGEDCHAT_KERNEL names."""
-    forced = os.environ.get(ENV, "")
-    if forced == "off":
+    name = forced()
+    if name == "off":
         _state.index, _state.why_not = -1, f"off: {ENV}=off"
         return
-    if forced and forced not in _state.runnable:
+    if name and name not in _state.runnable:
         known = ", ".join(lv.name for lv in levels_to_build())
         _state.index = -1
-        _state.why_not = (f"{ENV}={forced}: not a level this CPU runs (it runs {', '.join(_state.runnable)}; "
-                          f"the levels are {known}, or off)")
+        _state.why_not = (f"{ENV}={name}: not a level this CPU runs (it runs {', '.join(_state.runnable)}; "
+                          f"the levels are {known}, auto or off)")
         return
-    _state.index = _state.runnable.index(forced) if forced else 0
+    _state.index = _state.runnable.index(name) if name else 0
     _state.why_not = ""
 
 

@@ -74,25 +74,42 @@ class FastTokenizer:
         self.chat_template = meta.chat_template
         self.bos_token_id, self.eos_token_id, self.pad_token_id = meta.bos_token_id, meta.eos_token_id, meta.pad_token_id
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._ids(text, add_special_tokens)
+    @property
+    def added_tokens_decoder(self) -> dict[int, tokenizers.AddedToken]:
+        """The added tokens by id, as transformers' tokenizer names them (.special: a control token)."""
+        return self.backend.get_added_tokens_decoder()
 
-    def encode_head(self, text: str, max_length: int, add_special_tokens: bool = True) -> list[int]:
+    @functools.cached_property
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special tokens' text as text (transformers' split_special_tokens): a
+        copy, since the flag is the backend's state and prompts are tokenized on several threads."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.no_truncation()
+        plain.no_padding()
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        return self._ids(text, add_special_tokens, split_special_tokens)
+
+    def encode_head(self, text: str, max_length: int, add_special_tokens: bool = True,
+                    split_special_tokens: bool = False) -> list[int]:
         """encode(text)[:max_length], without building all of a long text's ids.
 
         A text of megabytes is millions of ids, whose list and encoding are built and freed holding the
         interpreter lock. A prefix holding well over max_length tokens gives the same first ids: the
         pre-tokenizer splits words where they stand, so only the last few differ at its cut."""
         head_chars = _HEAD_CHARS_PER_TOKEN * (max_length + _PAST_THE_CUT)
-        head = self._ids(text[:head_chars], add_special_tokens)
+        head = self._ids(text[:head_chars], add_special_tokens, split_special_tokens)
         if len(text) <= head_chars or len(head) > max_length + _PAST_THE_CUT:
             return head[:max_length]
-        return self._ids(text, add_special_tokens)[:max_length]
+        return self._ids(text, add_special_tokens, split_special_tokens)[:max_length]
 
-    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _ids(self, text: str, add_special_tokens: bool, split_special_tokens: bool) -> list[int]:
         # The batch call, for one text: it releases the interpreter lock while it runs (encode holds it), so a long
         # prompt tokenized on a worker thread does not stop the server's event loop.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        backend = self._plain if split_special_tokens and not self.meta.split_special_tokens else self.backend
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
         # A record is saved only where transformers' decode cleans up no spaces (the probes check it): BPE in

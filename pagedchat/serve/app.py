@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Callable
 
 import anyio
@@ -34,7 +35,7 @@ from pagedchat.errors import PagedChatError
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
-from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, capped, parse
 from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, ResponseBuilder, sse
 from pagedchat.serve.stream import ChoiceStream, until_disconnect
 
@@ -169,7 +170,8 @@ class Server:
         req = parse(CompletionRequest, await request.body())
         self._check_model(req.model)
         try:
-            ids = await self._off_loop(backend.prompt_ids, req.prompt_input())
+            ids = await self._off_loop(partial(backend.prompt_ids, req.prompt_input(),
+                                               parse_special=req.parse_special_tokens))
         except PagedChatError as exc:
             raise ApiError(400, str(exc), param="prompt") from None
         builder = ResponseBuilder.new(Kind.TEXT, f"cmpl-{uuid.uuid4().hex}", self.model_name, _namer(backend, req))
@@ -180,6 +182,8 @@ class Server:
         overflow is worded as OpenAI's, which litellm and langchain map to their context-window errors."""
         info = backend.info
         context = info.context_length
+        if not ids:
+            raise ApiError(400, f"the {prompt_field} is empty once tokenized", param=prompt_field)
         if len(ids) >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
                            f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens.",
@@ -266,7 +270,8 @@ class Server:
         if self.backend is not None:
             return JSONResponse({"status": "ok"})
         status = "failed" if self.load_error else "loading"
-        return JSONResponse({"status": status, "error": self.load_error}, status_code=503)
+        error = capped(self.load_error) if self.load_error else None
+        return JSONResponse({"status": status, "error": error}, status_code=503)
 
     async def memory(self, request: Request) -> Response:
         backend = self._ready_backend()

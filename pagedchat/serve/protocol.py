@@ -28,11 +28,27 @@ UNSUPPORTED = {
 MAX_N = 16
 
 
+# An error's message is cut to this many bytes of UTF-8: a message may quote what the client sent (a grammar, a
+# model name, a path), and the answer must not grow with the request.
+MAX_ERROR_BYTES = 400
+
+
+def capped(message: str, limit: int = MAX_ERROR_BYTES) -> str:
+    """message, or its first bytes (whole characters) and how long it was, within limit bytes."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return message
+    tail = f"... ({len(data)} bytes in all)"
+    return data[:limit - len(tail)].decode("utf-8", "ignore") + tail
+
+
 class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}` with an HTTP status. Every
+    error the server answers is one, so its message is capped here."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error"):
+        message = capped(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -195,9 +211,10 @@ class _Request(_Body):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise ApiError(400, f"logit_bias maps token ids to numbers in [-{MAX_BIAS}, {MAX_BIAS}] "
-                               f"(got {key!r}: {bias!r})", param="logit_bias")
+            # A token id is ASCII digits only: str.isdigit also takes "²" (which int() refuses) and "١٢" (12).
+            if not (key.isascii() and key.isdigit()) or not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ApiError(400, f"logit_bias maps token ids (ASCII digits) to numbers in [-{MAX_BIAS}, "
+                               f"{MAX_BIAS}] (got {key!r}: {bias!r})", param="logit_bias")
             pairs.append((int(key), bias))
         return tuple(pairs)
 
@@ -298,6 +315,9 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     max_tokens: int | None = Field(16, **_within("max_tokens"))   # the legacy endpoint's default is 16 tokens
+    # A text prompt is plain text, as a chat's messages are: special tokens' text in it is read as text. A raw
+    # prompt whose author writes the template's markers himself asks for them with this.
+    parse_special_tokens: bool = False
 
     @property
     def top_logprobs_wanted(self) -> int | None:

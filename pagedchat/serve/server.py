@@ -21,6 +21,26 @@ log = logging.getLogger("pagedchat.serve")
 
 # After the drain time, the ended replies' final chunks get this long to reach their clients.
 FLUSH_SECONDS = 2.0
+# Endpoints that monitors and the app's inspector poll (the inspector asks for the page map every second or so):
+# their access log lines are at debug level, so that the log shows the requests people made.
+POLLED_PATHS = frozenset({"/v1/memory", "/metrics", "/health"})
+
+
+class QuietPolls(logging.Filter):
+    """A filter for uvicorn's access log: a request to a polled endpoint is a debug record, shown only where the
+    log takes debug records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) < 3 or str(args[2]).partition("?")[0] not in POLLED_PATHS:   # (client, method, path, ...)
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_polls(logger: logging.Logger) -> None:
+    if not any(isinstance(f, QuietPolls) for f in logger.filters):
+        logger.addFilter(QuietPolls())
 
 
 class DrainingServer(uvicorn.Server):
@@ -96,6 +116,7 @@ def serve(options: ServeOptions) -> int:
                             http=DeadlineH11Protocol, limit_concurrency=options.limit_concurrency,
                             timeout_keep_alive=options.timeout_keep_alive,
                             timeout_graceful_shutdown=options.drain_seconds + FLUSH_SECONDS)
+    quiet_polls(logging.getLogger("uvicorn.access"))   # after uvicorn.Config, which configures its loggers
     server = DrainingServer(config, app.state.server.end_replies, options.drain_seconds)
     server.run()
     if failure:

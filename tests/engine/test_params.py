@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from pagedchat.engine.params import CHAT_FIELDS, SAMPLING_FIELDS, SamplingParams, SamplingSettings
+from pagedchat.engine.params import (CHAT_FIELDS, SAMPLING_FIELDS, SEED_RANGE, SamplingParams, SamplingSettings,
+                                     sibling_seed)
 from pagedchat.errors import RequestError
 
 
@@ -42,3 +43,11 @@ def test_a_chat_keeps_the_chat_fields_with_their_chat_defaults():
     assert SamplingSettings() == SamplingSettings(**{f.name: f.for_chat for f in CHAT_FIELDS})
     assert SamplingSettings(presence_penalty=0.5, min_tokens=3).params(max_tokens=9) == \
         SamplingParams(max_tokens=9, temperature=0.7, top_p=0.95, presence_penalty=0.5, min_tokens=3)
+
+
+def test_sibling_seeds_follow_the_seed_and_wrap_at_the_top_of_the_range():
+    assert [sibling_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert [sibling_seed(-1, i) for i in range(3)] == [-1, 0, 1]
+    top = SEED_RANGE.stop - 1
+    assert [sibling_seed(top - 1, i) for i in range(4)] == [top - 1, top, 0, 1]
+    assert all(sibling_seed(s, i) in SEED_RANGE for s in (SEED_RANGE.start, top) for i in range(16))

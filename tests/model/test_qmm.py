@@ -228,6 +228,20 @@ def test_a_forced_level_the_cpu_lacks_says_so(monkeypatch):
     assert qmm.ready() and qmm.level().name == qmm.runnable()[0]
 
 
+@pytest.mark.parametrize("value", ["auto", "AUTO", " auto "])
+def test_auto_is_the_cpus_best_level_as_unset_is(value, monkeypatch):
+    if qmm.ensure() is not None:
+        pytest.skip(qmm.ensure())
+    monkeypatch.setenv(qmm.ENV, value)
+    try:
+        assert qmm.ensure() is None
+        assert qmm.ready() and qmm.level().name == qmm.runnable()[0]
+        assert "forced" not in qmm.describe()
+    finally:
+        monkeypatch.undo()
+        qmm.ensure()
+
+
 def test_a_library_built_for_lower_levels_runs_only_those(tmp_path):
     """Built with AVX2 and portable only (what a build for an AVX2 machine holds), the library offers just
     those, whatever this CPU has: in a fresh process, since a library cannot be unloaded."""

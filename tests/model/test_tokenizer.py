@@ -74,26 +74,29 @@ def test_the_record_renders_and_encodes_as_transformers_does(kind, tiny_folders,
 
 @settings(max_examples=60, deadline=None)
 @given(text=st.lists(st.sampled_from(list("ab xy\n\t.é日🙂") + ["<|im_end|>", "<|im_start|>", "fox"]),
-                     max_size=30).map("".join), special=st.booleans())
-def test_any_text_encodes_and_decodes_as_transformers_does(tiny_folders, text, special):
+                     max_size=30).map("".join), special=st.booleans(), split=st.booleans())
+def test_any_text_encodes_and_decodes_as_transformers_does(tiny_folders, text, special, split):
+    """split: special tokens' text read as text (transformers' split_special_tokens), as a user's text is."""
     hf, ours = _pair(tiny_folders["safetensors"])
-    ids = hf.encode(text, add_special_tokens=special)
-    assert ours.encode(text, add_special_tokens=special) == ids
+    ids = hf.encode(text, add_special_tokens=special, split_special_tokens=split)
+    assert ours.encode(text, add_special_tokens=special, split_special_tokens=split) == ids
+    assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
     for skip in (False, True):
         assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
 @settings(max_examples=60, deadline=None)
 @given(text=st.lists(st.sampled_from(list("ab xy\n\t.é日🙂") + ["<|im_end|>", "fox", "  "]), max_size=400).map("".join),
-       max_length=st.integers(1, 120), special=st.booleans())
-def test_encode_head_keeps_transformers_first_ids(tiny_folders, text, max_length, special):
+       max_length=st.integers(1, 120), special=st.booleans(), split=st.booleans())
+def test_encode_head_keeps_transformers_first_ids(tiny_folders, text, max_length, special, split):
     """Past a short prefix the record tokenizes only a head of the text (a megabyte prompt stays cheap to
     refuse); its first max_length ids are still transformers' own."""
     hf, ours = _pair(tiny_folders["safetensors"])
-    want = hf.encode(text, add_special_tokens=special)[:max_length]
-    assert ours.encode_head(text, max_length, add_special_tokens=special) == want
+    want = hf.encode(text, add_special_tokens=special, split_special_tokens=split)[:max_length]
+    assert ours.encode_head(text, max_length, add_special_tokens=special, split_special_tokens=split) == want
     for tokenizer in (hf, ours):   # transformers' has no encode_head: all its ids, cut
-        assert encode_up_to(tokenizer, text, max_length, add_special_tokens=special) == want
+        assert encode_up_to(tokenizer, text, max_length, add_special_tokens=special,
+                            split_special_tokens=split) == want
 
 
 @functools.lru_cache(maxsize=None)
