@@ -50,6 +50,11 @@ class GrammarSpec:
         return LLMatcher.grammar_from_regex(self.source)
 
 
+def json_rule(schema: dict) -> str:
+    """schema as the body of a rule in a LARK grammar (llguidance's `%json`), as compact as a JSON_SCHEMA one."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A compiled grammar: a matcher at its start, which each request copies."""

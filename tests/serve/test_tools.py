@@ -25,18 +25,37 @@ def test_none_shows_no_tools_and_text_formats_plan_no_grammar():
     assert plan_output({"type": "text"}, None, None).grammar is None
 
 
+def _call_schema(plan) -> dict:
+    """The JSON schema a plan's Lark grammar holds each call to."""
+    [line] = [line for line in plan.grammar.source.splitlines() if line.startswith("call_json: %json ")]
+    return json.loads(line.removeprefix("call_json: %json "))
+
+
 def test_required_and_named_constrain_to_closed_schemas():
     tools = [{"type": "function", "function": TOOL}]
     required = plan_output(None, tools, "required")
-    schema = json.loads(required.grammar.source)
+    schema = _call_schema(required)
     call = schema["anyOf"][0]
     assert call["properties"]["name"] == {"const": "get_weather"}
     assert call["properties"]["arguments"] == {"$ref": "#/$defs/tool0"}
     assert schema["$defs"]["tool0"]["additionalProperties"] is False
-    assert required.tool_calls('{"name": "get_weather", "arguments": {"city": "Lima"}}') == \
+    assert required.tool_calls('<tool_call>\n{"name":"get_weather","arguments":{"city":"Lima"}}\n</tool_call>') == \
         [ToolCall("get_weather", '{"city": "Lima"}')]
     named = plan_output(None, tools, {"type": "function", "function": {"name": "get_weather"}})
     assert named.tool_calls('{"city":"Lima"}') == [ToolCall("get_weather", '{"city":"Lima"}')]
+
+
+def test_a_call_cut_short_keeps_its_name_and_arguments_so_far():
+    tools = [{"type": "function", "function": TOOL}, {"type": "function", "function": {**TOOL, "name": "get_time"}}]
+    plan = plan_output(None, tools, "required")
+    cut = '<tool_call>\n{"name":"get_weather","arguments":{"ci'
+    assert plan.tool_calls(cut, complete=False) == [ToolCall("get_weather", '{"ci')]
+    assert plan.tool_calls(cut) == []
+    assert plan.tool_calls('<tool_call>\n{"name":"get_weather","arguments":{}}\n</tool', complete=False) == \
+        [ToolCall("get_weather", "{}")]
+    assert plan.tool_calls('<tool_call>\n{"name":"get_w', complete=False) == [ToolCall("get_weather", "")]
+    assert plan.tool_calls('<tool_call>\n{"name":"get_', complete=False) == []   # either tool
+    assert plan.content(cut, []) is None   # a reply that can only be calls has no content
 
 
 def test_closed_keeps_what_a_schema_says_and_a_property_named_properties():
@@ -73,7 +92,7 @@ def test_required_keeps_each_tools_own_refs_resolvable():
               "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string", "const": "#/x"}}}}}
     tools = [{"type": "function", "function": {"name": n, "parameters": nested}} for n in ("a", "b")]
     plan = plan_output(None, tools, "required")
-    schema = json.loads(plan.grammar.source)
+    schema = _call_schema(plan)
     second = schema["$defs"]["tool1"]["properties"]
     assert second["home"] == {"$ref": "#/$defs/tool1/$defs/Addr"} and second["boss"] == {"$ref": "#/$defs/tool1"}
     assert schema["$defs"]["tool1"]["$defs"]["Addr"]["properties"]["city"]["const"] == "#/x"
