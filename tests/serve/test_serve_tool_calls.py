@@ -1,6 +1,6 @@
 """Tool calls and response formats as the agent frameworks send them, against a real `pagedchat serve` on a tiny
 random model, through the openai client: a response_format beside tools, parallel_tool_calls, a call cut by
-max_tokens."""
+max_tokens, and schemas over llguidance's limits or with no value at all."""
 
 from __future__ import annotations
 
@@ -127,3 +127,32 @@ def test_a_call_cut_by_max_tokens_has_the_same_shape_streamed_or_not(server, cli
     assert call.function.arguments and compact.startswith(call.function.arguments) and call.function.arguments != compact
     calls, content, finish = _streamed(server, client, max_tokens=cut_at, **args)
     assert (calls, content, finish) == ({0: ["get_weather", call.function.arguments]}, None, "length")
+
+
+# ---- schemas llguidance cannot hold a reply to ------------------------------------------------------------------
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}},
+    {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]} for i in range(3000)]},
+], ids=["5000-optional-properties", "anyOf-3000"])
+def test_a_schema_over_llguidances_limits_is_a_400_naming_the_limit(server, client, schema):
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(server, client, response_format=_schema_format(schema), max_tokens=50)
+    assert err.value.param == "response_format" and "max_items_in_row" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"anyOf": [{"$ref": "#/anyOf/1"}, {"$ref": "#/anyOf/0"}]},
+                                    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}])
+def test_a_schema_with_no_finite_value_is_a_400(server, client, schema):
+    """Before, {"$ref": "#"} answered 200 with content "" and finish_reason "stop", which promises valid JSON."""
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(server, client, response_format=_schema_format(schema), max_tokens=50)
+    assert err.value.param == "response_format"
+    cyclic = {"type": "function", "function": {"name": "loop", "parameters": schema}}
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(server, client, tools=[cyclic], tool_choice={"type": "function", "function": {"name": "loop"}},
+                max_tokens=50)
+    assert err.value.param == "tools"
