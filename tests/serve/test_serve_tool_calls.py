@@ -5,13 +5,15 @@ max_tokens, and schemas over llguidance's limits or with no value at all."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Literal
 
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serve_support import CONTEXT, KEY, start_server
+from serve_support import CONTEXT, KEY, HealthWatch, start_server
 from tiny_models import make_tiny_model, make_tokenizer
 
 
@@ -156,3 +158,41 @@ def test_a_schema_with_no_finite_value_is_a_400(server, client, schema):
         _create(server, client, tools=[cyclic], tool_choice={"type": "function", "function": {"name": "loop"}},
                 max_tokens=50)
     assert err.value.param == "tools"
+
+
+# ---- a slow schema and everyone else --------------------------------------------------------------------------
+def test_a_schema_slow_to_compile_is_a_400_and_holds_up_no_one(tmp_path):
+    """Compiling many optional properties costs their square; while one compiles past its deadline, a plain
+    request is as quick as before and /health answers at once."""
+    folder = make_tiny_model(tmp_path / "tiny", max_positions=CONTEXT)
+    server = start_server(folder, tmp_path / "server.log", "--grammar-timeout", "1", env={"PAGEDCHAT_API_KEY": KEY})
+    client, hostile = server.client(), server.client()
+
+    def innocent() -> float:
+        started = time.perf_counter()
+        _create(server, client, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        return time.perf_counter() - started
+
+    refused: list[openai.BadRequestError] = []
+
+    def send() -> None:
+        slow = {"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(8000)}}
+        try:
+            _create(server, hostile, response_format=_schema_format(slow), max_tokens=10)
+        except openai.BadRequestError as exc:
+            refused.append(exc)
+
+    try:
+        quiet = min(innocent() for _ in range(2))
+        with HealthWatch(server.url) as health:
+            sender = threading.Thread(target=send)
+            sender.start()
+            time.sleep(0.5)   # the compile is under way
+            loaded = [innocent() for _ in range(3)]
+            sender.join(60)
+    finally:
+        server.stop()
+    assert refused and "did not compile within 1 s" in refused[0].body["message"]
+    assert refused[0].param == "response_format"
+    assert max(loaded) < 3 * quiet + 1.0, (quiet, loaded)
+    assert max(health.latencies) < 1.0
