@@ -98,3 +98,36 @@ def test_required_keeps_each_tools_own_refs_resolvable():
     assert schema["$defs"]["tool1"]["$defs"]["Addr"]["properties"]["city"]["const"] == "#/x"
     tok = make_tokenizer()
     GrammarCompiler(tok, VOCAB_SIZE, tok.eos_token_id).compile(plan.grammar)
+
+
+def _accepts(plan, text: str) -> bool:
+    """Whether the plan's grammar, compiled over the tiny tokenizer, takes text whole."""
+    from pagedchat.engine.structured import GrammarCompiler
+    from tiny_models import VOCAB_SIZE, make_tokenizer
+
+    tok = make_tokenizer()
+    matcher = GrammarCompiler(tok, VOCAB_SIZE, tok.eos_token_id).compile(plan.grammar).matcher()
+    return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+
+
+def test_auto_without_parallel_calls_is_free_text_that_may_end_in_one_call():
+    plan = plan_output(None, [{"type": "function", "function": TOOL}], "auto", parallel_tool_calls=False)
+    assert plan.shape is ReplyShape.TOOL_AUTO
+    assert _accepts(plan, "It rains <tool_ in Oslo.") and _accepts(plan, f"Let me look. {CALL}")
+    assert not _accepts(plan, f"{CALL}\n{CALL}") and not _accepts(plan, f"{CALL} done")
+    assert not _accepts(plan, '<tool_call>\n{"name":"rm_rf","arguments":{}}\n</tool_call>')
+    assert plan.tool_calls(f"Let me look. {CALL}") == [ToolCall("get_weather", '{"city": "Oslo"}')]
+
+
+def test_auto_with_a_response_format_is_calls_or_the_answer():
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                             "required": ["a"]}}}
+    tools = [{"type": "function", "function": TOOL}]
+    one, several = (plan_output(fmt, tools, "auto", parallel_tool_calls=p) for p in (False, True))
+    for plan in (one, several):
+        assert _accepts(plan, CALL) and _accepts(plan, '{"a":1}') and not _accepts(plan, "Hello")
+        assert plan.content('{"a":1}', plan.tool_calls('{"a":1}')) == '{"a":1}'
+    assert not _accepts(one, f"{CALL}\n{CALL}") and _accepts(several, f"{CALL}\n{CALL}")
