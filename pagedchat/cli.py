@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-size", metavar="SIZE", type=size_bytes,
                        help="refuse larger request bodies with 413, e.g. 4MiB (default: 32 bytes per token of the "
                        "model's context, at least 1MiB)")
+    serve.add_argument("--grammar-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                       help="refuse a response_format or tools schema with 400 when it takes longer to compile "
+                       "(default: 10)")
     serve.add_argument("--limit-concurrency", type=positive_int, default=1024, metavar="N",
                        help="connections and requests at once; more are answered 503 (default: 1024)")
     serve.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SECONDS",
@@ -325,7 +328,7 @@ def cmd_serve(args) -> int:
                              "pip install 'pagedchat[serve]'") from None
     # The engine's settings come from config.toml, then the flags; the key only from --api-key or the environment.
     return serve(ServeOptions(engine=_config(args).engine, host=args.host, port=args.port, api_key=args.api_key,
-                              max_body_size=args.max_body_size,
+                              max_body_size=args.max_body_size, grammar_seconds=args.grammar_timeout,
                               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
                               drain_seconds=args.drain_timeout))
 

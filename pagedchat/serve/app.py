@@ -4,7 +4,7 @@ The server drives the engine through the backend face (a TokenBackend: LocalBack
 the Engine itself. Threads: the event loop only parses, formats and forwards. The engine runs every torch call
 on its own compute thread; its on_update callbacks hand each step's update to the loop with
 call_soon_threadsafe. Tokenizing a prompt (possibly long, and a chat template render) runs on a worker thread,
-one at a time.
+one at a time; compiling a grammar on another (serve/grammars.py), so that no prompt waits for a schema.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pagedchat.engine.chat import prompt_size
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.errors import PagedChatError
+from pagedchat.serve.grammars import COMPILE_SECONDS, GrammarWorker
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
@@ -79,7 +80,8 @@ class Server:
     """The state behind the routes: the backend once loaded, the exchange memory, the metrics."""
 
     def __init__(self, load_backend: Callable[[], TokenBackend], model_name: str,
-                 on_load_failure: Callable[[BaseException], None] | None = None, max_body_size: int | None = None):
+                 on_load_failure: Callable[[BaseException], None] | None = None, max_body_size: int | None = None,
+                 grammar_seconds: float = COMPILE_SECONDS):
         self.load_backend = load_backend
         self.model_name = model_name
         self.on_load_failure = on_load_failure
@@ -90,6 +92,7 @@ class Server:
         self.exchanges = ExchangeMemory()
         self.metrics = ServeMetrics(model_name, lambda: self.backend.memory() if self.backend else None)
         self._tokenizing: anyio.CapacityLimiter | None = None
+        self.grammars = GrammarWorker(grammar_seconds)
         self._open: dict[str, ChoiceStream] = {}   # replies not finished yet, by id: what a shutdown ends
 
     # ---- life cycle: listen first, load the model on a thread, so /health can say "loading" ---------------
@@ -119,6 +122,7 @@ class Server:
         asyncio.get_running_loop().set_exception_handler(LogOnce())
         threading.Thread(target=self._load, name="pagedchat-load", daemon=True).start()
         yield
+        self.grammars.shutdown()
         if self.backend is not None:
             self.backend.shutdown()
 
@@ -154,7 +158,7 @@ class Server:
         grammar = None
         if plan.grammar is not None:
             try:
-                grammar = await self._off_loop(backend.compile_grammar, plan.grammar)
+                grammar = await self.grammars.compile(backend, plan.grammar)
             except PagedChatError as exc:
                 raise ApiError(400, str(exc), param="tools" if plan.calls_tools else "response_format") from None
 
@@ -311,9 +315,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api_key: str | None = None,
                on_load_failure: Callable[[BaseException], None] | None = None,
-               max_body_size: int | None = None) -> Starlette:
+               max_body_size: int | None = None, grammar_seconds: float = COMPILE_SECONDS) -> Starlette:
     """The app; app.state.server is its Server (the CLI ends its replies on shutdown)."""
-    server = Server(load_backend, model_name, on_load_failure, max_body_size)
+    server = Server(load_backend, model_name, on_load_failure, max_body_size, grammar_seconds)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),

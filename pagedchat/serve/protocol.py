@@ -252,7 +252,7 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None   # a reply makes at most one call, which either value allows
+    parallel_tool_calls: bool = True   # false: a reply makes at most one call (OpenAI's default is true)
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     # vLLM's extra fields: continue the last (assistant) message rather than answer after it. The app's fork of
@@ -277,8 +277,6 @@ class ChatRequest(_Request):
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
             raise ApiError(400, "a json_schema response_format needs json_schema.schema", param="response_format")
-        if fmt is not None and fmt.type != "text" and self.output_plan().calls_tools:
-            raise ApiError(400, "response_format and a tool call cannot both shape one reply", param="response_format")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise ApiError(400, "continue_final_message needs add_generation_prompt false and an assistant "
                            "message last", param="continue_final_message")
@@ -294,7 +292,7 @@ class ChatRequest(_Request):
         fmt = self.response_format.model_dump(by_alias=True, exclude_none=True) if self.response_format else None
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        return plan_output(fmt, tools, choice)
+        return plan_output(fmt, tools, choice, self.parallel_tool_calls)
 
     def template_messages(self) -> list[dict]:
         """The messages for the template; the tools the model may call go in a system message of their own,

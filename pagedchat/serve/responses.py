@@ -10,7 +10,8 @@ from enum import Enum
 from typing import Callable
 
 from pagedchat.engine.records import FinishReason, Outcome, Update
-from pagedchat.serve.tools import OutputPlan, ReplyShape, ToolCall
+from pagedchat.serve.calls import ToolCall
+from pagedchat.serve.tools import OutputPlan, ReplyShape
 
 # Each finish reason a backend gives as OpenAI's word, plus vLLM's extra `stop_reason` where OpenAI's word loses
 # the distinction: an OpenAI client sees "length" at the context limit, and a client that knows vLLM sees why.
@@ -94,16 +95,18 @@ class ResponseBuilder:
                             for s in sampled]}
 
     # ---- whole responses -----------------------------------------------------------------------------------
-    def _calls(self, outcome: Outcome) -> list[ToolCall]:
-        return self.plan.tool_calls(outcome.text) if outcome.finish_reason is FinishReason.STOP else []
+    def calls(self, text: str, reason: FinishReason) -> list[ToolCall]:
+        """The calls of a finished reply; one cut short (max_tokens, the context, a cancel) keeps the call it was
+        writing, with its arguments so far, as OpenAI and vLLM give it, streamed or not."""
+        return self.plan.tool_calls(text, complete=reason is FinishReason.STOP)
 
     def _whole_choice(self, index: int, outcome: Outcome) -> dict:
         logprobs = self.logprobs(outcome.logprobs)
         if self.kind is Kind.TEXT:
             return {"index": index, "text": outcome.text, "logprobs": logprobs,
                     **finish_fields(outcome.finish_reason)}
-        calls = self._calls(outcome)
-        message = {"role": "assistant", "content": None if calls else outcome.text}
+        calls = self.calls(outcome.text, outcome.finish_reason)
+        message = {"role": "assistant", "content": self.plan.content(outcome.text, calls)}
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
         return {"index": index, "message": message, "logprobs": logprobs,
@@ -181,8 +184,8 @@ class ChoiceChunks:
                 return [self.builder.chunk(i, None if self.held else update.text, with_usage=self.with_usage,
                                          sampled=update.logprobs)]
             return []
-        calls = self.builder.plan.tool_calls(self.texts[i]) if self.held and reason is FinishReason.STOP else []
-        text = None if calls else (self.texts[i] if self.held else update.text) or None
+        calls = self.builder.calls(self.texts[i], reason) if self.held else []
+        text = (self.builder.plan.content(self.texts[i], calls) if self.held else update.text) or None
         return [self.builder.chunk(i, text, finish_reason=reason, with_usage=self.with_usage, sampled=update.logprobs,
                                  calls=calls)]
 

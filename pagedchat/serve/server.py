@@ -15,6 +15,7 @@ from pagedchat.backends.base import TokenBackend
 from pagedchat.config import API_KEY_ENV, EngineOptions
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.app import create_app
+from pagedchat.serve.grammars import COMPILE_SECONDS
 from pagedchat.serve.limits import DeadlineH11Protocol
 
 log = logging.getLogger("pagedchat.serve")
@@ -80,6 +81,7 @@ class ServeOptions:
     limit_concurrency: int = 1024         # connections and requests at once; more are answered 503
     timeout_keep_alive: float = 5.0       # seconds a connection may wait without sending a whole request head
     drain_seconds: float = 3.0            # on SIGTERM, how long open replies may go on before they are ended
+    grammar_seconds: float = COMPILE_SECONDS   # how long a request waits for its grammar to compile
 
     @property
     def model_name(self) -> str:
@@ -111,7 +113,7 @@ def serve(options: ServeOptions) -> int:
         server.should_exit = True
 
     app = create_app(options.load_backend, options.model_name, api_key=api_key, on_load_failure=on_load_failure,
-                     max_body_size=options.max_body_size)
+                     max_body_size=options.max_body_size, grammar_seconds=options.grammar_seconds)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info", lifespan="on",
                             http=DeadlineH11Protocol, limit_concurrency=options.limit_concurrency,
                             timeout_keep_alive=options.timeout_keep_alive,

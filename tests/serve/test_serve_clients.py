@@ -90,7 +90,8 @@ def test_a_named_tool_choice_returns_a_valid_call(server, client):
 
 def test_tool_choice_required_calls_one_of_the_tools(server, client):
     done = client.chat.completions.create(model=server.model, messages=ASK, tools=[WEATHER_TOOL, PET_TOOL],
-                                          tool_choice="required", max_tokens=80, temperature=1.0, seed=2, n=3)
+                                          tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                          temperature=1.0, seed=2, n=3)
     for choice in done.choices:
         assert choice.finish_reason == "tool_calls"
         [call] = choice.message.tool_calls
@@ -113,8 +114,8 @@ def test_a_named_tool_call_streams_its_arguments_as_deltas(server, client):
 
 def test_required_tool_calls_stream_as_one_delta_per_reply(server, client):
     stream = client.chat.completions.create(model=server.model, messages=ASK, tools=[WEATHER_TOOL, PET_TOOL],
-                                            tool_choice="required", max_tokens=80, temperature=1.0, seed=2, n=2,
-                                            stream=True)
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                            temperature=1.0, seed=2, n=2, stream=True)
     calls: dict[int, list] = {0: [], 1: []}
     finish = {}
     for chunk in stream:
@@ -332,8 +333,8 @@ def test_the_default_model_writes_valid_json_for_every_client(default_model, tmp
                                             temperature=0).choices[0].message.parsed
         assert isinstance(pet, Pet)
         done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                              tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60,
-                                              temperature=0)
+                                              tools=[WEATHER_TOOL], tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=100, temperature=0)
         [call] = done.choices[0].message.tool_calls
         Weather.model_validate_json(call.function.arguments)
         # A question whose answer the model closes: asked to describe a pet freely, it may count up a list until
