@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the question; text piped into stdin comes before it, as the material it asks about")
     ask.add_argument("--json", action="store_true",
                      help="print the whole completion (text, token counts, timings, finish reason) as one JSON object")
-    ask.add_argument("--system", metavar="TEXT", default=argparse.SUPPRESS, help="system prompt")
+    ask.add_argument("--system", metavar="TEXT", default=argparse.SUPPRESS,
+                     help="system prompt (default: the app's, config.toml's system_prompt; \"\" sends none)")
     _add_sampling_flags(ask)
     ask.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                      help="ask an OpenAI-compatible server instead of the engine in-process, e.g. "
@@ -265,7 +266,9 @@ def cmd_ask(args) -> int:
     progress = _Progress()
     backend = open_backend(config, progress)
     progress.done()
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    # The app's system prompt: a small model asked bare rambles where, told its role, it answers.
+    system = config.system_prompt if args.system is None else args.system
+    messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": question})
     start = time.perf_counter()
     try:

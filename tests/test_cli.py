@@ -65,6 +65,23 @@ def test_ask_matches_generate(tiny_llama, capsys):
     assert capsys.readouterr().out == visible_controls(expected.text) + "\n"
 
 
+def test_ask_sends_the_apps_system_prompt_unless_told_otherwise(monkeypatch, tmp_path):
+    from pagedchat.config import DEFAULT_SYSTEM_PROMPT
+
+    def system_turn(*flags):
+        engine = scripted(monkeypatch, ["Paris."])
+        assert main(["ask", "What is the capital of France?", *flags]) == 0
+        prompt = engine.tokenizer.decode(engine.prompts[-1])
+        return prompt.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0] if "system\n" in prompt else None
+
+    assert system_turn() == DEFAULT_SYSTEM_PROMPT
+    assert system_turn("--system", "Answer in French.") == "Answer in French."
+    config = tmp_path / "config.toml"
+    config.write_text('system_prompt = "Be terse."\n')
+    assert system_turn("--config", str(config)) == "Be terse."
+    assert system_turn("--system", "") != DEFAULT_SYSTEM_PROMPT   # none sent: the template's own, if it has one
+
+
 def test_ask_shows_the_models_terminal_controls_instead_of_sending_them(monkeypatch, capsys):
     reply = "Done.\x1b]2;pwned\x07 \x1b]52;c;cHduZWQ=\x07 \x1b[31mred\x1b[0m \x9b2J"
     scripted(monkeypatch, [reply])
@@ -145,7 +162,10 @@ def test_piped_ask_json_on_a_real_engine_matches_generate(tiny_llama):
     from pagedchat import Engine, SamplingParams
 
     engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
-    [expected] = engine.generate([[{"role": "user", "content": "notes about pages\n\nsummarize this"}]],
+    from pagedchat.config import DEFAULT_SYSTEM_PROMPT
+
+    [expected] = engine.generate([[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                                   {"role": "user", "content": "notes about pages\n\nsummarize this"}]],
                                  SamplingParams(max_tokens=12))
     engine.shutdown()
     done = run_cli("ask", "summarize this", "--json", "--model", str(tiny_llama), "--max-tokens", "12",
