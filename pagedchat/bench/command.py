@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None,
                         help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch threads on the CPU, and llama.cpp's (default: the engine's, one per core "
+                             "and fewer while other programs take cores; llama.cpp one per core)")
     parser.add_argument("--serve", action="store_true",
                         help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
                              "in-process, on the same workload (the HTTP overhead in tokens/s)")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, chats=tuple(args.chats), max_tokens=args.max_tokens,
                       system_tokens=args.system_tokens, seed=args.seed, repeat=args.repeat,
                       against=tuple(args.against), kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                      device=args.device)
+                      device=args.device, threads=args.threads)
     try:
         with ProgressBar(err) as progress:
             report = run_bench(cfg, progress)
@@ -117,7 +120,8 @@ def run_windows(args: argparse.Namespace) -> int:
     from pagedchat.bench.windows import render_windows, run_windows as measure
 
     cfg = BenchConfig(model=args.model, max_tokens=args.max_tokens, system_tokens=args.system_tokens,
-                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, device=args.device)
+                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, device=args.device,
+                      threads=args.threads)
     try:
         report = measure(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (PagedChatError, ValueError) as exc:
@@ -140,7 +144,8 @@ def run_app(args: argparse.Namespace) -> int:
     from pagedchat.bench.app_probe import run_app_probe
 
     # The app and the engine alone get the same settings: the engine's names, the app's flags.
-    options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "device") if getattr(args, name)}
+    options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "device", "threads")
+               if getattr(args, name)}
     try:
         report = run_app_probe(args.model, args.repeat, args.max_tokens, options,
                                progress=lambda line: print(line, flush=True))

@@ -48,6 +48,7 @@ class BenchConfig:
     kv_cache_memory: str | int | None = None
     dtype: str | None = None
     device: str | None = None
+    threads: int | None = None
     startup: bool = True  # time "start to model ready" in fresh processes
 
     @property
@@ -55,4 +56,4 @@ class BenchConfig:
         """The engine measured, from the same record the app, ask and serve build theirs from; without a CPU tier,
         so the pool measured is the KV cache alone."""
         return EngineOptions(model=self.model, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
-                             device=self.device, swap_space=0)
+                             device=self.device, threads=self.threads, swap_space=0)

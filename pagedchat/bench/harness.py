@@ -75,7 +75,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
             cold_warm = cold_warm or cw
         cold = _cold_first_tokens(work, cold_warm, peers, progress)
         startup = startup_times(cfg, top, peers, progress) if cfg.startup else ()
-        machine = Machine(device=device, torch=torch.__version__, torch_threads=torch.get_num_threads(),
+        machine = Machine(device=device, torch=torch.__version__, torch_threads=cfg.threads or torch.get_num_threads(),
                           cpu=_cpu_name(), cpus=os.cpu_count(), load_average_at_start=machine_start,
                           load_average_at_end=_load_average(), cpu_level=qmm.best_label(),
                           torch_level=torch.backends.cpu.get_cpu_capability())

@@ -146,7 +146,7 @@ def run(args) -> int:
     from pagedchat.engine.engine import Engine
 
     options = EngineOptions(model=args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                            device=getattr(args, "device", None))
+                            device=getattr(args, "device", None), threads=getattr(args, "threads", None))
     engine = Engine(**options.kwargs())
     # The workload is cut from the model's own tokenizer, as `pagedchat bench` cuts it (bench/workload.py).
     prompts = build_workload(engine.tokenizer, args.system_tokens, CLIENTS, args.seed).prompts

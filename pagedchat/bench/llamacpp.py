@@ -214,7 +214,7 @@ def peer(cfg, engine, work) -> Peer:
     keep = tempfile.TemporaryDirectory(prefix="pagedchat-bench-gguf-")
     try:
         path = gguf_file(cfg.model, Path(keep.name))
-        threads = torch.get_num_threads()
+        threads = cfg.threads or torch.get_num_threads()
         llama = on_own_thread(LlamaCpp, path, threads, engine.config.vocab_size, engine.eos_token_ids)
     except BaseException:
         keep.cleanup()

@@ -45,7 +45,7 @@ def report(tiny_llama, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     args = _parse(["--model", str(tiny_llama), "--chats", "1,2", "--max-tokens", str(MAX_TOKENS),
                    "--system-tokens", str(SYSTEM_TOKENS), "--kv-cache-memory", "1MiB", "--json", str(out),
-                   "--against", "transformers"])
+                   "--against", "transformers", "--threads", "1"])
     assert bench.run(args) == 0
     return json.loads(out.read_text())
 
@@ -57,10 +57,11 @@ def test_defaults_and_flags():
     assert bench.with_defaults(_parse(["--app", "--max-tokens", "9"])).max_tokens == 9
     assert args.seed == 0 and args.json_path is None and args.against == () and args.repeat == 1
     assert _parse(["--chats", "8,1,8"]).chats == (1, 8)
+    assert args.threads is None and _parse(["--threads", "3"]).threads == 3
     assert _parse(["--against", "llama.cpp,transformers"]).against == ("llama.cpp", "transformers")
     assert _parse(["--against", "transformers,transformers"]).against == ("transformers",)
     for bad in (["--chats", "0,2"], ["--chats", "a"], ["--max-tokens", "0"], ["--against", "vllm"],
-                ["--against", "transformers,vllm"], ["--against", ","], ["--repeat", "0"]):
+                ["--against", "transformers,vllm"], ["--against", ","], ["--repeat", "0"], ["--threads", "0"]):
         with pytest.raises(SystemExit):
             _parse(bad)
 
@@ -69,6 +70,7 @@ def test_shape(report):
     assert set(report) >= {"config", "machine", "model", "workload", "token_cost", "capacity", "weights", "levels",
                            "ttft_cold_warm", "cold_first_token", "startup"}
     assert [lv["chats"] for lv in report["levels"]] == [1, 2]
+    assert report["machine"]["torch_threads"] == 1   # --threads
     for lv in report["levels"]:
         assert set(lv) >= {"prompt_tokens", "engine", "memory_at_peak", "sharing", "peers", "rounds"}
         assert [p["label"] for p in lv["peers"]] == ["transformers, padded batch", "transformers, one at a time"]
