@@ -5,18 +5,27 @@ No torch here, and no rules: page_pool.py, prefix_cache.py and block_manager.py 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 from pagedchat.engine.records import PageState
 from pagedchat.engine.sequence import NULL_PAGE, Sequence
 
+HASH_BYTES = 16
+
+
 def page_hash(parent: int | None, tokens: list[int]) -> int:
     """Chain hash of a full page: its tokens and, through the parent's hash, every token before them.
 
     The model, dtype and block size are fixed for an engine, so tokens and position are all that decide a
-    page's K/V here. Python's tuple hash of ints is deterministic across runs (no hash seed applies).
+    page's K/V here. A hit maps the page without comparing tokens, and under `serve` the prompts are other
+    people's, so the hash is a cryptographic digest (as vLLM's sha256): a collision of Python's hash() would
+    hand one request another's KV.
     """
-    return hash((parent, tuple(tokens)))
+    digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=HASH_BYTES,
+                             key=b"" if parent is None else parent.to_bytes(HASH_BYTES, "little"))
+    return int.from_bytes(digest.digest(), "little")
 
 
 def chain_hashes(tokens: list[int], block_size: int, num_pages: int, start: list[int] | None = None) -> list[int]:

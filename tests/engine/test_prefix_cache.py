@@ -8,7 +8,7 @@ import pytest
 from fake_engine import toks
 from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted
 from pagedchat.engine.page_pool import PagePool
-from pagedchat.engine.pages import chain_hashes
+from pagedchat.engine.pages import chain_hashes, page_hash
 from pagedchat.engine.prefix_cache import PrefixCache
 
 BS = 4
@@ -90,3 +90,17 @@ def test_check_finds_a_broken_invariant(corrupt, message):
     corrupt(c)
     with pytest.raises(PoolCorrupted, match=message):
         c.check()
+
+
+def test_contents_that_pythons_hash_confuses_get_distinct_page_hashes():
+    """Python's hash of an int is the int modulo 2**61 - 1, so (parent, tokens) tuples collide on demand: the
+    chain hash must not (a collision would map one prompt's pages, another's KV, for a different prompt)."""
+    far = 2**61 - 1
+    for a, b in [((None, (5, 6)), (None, (5 + far, 6))), ((7, (1, 2)), (7 + far, (1, 2)))]:
+        assert hash(a) == hash(b)   # the forced collision
+        assert page_hash(*a) != page_hash(*b)
+    # And a chain: the same page after different prefixes is a different page.
+    first, second = toks(2 * BS), toks(2 * BS)
+    second[0] += 1
+    assert chain_hashes(first, BS, 2)[1] != chain_hashes(second, BS, 2)[1]
+    assert chain_hashes(first, BS, 2) == chain_hashes(list(first), BS, 2)
