@@ -141,6 +141,38 @@ class EngineHold:
             self._released = True
 
 
+class EngineThrottle:
+    """Slows the app's engine process to a tenth or so of its speed by stopping it most of the time (SIGSTOP for
+    STOPPED_S, SIGCONT for RUNNING_S), so that two replies overlap however fast the machine decodes, while every
+    call the app makes is still answered within a few tens of milliseconds. stop() leaves it running."""
+
+    STOPPED_S, RUNNING_S = 0.02, 0.002
+
+    def __init__(self, app) -> None:
+        self.pid = app.backend.pid
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.STOPPED_S)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.RUNNING_S)
+        except ProcessLookupError:  # the app shut its engine down
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 SVG_CELL = re.compile(r'<text [^>]*?x="([\d.]+)"[^>]*?-line-(\d+)\)">(.*?)</text>', re.S)
 SVG_CHAR_WIDTH = 12.2   # Textual's screenshot: 0.61 of its 20-pixel font per cell
 

@@ -183,20 +183,22 @@ class Server:
 
     def _params(self, backend: TokenBackend, ids: list[int], req, prompt_field: str, grammar) -> SamplingParams:
         """The request's sampling; max_tokens defaults to all that the context and the cache leave. A context
-        overflow is worded as OpenAI's, which litellm and langchain map to their context-window errors."""
+        overflow is worded as OpenAI's, which litellm maps to its context-window error. Its message also ends
+        with the code: openai>=3.60 puts only the message in an error's text, where langchain-openai looks for
+        the code."""
         info = backend.info
         context = info.context_length
         if not ids:
             raise ApiError(400, f"the {prompt_field} is empty once tokenized", param=prompt_field)
         if len(ids) >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
-                           f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens.",
+                           f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens (context_length_exceeded).",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is not None and len(ids) + max_tokens > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the "
-                           "completion). Please reduce the length of the messages or completion.",
+                           "completion). Please reduce the length of the messages or completion (context_length_exceeded).",
                            param="max_tokens", code="context_length_exceeded")
         if max_tokens is None:
             cache_tokens = info.num_pages * info.block_size

@@ -26,8 +26,8 @@ from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import (EngineHold, make_config, notices, quick_pilot, screen_text, send,  # noqa: F401 (autouse)
-                         static_text, wait_for)
+from tui_support import (EngineHold, EngineThrottle, make_config, notices, quick_pilot,  # noqa: F401 (autouse)
+                         screen_text, send, static_text, wait_for)
 
 SIZE = (100, 32)
 LONG = 400  # tokens: about half a second of generation on a CPU core (EngineHold keeps one running)
@@ -123,12 +123,14 @@ async def test_two_tabs_generate_at_once(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        throttle = EngineThrottle(app)  # else a fast machine ends the first reply before the second is sent
         first = await send(pilot, "first chat", max_tokens=VERY_LONG)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
         second = await send(pilot, "second chat", max_tokens=VERY_LONG)
         await wait_for(pilot, lambda: len(app.backend.memory().seqs) == 2, "both requests in the engine")
         await wait_for(pilot, lambda: first.reply.tokens > 10 and second.reply.tokens > 10, "both streaming")
+        throttle.stop()
         hold = EngineHold(app)  # else, on a busy machine, a reply may end before the keys below
         label = lambda s: app.tabs.get_tab("chat-" + s.id).label.plain  # noqa: E731
         assert "●" in label(first)  # the tab not in view marks itself while it generates
