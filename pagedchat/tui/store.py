@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from pagedchat.tui.db import (BUSY_TIMEOUT_S, DECODE_ERRORS, Damaged, connect, decode_message, describe,
+from pagedchat.tui.db import (BUSY_TIMEOUT_S, DECODE_ERRORS, ROLES, Damaged, connect, decode_message, describe,
                                encode_stats, is_damage, use_rollback_journal)
 from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
 from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
@@ -65,6 +65,10 @@ def is_left_empty(path: Path) -> bool:
     except OSError:
         return False
     return info.st_size == 0 and time.time() - info.st_mtime > EMPTY_GRACE_S
+
+
+def decode_settings(saved) -> ChatSettings:
+    return ChatSettings.from_dict(json.loads(saved))
 
 
 class Store:
@@ -116,7 +120,7 @@ class Store:
             use_rollback_journal(conn)
             migrate(conn)
             store = cls(conn, path)
-            store.load_chats()  # reads every row: a bad row shows up now, not mid-session
+            store.check_rows()  # a bad row shows up now, not mid-session
             return store
         except BaseException:
             conn.close()  # or the file stays open and cannot be renamed aside on Windows
@@ -176,11 +180,23 @@ class Store:
         for cid, title, system, settings, position, is_open, created, updated in rows:
             if open_only is not None and bool(is_open) != open_only:
                 continue
-            chats.append(ChatRecord(id=cid, title=title, system_prompt=system,
-                                    settings=ChatSettings.from_dict(json.loads(settings)),
+            chats.append(ChatRecord(id=cid, title=title, system_prompt=system, settings=decode_settings(settings),
                                     messages=self.messages(cid), position=position, is_open=bool(is_open),
                                     created=created, updated=updated))
         return chats
+
+    def check_rows(self) -> None:
+        """Raise what loading every chat would for a row that is not what we wrote (DECODE_ERRORS), without
+        building every record: SQLite checks each message's role and types, and only saved JSON is decoded
+        here. A long chat's start then reads its messages once, not twice."""
+        roles = ", ".join("?" * len(ROLES))
+        suspects = self.conn.execute(
+            f"SELECT role, content, stats, id FROM messages WHERE stats IS NOT NULL OR typeof(role) != 'text' "
+            f"OR role NOT IN ({roles}) OR typeof(content) != 'text' OR typeof(id) != 'text'", ROLES)
+        for row in suspects:
+            decode_message(*row)
+        for (settings,) in self.conn.execute("SELECT settings FROM chats"):
+            decode_settings(settings)
 
     def load_chat(self, chat_id: str) -> ChatRecord | None:
         return next((r for r in self.load_chats() if r.id == chat_id), None)
