@@ -91,7 +91,7 @@ class MessageActions(Protocol):
     async def branch_from(self, index: int) -> None: ...
     def edit_message(self, index: int) -> None: ...
     async def regenerate_from(self, index: int) -> None: ...
-    def focus_message(self, index: int) -> None: ...
+    async def focus_message(self, index: int) -> None: ...
     def action_stop(self) -> None: ...
 
 
@@ -110,23 +110,27 @@ class MessageView(Vertical, can_focus=True):
         Binding("escape", "back", "Back to input", show=False),
     ]
 
-    def __init__(self, message: ChatMessage, index: int, actions: MessageActions | None = None) -> None:
+    def __init__(self, message: ChatMessage, index: int, actions: MessageActions | None = None, *,
+                 streamed: int | None = None) -> None:
+        """streamed: the message is a reply still being written, this many tokens so far (its view mounted
+        again mid-reply, as when the user scrolls back to it)."""
         super().__init__(classes=f"message -{message.role}")
         self.message = message
         self.index = index
         self.actions = actions
-        self._streaming = False
+        self._streaming = streamed is not None
         self._pending: list[str] = []
         self._flush_timer: Timer | None = None
         self._flush_gap = FLUSH_S   # from the last append's end to the next one's start
-        self._streamed_tokens = 0
+        self._streamed_tokens = streamed or 0
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
-            yield Label(plain(stats_line(stats) if stats else ""), classes="stats")
+            line = self._progress() if self._streaming else stats_line(stats) if stats else ""
+            yield Label(plain(line), classes="stats")
 
     @property
     def body(self) -> Markdown:
@@ -158,13 +162,16 @@ class MessageView(Vertical, can_focus=True):
         if self._flush_timer is None:
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
+    def _progress(self) -> str:
+        return f"generating · {self._streamed_tokens} tokens  (Esc stops)"
+
     async def _flush(self) -> None:
         if not self._streaming:
             self._flush_timer = None
             return
         text = "".join(self._pending)
         self._pending.clear()
-        self.set_stats(f"generating · {self._streamed_tokens} tokens  (Esc stops)")
+        self.set_stats(self._progress())
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
@@ -206,11 +213,11 @@ class MessageView(Vertical, can_focus=True):
     async def action_regenerate(self) -> None:
         await self.actions.regenerate_from(self.index)
 
-    def action_previous(self) -> None:
-        self.actions.focus_message(self.index - 1)
+    async def action_previous(self) -> None:
+        await self.actions.focus_message(self.index - 1)
 
-    def action_next(self) -> None:
-        self.actions.focus_message(self.index + 1)
+    async def action_next(self) -> None:
+        await self.actions.focus_message(self.index + 1)
 
     def action_back(self) -> None:
         self.actions.action_stop()

@@ -33,7 +33,7 @@ async def open_at(app, chat_id: str, index: int) -> None:
     if view is None:
         return
     await view.populate()
-    message = view.view_at(index)
+    message = await view.log_view.reveal(index)   # an old message is mounted, with a page around it
     if message is not None:
         # After the palette has closed and the tab switch has settled, each of which moves focus itself.
         app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))

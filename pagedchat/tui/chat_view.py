@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 
 from pagedchat.backends.base import Backend
 from pagedchat.engine.records import FinishReason, Outcome, Update
@@ -25,6 +25,7 @@ from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import UpdateInbox
 from pagedchat.tui.chat import MessageView, PromptInput, action_name
 from pagedchat.tui.history import PromptHistory
+from pagedchat.tui.message_list import MessageList
 from pagedchat.tui.records import ChatMessage, title_from
 from pagedchat.tui.reply import Ending
 from pagedchat.tui.saver import Saver
@@ -51,7 +52,8 @@ class ChatServices:
 
 
 class ChatView(Vertical):
-    """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick."""
+    """A chat tab's content. Messages are mounted on first show, so restoring many chats stays quick, and only
+    those around what is on screen (message_list.py), so a long chat opens as quickly as a short one."""
 
     # Enter is the chat's binding: the input lets it pass (after every key typed before it, so a fast typist's or
     # a paste's last characters are sent too), and the action runs on the app's message loop, as every other
@@ -66,7 +68,6 @@ class ChatView(Vertical):
         super().__init__(**kwargs)
         self.session = session
         self.services = services
-        self._initial = session.record.messages
         self.populated = False
 
     @property
@@ -79,15 +80,16 @@ class ChatView(Vertical):
 
     # ---- the log and the input --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield VerticalScroll(classes="log")
+        yield MessageList(lambda: self.session.record.messages, self._make_view, lambda: self.prompt.focus(),
+                          classes="log")
         yield PromptInput(classes="prompt")
 
     def on_mount(self) -> None:
         self.log_view.anchor()  # stay at the bottom as replies grow, until the user scrolls up
 
     @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one(".log", VerticalScroll)
+    def log_view(self) -> MessageList:
+        return self.query_one(MessageList)
 
     @property
     def prompt(self) -> PromptInput:
@@ -95,53 +97,50 @@ class ChatView(Vertical):
 
     @property
     def views(self) -> list[MessageView]:
-        return list(self.log_view.query_children(MessageView))
+        """The mounted messages' views: those around what is on screen."""
+        return self.log_view.views
+
+    def _make_view(self, message: ChatMessage, index: int) -> MessageView:
+        reply = self.session.reply   # the live reply's view, mounted again, streams on
+        return MessageView(message, index, self, streamed=reply.tokens if index == reply.index else None)
 
     async def populate(self) -> None:
         if self.populated:
             return
         self.populated = True
-        views = [MessageView(m, i, self) for i, m in enumerate(self._initial)]
-        self._initial = []
-        if views:
-            await self.log_view.mount_all(views)
-        self.log_view.scroll_end(animate=False, immediate=True)
+        await self.log_view.show_last()
 
     async def add_message(self, message: ChatMessage, index: int) -> MessageView:
         await self.populate()
-        view = MessageView(message, index, self)
-        await self.log_view.mount(view)
+        view = await self.log_view.append(message, index)
         self.log_view.anchor()  # a new message always brings the view back to the bottom
         return view
 
     async def truncate(self, count: int) -> None:
         """Remove the views of messages from index `count` on."""
         await self.populate()
-        doomed = [v for v in self.views if v.index >= count]
-        if self.focused_message in doomed:
-            # Else Textual hands focus to a neighbouring message, and the walk's one-letter keys would act on a
-            # message the user never chose (typing "e" would open the edit dialog).
-            self.prompt.focus()
-        if doomed:
-            await self.log_view.remove_children(doomed)
+        await self.log_view.cut(count)
 
     def view_at(self, index: int | None) -> MessageView | None:
-        return next((v for v in self.views if v.index == index), None)
+        return self.log_view.view_at(index)
 
-    def focus_message(self, index: int) -> None:
-        views = self.views
-        if not views:
+    async def focus_message(self, index: int) -> None:
+        messages = self.session.record.messages
+        if not messages:
             return
         if self.focused_message is None:  # from the input: alt+up goes to the last message
-            views[-1].focus()
-        elif index >= len(views):
+            index = len(messages) - 1
+        elif index >= len(messages):
             self.prompt.focus()
-        else:
-            views[max(0, index)].focus()
+            return
+        if (view := await self.log_view.reveal(max(0, index))) is not None:
+            view.focus(scroll_visible=False)
+            # Once a view mounted just now is laid out (and the list has kept its place): else it has no place.
+            self.log_view.call_after_refresh(view.scroll_visible, animate=False)
 
-    def action_focus_message(self, delta: int) -> None:
+    async def action_focus_message(self, delta: int) -> None:
         current = self.focused_message
-        self.focus_message(len(self.views) - 1 if current is None else current.index + delta)
+        await self.focus_message(len(self.session.record.messages) - 1 if current is None else current.index + delta)
 
     @property
     def focused_message(self) -> MessageView | None:
