@@ -63,12 +63,14 @@ async def test_send_streams_a_reply_with_stats(config):
         await ready(pilot)
         status = static_text(app, "#status")
         assert re.search(r"on cpu · float32 · \d+ pages", status), status  # where it runs, and in what precision
+        throttle = EngineThrottle(app)  # else a fast machine writes the whole reply before the checks below
         session = await send(pilot, "hello there", max_tokens=LONG)
         assert session.busy and session.record.title == "hello there"
         view = app.chat_view(session).view_at(1)
         # Streaming: text shows up in the Markdown widget while the request is still running.
         await wait_for(pilot, lambda: view.body.source.strip() and session.busy, "streamed text")
         streamed = view.body.source
+        throttle.stop()
         await replied(pilot, session)
         reply = session.record.messages[-1]
         assert reply.content.startswith(streamed) and len(reply.content) > len(streamed)
@@ -198,6 +200,7 @@ async def test_branch_shares_pages(config):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("f2")
+        throttle = EngineThrottle(app)  # both replies must still run when the map is drawn
         parent = await send(pilot, "branch me", max_tokens=VERY_LONG)
         await wait_for(pilot, lambda: parent.reply.tokens > 40, "some of the reply")
         await pilot.press("ctrl+b")  # on a live reply: the engine forks it, sharing its pages copy-on-write
@@ -216,6 +219,7 @@ async def test_branch_shares_pages(config):
             return len(seen) == 2 or not (parent.busy and branch.busy)
 
         await wait_for(pilot, sharing, "shared pages")
+        throttle.stop()
         assert seen == {"engine", "map"}
         assert "◆" in static_text(app, "#insp-table")  # the branch's block table marks its shared pages
         await pilot.press("escape")  # stop the branch (in view) ...
