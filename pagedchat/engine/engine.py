@@ -209,7 +209,7 @@ class Engine:
         for ids in encoded:
             self.core.check_fits(ids, params)
         rids = [rid or f"req-{next(self._ids)}" for rid in request_ids or [None] * len(prompts)]
-        groups = [[self._new_sequence(ids, params, rid if i == 0 else f"{rid}-{i}", i) for i in range(n)]
+        groups = [[self._new_sequence(ids, params, rid, i) for i in range(n)]
                   for ids, rid in zip(encoded, rids)]
         handles = self._register([seq for group in groups for seq in group], on_update)
         for parent, *siblings in groups:
@@ -306,7 +306,8 @@ class Engine:
     def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
         """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds
         after its own, so that they differ and still repeat (params.sibling_seed)."""
-        seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
+        seq = Sequence(request_id=rid if sibling == 0 else f"{rid}-{sibling}", token_ids=list(ids),
+                       num_prompt_tokens=len(ids), params=params, group=rid)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(sibling_seed(params.seed, sibling) if params.seed is not None else torch.seed())
