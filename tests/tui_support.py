@@ -219,6 +219,9 @@ class StandInBackend:
     def memory(self) -> MemoryView:
         return self.memory_view()
 
+    def stalled_for(self) -> None:
+        return None
+
     def shutdown(self) -> None:
         pass
 
