@@ -92,7 +92,7 @@ class MessageActions(Protocol):
     def edit_message(self, index: int) -> None: ...
     async def regenerate_from(self, index: int) -> None: ...
     def focus_message(self, index: int) -> None: ...
-    def action_stop(self) -> None: ...
+    async def action_stop(self) -> None: ...
 
 
 class MessageView(Vertical, can_focus=True):
@@ -120,6 +120,8 @@ class MessageView(Vertical, can_focus=True):
         self._flush_timer: Timer | None = None
         self._flush_gap = FLUSH_S   # from the last append's end to the next one's start
         self._streamed_tokens = 0
+        self._doing = ""            # the stats line while streaming, before its marks
+        self._stalled = False       # the engine has stopped answering
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
@@ -148,7 +150,22 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = True
         self._flush_gap = FLUSH_S
         self._streamed_tokens = 0
-        self.set_stats("waiting for the first token…  (Esc stops)")
+        self._stalled = False
+        self._show_live("waiting for the first token…")
+
+    def _show_live(self, doing: str) -> None:
+        """The stats line while streaming: what the reply is doing, and whether the engine still answers."""
+        self._doing = doing
+        if self._stalled:
+            self.set_stats(f"stalled: the engine is not answering · {doing}  (Esc stops it, keeping the text)")
+        else:
+            self.set_stats(f"{doing}  (Esc stops)")
+
+    def mark_stalled(self, stalled: bool) -> None:
+        """Mark the streaming reply stalled while the engine does not answer, or take the mark back."""
+        if self._streaming and stalled != self._stalled:
+            self._stalled = stalled
+            self._show_live(self._doing)
 
     def feed(self, text: str, tokens: int) -> None:
         """Queue text for the next flush; cheap, called once per batch of updates."""
@@ -164,7 +181,7 @@ class MessageView(Vertical, can_focus=True):
             return
         text = "".join(self._pending)
         self._pending.clear()
-        self.set_stats(f"generating · {self._streamed_tokens} tokens  (Esc stops)")
+        self._show_live(f"generating · {self._streamed_tokens} tokens")
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
@@ -212,5 +229,5 @@ class MessageView(Vertical, can_focus=True):
     def action_next(self) -> None:
         self.actions.focus_message(self.index + 1)
 
-    def action_back(self) -> None:
-        self.actions.action_stop()
+    async def action_back(self) -> None:
+        await self.actions.action_stop()

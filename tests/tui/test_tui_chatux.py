@@ -125,8 +125,10 @@ async def test_continue_in_a_new_chat_carries_the_system_prompt_and_last_turns(c
         await replied(pilot, session)
         session = await send(pilot, "second", max_tokens=8)
         await replied(pilot, session)
-        new = await continue_in_new_chat(app)
-        assert app.active_session is new and new.record.system_prompt == "Be brief."
+        counting = continue_in_new_chat(app)   # on a thread: counting asks the engine
+        await wait_for(pilot, lambda: not counting.is_alive() and app.active_session is not session, "the new chat")
+        new = app.active_session
+        assert new.record.system_prompt == "Be brief."
         # Half the context (128 tokens) holds the last exchange but not both.
         assert [m.content for m in new.record.messages] == [m.content for m in session.record.messages[2:]]
 
