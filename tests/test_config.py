@@ -19,13 +19,13 @@ def test_defaults_without_a_file(tmp_path, monkeypatch):
 def test_file_then_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
     (tmp_path / "config.toml").write_text(
-        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\n'
+        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\nmax_seqs = 16\n'
         'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
         '[keys]\nnew_chat = "ctrl+t"\n')
     config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
     assert config.engine.model == "other/model"          # the flag wins
     assert config.engine.kv_cache_memory == "2GiB"        # None flags change nothing
-    assert config.engine.threads == 3
+    assert config.engine.threads == 3 and config.engine.max_seqs == 16
     assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
     assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
     assert isinstance(config.sampling.temperature, float)
@@ -45,6 +45,7 @@ def test_explicit_path_must_exist(tmp_path):
     ("block_size = 0", "at least 1"),
     ("threads = 0", "threads must be at least 1"),
     ("threads = 'all'", "threads must be a whole number"),
+    ("max_seqs = 0", "max_seqs must be at least 1"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
