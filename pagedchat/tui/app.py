@@ -41,9 +41,10 @@ from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.records import ChatRecord, ChatSettings
-from pagedchat.tui.saver import RETRY_S, Saver
+from pagedchat.tui.saver import RETRY_S, Saver, export_chats
 from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen
+from pagedchat.tui.screens.modals import UnsavedQuitScreen
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.store import BUSY_TIMEOUT_S, Store
 from pagedchat.tui.tabs import ChatTabs, TabHooks
@@ -100,6 +101,7 @@ class PagedChatApp(App):
         self._exiting = False                          # a signal: no more updates are taken
         self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
+        self.exported: list[Path] = []                 # unsaved chats written out at quit (UnsavedQuitScreen)
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
             self.register_theme(theme)
@@ -315,8 +317,27 @@ class PagedChatApp(App):
         self.push_screen(HelpScreen(rows, paths))
 
     async def action_quit(self) -> None:
+        """Quit once everything is saved. Chats that cannot be written (a full disk) are not dropped silently:
+        the user is asked, while the retries go on, and a retry that succeeds meanwhile quits."""
+        if isinstance(self.screen, UnsavedQuitScreen):
+            return
         await self.save_all()
-        self.exit()
+        unsaved = [] if self.saver.retry(BUSY_TIMEOUT_S) else self.saver.unsaved_chats()
+        if not unsaved:   # saved, or only the tab order or theme is left: no work is lost
+            self.exit()
+            return
+        question = (f"{len(unsaved)} chat{'s' if len(unsaved) > 1 else ''} could not be saved "
+                    f"({self.saver.failing}). pagedchat keeps retrying and quits by itself once they are saved.")
+        self.push_screen(UnsavedQuitScreen(question, Path.home() / "pagedchat-unsaved", self._export_unsaved,
+                                           lambda: not self.saver.unsaved_chats()),
+                         lambda answer: answer is not None and self.exit())
+
+    def _export_unsaved(self, folder: Path) -> str | None:
+        try:
+            self.exported = export_chats(self.saver.unsaved_chats(), folder)
+        except OSError as exc:
+            return f"Cannot write to {folder}: {exc.strerror or exc}"
+        return None
 
     async def save_all(self) -> None:
         for view in self.chats.views():
@@ -399,3 +420,5 @@ def run_app(config: AppConfig, *, backend_factory: BackendFactory | None = None)
     app.run()
     if app.saver is not None and app.saver.pending:  # the last save at exit failed too: say so, not silently
         print(f"pagedchat: the latest changes could not be saved ({app.saver.failing})", file=sys.stderr)
+    for path in app.exported:
+        print(visible_controls(f"pagedchat: exported {path}; `pagedchat import` brings it back"), file=sys.stderr)

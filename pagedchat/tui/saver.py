@@ -12,11 +12,13 @@ from __future__ import annotations
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.records import ChatMessage, ChatRecord, slug
 from pagedchat.tui.db import describe
 from pagedchat.tui.store import Store
+from pagedchat.tui.transfer import to_json
 
 RETRY_S = 2.0       # how often the app retries a failed write
 RETRY_WAIT_S = 0.1  # how long a retry waits for a lock: the UI thread waits with it, every RETRY_S
@@ -89,6 +91,10 @@ class Saver:
     def pending(self) -> bool:
         return bool(self._chats or self._deleted or self._order is not None or self._state)
 
+    def unsaved_chats(self) -> list[ChatRecord]:
+        """The chats with changes not written yet: what quitting now would lose."""
+        return [changes.record for changes in self._chats.values()]
+
     # ---- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
         """Write everything marked, in one transaction. False (and the marks kept) if the write failed.
@@ -148,3 +154,15 @@ class Saver:
         self.failing = reason
         self._report(f"Could not save chats ({reason}). Retrying every {RETRY_S:.0f} s; nothing is lost while "
                      "pagedchat runs.", "error")
+
+
+def export_chats(records: list[ChatRecord], folder: Path) -> list[Path]:
+    """Each chat whole, as the JSON `pagedchat import` reads, into folder (made if missing): the way out when
+    the chats cannot be saved where they live. Raises OSError when the folder cannot be written either."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for record in records:
+        path = folder / f"{slug(record.title)}-{record.id[:8]}.json"   # the id: two "New chat"s both kept
+        path.write_text(to_json(record), encoding="utf-8")
+        paths.append(path)
+    return paths

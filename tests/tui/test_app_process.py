@@ -3,11 +3,15 @@ asks before quitting with chats it could not save, and keeps each chat's unsent 
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import time
 
 import pytest
 
-from pty_app import AppProcess, wait_until
+from pty_app import AppProcess, saved, wait_until
+from pagedchat.tui.transfer import read_chat_file
 from tiny_models import make_tiny_model
 from tui_support import make_config
 
@@ -62,3 +66,75 @@ def test_a_theme_textual_cannot_read_is_skipped_and_the_app_starts(launch, confi
     assert not exited(app) and shows(app, "not a value Textual's CSS can read"), app.screen_tail()
     app.type("\x11")  # ctrl+q: nothing unsaved, so it quits at once
     assert app.wait() == 0, app.screen_tail()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB file system of its own (tmpfs: needs root, or the test is skipped), unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)   # lazy: an app still closing keeps no hold
+
+
+def fill(disk) -> None:
+    """Fill the file system to the last byte, as a disk runs full."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (64 * 1024, 1024, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def with_a_turn_it_cannot_save(launch, disk):
+    """The app with one saved turn, then a disk run full and a second message sent: its turn is only in memory."""
+    data = disk / "data"
+    app = launch(data_dir=data)
+    app.send("first message")
+    wait_until(lambda: [m for m in saved(data) if m.role == "assistant" and m.finish_reason], "the first reply")
+    fill(disk)
+    app.type("second message\r")
+    wait_until(lambda: shows(app, "Could not save chats"), "the save error")
+    assert "second message" not in [m.content for m in saved(data)]
+    app.type("\x11")  # ctrl+q
+    wait_until(lambda: shows(app, "Esc keeps trying") or exited(app), "the question before quitting")
+    assert not exited(app) and shows(app, "1 chat could not be saved"), app.screen_tail()
+    time.sleep(0.5)  # focus reaches the dialog's field just after its first paint
+    return app, data
+
+
+def test_quitting_with_unsaved_chats_exports_them_where_the_user_says(launch, small_disk, tmp_path):
+    """ctrl+q used to exit at once: the turn that could not be saved was lost."""
+    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    rescue = tmp_path / "rescue"
+    app.type(str(rescue) + "\r")   # the suggested folder is selected: typing replaces it; Enter exports
+    assert app.wait() == 0, app.screen_tail()
+    [exported] = list(rescue.glob("*.json"))
+    chat = read_chat_file(exported)   # what `pagedchat import` reads
+    assert [m.content for m in chat.messages if m.role == "user"] == ["first message", "second message"]
+    assert "second message" not in [m.content for m in saved(data)]   # it really was unsaved
+
+
+def test_quitting_with_unsaved_chats_waits_and_quits_once_they_are_saved(launch, small_disk):
+    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    (small_disk / "filler").unlink()   # space again: the next retry writes the turn, and the app quits
+    assert app.wait() == 0, app.screen_tail()
+    assert "second message" in [m.content for m in saved(data)]
+
+
+def test_quit_anyway_leaves_and_says_what_was_lost(launch, small_disk):
+    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    app.type("\t\t\t\r")   # from the folder to Export, Keep trying, Quit (losing them)
+    assert app.wait() == 0, app.screen_tail()
+    assert "second message" not in [m.content for m in saved(data)]
+    assert shows(app, "the latest changes could not be saved"), app.screen_tail()

@@ -6,6 +6,9 @@ pictures (pagedchat.text); a field saved unchanged gives back the original text,
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -140,3 +143,51 @@ class PickScreen(Dialog):
     @on(OptionList.OptionSelected)
     def pick(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self._values[int(event.option.id)])
+
+
+class UnsavedQuitScreen(Dialog):
+    """Quitting while chats cannot be saved (a full disk). Dismisses with None (Esc, "Keep trying": back to the
+    chats), "exported" once `export` wrote them to the folder typed, "quit" (quit anyway, losing them), or
+    "saved": the app's retries wrote everything while the dialog was up, so there is nothing left to lose."""
+
+    POLL_S = 0.5
+
+    def __init__(self, question: str, folder: Path, export: Callable[[Path], str | None],
+                 saved: Callable[[], bool]) -> None:
+        super().__init__(question)
+        self._folder = folder
+        self._export = export      # writes the chats into the folder; an error to show, or None
+        self._saved = saved
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label(plain(self.heading), classes="dialog-title -question")
+            yield Label("Export them as JSON (`pagedchat import` reads it) into this folder:")
+            yield Input(str(self._folder), id="folder")
+            yield Label("", id="error", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Export and quit", variant="primary", id="export")
+                yield Button("Keep trying", id="cancel")
+                yield Button("Quit, losing them", variant="error", id="quit")
+            yield Label("Enter exports · Esc keeps trying", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.set_interval(self.POLL_S, self._check_saved)
+
+    def _check_saved(self) -> None:
+        if self._saved():
+            self.dismiss("saved")
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#export")
+    def _export_pressed(self) -> None:
+        typed = self.query_one("#folder", Input).value.strip()
+        error = self._export(Path(typed).expanduser()) if typed else "Type the folder to export into."
+        if error is not None:
+            self.query_one("#error", Label).update(plain(error))
+            return
+        self.dismiss("exported")
+
+    @on(Button.Pressed, "#quit")
+    def _quit_pressed(self) -> None:
+        self.dismiss("quit")
