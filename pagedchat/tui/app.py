@@ -30,7 +30,7 @@ from textual.widgets import Footer, TabbedContent
 
 from pagedchat.backends.base import Backend
 from pagedchat.backends.open import open_backend
-from pagedchat.config import DEFAULT_THEME, AppConfig
+from pagedchat.config import DEFAULT_THEME, AppConfig, binding_problem
 from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
@@ -102,6 +102,7 @@ class PagedChatApp(App):
         self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
         self.exported: list[Path] = []                 # unsaved chats written out at quit (UnsavedQuitScreen)
+        self.applied_keys: dict[str, str] = {}         # config.toml's [keys] that were taken (_apply_keymap)
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
             self.register_theme(theme)
@@ -212,12 +213,20 @@ class PagedChatApp(App):
         self.refresh_memory(force=True)
 
     def _apply_keymap(self) -> None:
-        known = {b.id for b in binding_catalogue() if b.id}
-        unknown = sorted(set(self.config.keys) - known)
-        if unknown:
+        """config.toml's [keys] over the bindings. An unknown id, or keys Textual never reports, is a warning,
+        and that binding keeps its default key."""
+        known = {b.id: b for b in binding_catalogue() if b.id}
+        if unknown := sorted(set(self.config.keys) - set(known)):
             self._startup_notes.append((f"config.toml [keys]: unknown binding id {', '.join(unknown)} "
                                         "(F1 lists them)", "warning"))
-        self.set_keymap({k: v for k, v in self.config.keys.items() if k in known})
+        problems = {i: binding_problem(keys) for i, keys in self.config.keys.items() if i in known}
+        for i, problem in problems.items():
+            if problem is not None:
+                self._startup_notes.append((f"config.toml [keys] {i} ({known[i].description or known[i].action}) "
+                                            f"= {self.config.keys[i]!r}: {problem}; it stays on {known[i].key}",
+                                            "warning"))
+        self.applied_keys = {i: self.config.keys[i] for i, problem in problems.items() if problem is None}
+        self.set_keymap(self.applied_keys)
 
     # ---- routing to the chats ------------------------------------------------------------------------------
     @on(TabbedContent.TabActivated, "#chats")
@@ -309,8 +318,7 @@ class PagedChatApp(App):
             chat.prompt.focus()
 
     def action_help(self) -> None:
-        keymap = self.config.keys
-        rows = [(keymap.get(b.id, b.key), b.description or b.action, b.id) for b in binding_catalogue()]
+        rows = [(self.applied_keys.get(b.id, b.key), b.description or b.action, b.id) for b in binding_catalogue()]
         paths = (f"## Files\n\n* Saved chats: `{self.store.path}`\n* Exports: `{self.config.data_dir / 'exports'}`\n"
                  f"* Config: `{self.config.config_dir / 'config.toml'}`\n"
                  f"* Your themes: `{self.config.user_theme_dir}/*.toml`")
