@@ -41,7 +41,7 @@ from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.records import ChatRecord, ChatSettings
-from pagedchat.tui.saver import RETRY_S, Saver, export_chats
+from pagedchat.tui.saver import RETRY_S, Saver
 from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen
 from pagedchat.tui.screens.modals import UnsavedQuitScreen
@@ -51,6 +51,7 @@ from pagedchat.tui.tabs import ChatTabs, TabHooks
 from pagedchat.tui.themes import load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
+DRAFT_S = 2.0          # each chat's unsent input is saved this often, if it changed
 RECONNECT_S = 3.0      # a server that could not be reached is tried again this often, in the background
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
@@ -101,7 +102,6 @@ class PagedChatApp(App):
         self._exiting = False                          # a signal: no more updates are taken
         self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
-        self.exported: list[Path] = []                 # unsaved chats written out at quit (UnsavedQuitScreen)
         self.applied_keys: dict[str, str] = {}         # config.toml's [keys] that were taken (_apply_keymap)
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
@@ -170,11 +170,15 @@ class PagedChatApp(App):
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
         await self.chats.restore(self.store.load_chats(open_only=True), self.store.get_state("active_chat"))
+        drafts = self.store.drafts()
+        for view in self.chats.views():
+            self._restore_draft(view, drafts)
         for text, severity in self._startup_notes:
             self.notify(text, severity=severity, timeout=10)
         self.link.start()
         self.set_interval(TICK_S, self.refresh_memory)
         self.set_interval(RETRY_S, self.saver.retry)  # a no-op unless a write failed
+        self.set_interval(DRAFT_S, self.keep_drafts)
 
     def _open_store(self) -> Store:
         try:
@@ -274,13 +278,30 @@ class PagedChatApp(App):
         if session is None:
             return
         await self.active_chat.abandon()
+        self.saver.draft(session.record, self.active_chat.prompt.text)
         session.record.is_open = False
         self.active_chat.save(row=True)
         await self.chats.remove(session)
         self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
 
     async def reopen_chat(self, chat_id: str) -> None:
+        if chat_id in self.sessions:
+            return
         await self.chats.reopen(next((r for r in self.store.load_chats(open_only=False) if r.id == chat_id), None))
+        if (session := self.sessions.get(chat_id)) is not None:
+            self._restore_draft(self.chat_view(session), self.store.drafts())
+
+    def _restore_draft(self, view: ChatView, drafts: dict[str, str]) -> None:
+        if text := drafts.get(view.chat_id):
+            view.prompt.text = text
+            view.prompt.move_cursor(view.prompt.document.end)
+            self.saver.draft(view.session.record, text, saved=True)
+
+    def keep_drafts(self) -> None:
+        """Each chat's unsent input that changed, marked and written (every DRAFT_S, and on the way out)."""
+        for view in self.chats.views():
+            self.saver.draft(view.session.record, view.prompt.text)
+        self.saver.flush()
 
     def action_next_chat(self) -> None:
         self.chats.switch(1)
@@ -330,28 +351,18 @@ class PagedChatApp(App):
         if isinstance(self.screen, UnsavedQuitScreen):
             return
         await self.save_all()
-        unsaved = [] if self.saver.retry(BUSY_TIMEOUT_S) else self.saver.unsaved_chats()
-        if not unsaved:   # saved, or only the tab order or theme is left: no work is lost
+        if self.saver.retry(BUSY_TIMEOUT_S) or not self.saver.unsaved_chats():  # else only tab order or theme
             self.exit()
             return
-        question = (f"{len(unsaved)} chat{'s' if len(unsaved) > 1 else ''} could not be saved "
-                    f"({self.saver.failing}). pagedchat keeps retrying and quits by itself once they are saved.")
-        self.push_screen(UnsavedQuitScreen(question, Path.home() / "pagedchat-unsaved", self._export_unsaved,
-                                           lambda: not self.saver.unsaved_chats()),
-                         lambda answer: answer is not None and self.exit())
-
-    def _export_unsaved(self, folder: Path) -> str | None:
-        try:
-            self.exported = export_chats(self.saver.unsaved_chats(), folder)
-        except OSError as exc:
-            return f"Cannot write to {folder}: {exc.strerror or exc}"
-        return None
+        ask = UnsavedQuitScreen(self.saver, Path.home() / "pagedchat-unsaved")
+        self.push_screen(ask, lambda answer: answer is not None and self.exit(ask.exported))
 
     async def save_all(self) -> None:
         for view in self.chats.views():
             await view.abandon()
         if self.sessions:
             self.chats.save_order()
+        self.keep_drafts()
 
     # ---- signals and the end ----------------------------------------------------------------------------------
     def _install_exit_signals(self) -> None:
@@ -377,6 +388,7 @@ class PagedChatApp(App):
         self._exiting = True
         for view in self.chats.views():
             view.save_interrupted()
+        self.keep_drafts()
         self.saver.retry(BUSY_TIMEOUT_S)  # even while writes fail: this is the last chance
         self.exit()
 
@@ -425,8 +437,8 @@ def binding_catalogue() -> list[Binding]:
 def run_app(config: AppConfig, *, backend_factory: BackendFactory | None = None) -> None:
     """Run the chat app until the user quits (the CLI's entry point)."""
     app = PagedChatApp(config, backend_factory=backend_factory)
-    app.run()
+    exported = app.run() or []   # the unsaved chats' files, where the user exported them at quit
     if app.saver is not None and app.saver.pending:  # the last save at exit failed too: say so, not silently
         print(f"pagedchat: the latest changes could not be saved ({app.saver.failing})", file=sys.stderr)
-    for path in app.exported:
+    for path in exported:
         print(visible_controls(f"pagedchat: exported {path}; `pagedchat import` brings it back"), file=sys.stderr)

@@ -33,6 +33,7 @@ class _Changes:
     row: bool = False                                                      # title, settings, tab place
     messages: dict[str, tuple[int, ChatMessage]] = field(default_factory=dict)  # id -> (index, message)
     removed: set[str] = field(default_factory=set)
+    draft: str | None = None                                               # the input's text, when it changed
 
 
 class Saver:
@@ -44,6 +45,7 @@ class Saver:
         self._state: dict[str, str] = {}
         self._deleted: set[str] = set()
         self._gone: set[str] = set()       # deleted chats: a late mark must not bring one back
+        self._drafts: dict[str, str] = {}  # each chat's input as last marked or read: unchanged ones are not written
         self.failing: str | None = None    # the last write error, while writes fail
 
     # ---- marking --------------------------------------------------------------------------------------------
@@ -74,6 +76,14 @@ class Saver:
         for message in messages:
             changes.messages.pop(message.id, None)
             changes.removed.add(message.id)
+
+    def draft(self, record: ChatRecord, text: str, *, saved: bool = False) -> None:
+        """The chat's unsent input, marked if it changed since last seen; saved=True: as read from the store."""
+        if self._drafts.get(record.id, "") == text:
+            return
+        self._drafts[record.id] = text
+        if not saved:
+            self._changes(record).draft = text
 
     def delete_chat(self, chat_id: str) -> None:
         """Delete the chat for good; anything still unsaved of it is dropped."""
@@ -135,10 +145,12 @@ class Saver:
             if changes.row:
                 record.updated = time.time()
                 store.put_chat(record)
-            elif changes.messages:
+            elif changes.messages or changes.draft is not None:
                 store.ensure_chat(record)
             for index, message in changes.messages.values():
                 store.put_message(record.id, index, message)
+            if changes.draft is not None:
+                store.put_draft(record.id, changes.draft)
             if changes.removed:
                 store.remove_messages(record.id, sorted(changes.removed))
         for chat_id in self._deleted:

@@ -11,9 +11,11 @@ import time
 import pytest
 
 from pty_app import AppProcess, saved, wait_until
+from pagedchat.bench.app_probe import PLACEHOLDER
+from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.transfer import read_chat_file
 from tiny_models import make_tiny_model
-from tui_support import make_config
+from tui_support import make_config, quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +140,21 @@ def test_quit_anyway_leaves_and_says_what_was_lost(launch, small_disk):
     assert app.wait() == 0, app.screen_tail()
     assert "second message" not in [m.content for m in saved(data)]
     assert shows(app, "the latest changes could not be saved"), app.screen_tail()
+
+
+async def test_a_message_refused_as_too_long_is_still_in_the_input_after_a_restart(launch, config):
+    """It stayed in the input, but a quit lost it: drafts were not saved."""
+    app = launch()
+    wait_until(lambda: PLACEHOLDER in app.output, "the app to show its input")
+    time.sleep(0.3)  # focus arrives just after the first paint
+    text = "far too long " * 150   # more tokens than the model's 256 of context
+    app.type(text)
+    # Enter until the model is loaded and the check refuses it (before, Enter only says it is loading).
+    wait_until(lambda: shows(app, "would make the chat"), "the refusal", nudge=lambda: app.type("\r"))
+    app.type("\x11")  # ctrl+q
+    assert app.wait() == 0, app.screen_tail()
+    assert not saved(config.data_dir)   # nothing was sent
+    restarted = PagedChatApp(config)
+    async with restarted.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: restarted.active_chat is not None, "the restored chat")
+        assert restarted.active_chat.prompt.text == text

@@ -7,7 +7,6 @@ pictures (pagedchat.text); a field saved unchanged gives back the original text,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from textual import on
 from textual.app import ComposeResult
@@ -20,6 +19,7 @@ from textual.widgets.option_list import Option
 from pagedchat.engine.params import CHAT_FIELDS
 from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.saver import Saver, export_chats
 
 
 def unless_unchanged(edited: str, original: str) -> str:
@@ -147,17 +147,18 @@ class PickScreen(Dialog):
 
 class UnsavedQuitScreen(Dialog):
     """Quitting while chats cannot be saved (a full disk). Dismisses with None (Esc, "Keep trying": back to the
-    chats), "exported" once `export` wrote them to the folder typed, "quit" (quit anyway, losing them), or
-    "saved": the app's retries wrote everything while the dialog was up, so there is nothing left to lose."""
+    chats), "exported" once they are written to the folder typed (`exported` lists the files), "quit" (quit
+    anyway, losing them), or "saved": the app's retries wrote them while the dialog was up."""
 
     POLL_S = 0.5
 
-    def __init__(self, question: str, folder: Path, export: Callable[[Path], str | None],
-                 saved: Callable[[], bool]) -> None:
-        super().__init__(question)
+    def __init__(self, saver: Saver, folder: Path) -> None:
+        unsaved = len(saver.unsaved_chats())
+        super().__init__(f"{unsaved} chat{'s' if unsaved > 1 else ''} could not be saved ({saver.failing}). "
+                         "pagedchat keeps retrying and quits by itself once they are saved.")
+        self._saver = saver
         self._folder = folder
-        self._export = export      # writes the chats into the folder; an error to show, or None
-        self._saved = saved
+        self.exported: list[Path] = []
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
@@ -175,16 +176,21 @@ class UnsavedQuitScreen(Dialog):
         self.set_interval(self.POLL_S, self._check_saved)
 
     def _check_saved(self) -> None:
-        if self._saved():
+        if not self._saver.unsaved_chats():
             self.dismiss("saved")
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#export")
     def _export_pressed(self) -> None:
         typed = self.query_one("#folder", Input).value.strip()
-        error = self._export(Path(typed).expanduser()) if typed else "Type the folder to export into."
-        if error is not None:
-            self.query_one("#error", Label).update(plain(error))
+        if not typed:
+            self.query_one("#error", Label).update("Type the folder to export into.")
+            return
+        folder = Path(typed).expanduser()
+        try:
+            self.exported = export_chats(self._saver.unsaved_chats(), folder)
+        except OSError as exc:
+            self.query_one("#error", Label).update(plain(f"Cannot write to {folder}: {exc.strerror or exc}"))
             return
         self.dismiss("exported")
 
