@@ -10,7 +10,7 @@ from pagedchat.tui.screens.modals import EditMessageScreen, UnsavedQuitScreen
 from pagedchat.tui.store import DB_NAME, Store
 from test_tui import SIZE, ready, replied, send
 from test_tui import config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
-from tui_support import notices, quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
+from tui_support import notices, quick_pilot, scripted_app, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
 
@@ -96,3 +96,20 @@ async def test_a_refused_edit_or_message_changes_nothing(config):
         await wait_for(pilot, lambda: sum("model's context holds" in n for n in notices(app)) == 2, "the refusal")
         assert prompt.text == TOO_LONG  # kept in the input, to shorten and send again
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
+
+
+async def test_a_closed_chat_reopens_with_its_unsent_input(tmp_path):
+    app = scripted_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.active_chat is not None, "the chat")
+        first = app.active_session
+        app.active_chat.prompt.text = "not sent yet"
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a second chat")
+        app.chats.show(first)
+        await wait_for(pilot, lambda: app.active_session is first, "the first chat in view")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: first.id not in app.sessions, "the chat closed")
+        await app.reopen_chat(first.id)
+        await wait_for(pilot, lambda: first.id in app.sessions, "the chat reopened")
+        assert app.chat_view(app.sessions[first.id]).prompt.text == "not sent yet"
