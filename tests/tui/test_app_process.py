@@ -14,33 +14,15 @@ from pty_app import AppProcess, saved, wait_until
 from pagedchat.bench.app_probe import PLACEHOLDER
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.transfer import read_chat_file
+from test_saved_across_processes import SHORT, config, launch  # noqa: F401  (fixtures, over this file's model)
 from tiny_models import make_tiny_model
-from tui_support import make_config, quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
+from tui_support import quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    """A context of 256 tokens, so that a message typed is soon too long for it."""
     return make_tiny_model(tmp_path_factory.mktemp("pty-model"), seed=1, max_positions=256)
-
-
-@pytest.fixture
-def config(tmp_path, model):
-    return make_config(tmp_path, model)
-
-
-@pytest.fixture
-def launch(config, tmp_path):
-    started: list[AppProcess] = []
-
-    def start(max_tokens: int = 8, data_dir=None) -> AppProcess:
-        app = AppProcess(config.engine.model, data_dir or config.data_dir, config.config_dir, max_tokens=max_tokens,
-                         cwd=tmp_path)
-        started.append(app)
-        return app
-
-    yield start
-    for app in started:
-        app.close()
 
 
 def shows(app: AppProcess, text: str) -> bool:
@@ -63,7 +45,7 @@ def test_a_theme_textual_cannot_read_is_skipped_and_the_app_starts(launch, confi
     config.user_theme_dir.mkdir(parents=True)
     (config.user_theme_dir / "broken.toml").write_text(f'name = "broken"\nprimary = "#336699"\n[variables]\n'
                                                        f'text-muted = "{value}"\n')
-    app = launch()
+    app = launch(SHORT)
     wait_until(lambda: shows(app, "Theme skipped: broken.toml") or exited(app), "the notice")
     assert not exited(app) and shows(app, "not a value Textual's CSS can read"), app.screen_tail()
     app.type("\x11")  # ctrl+q: nothing unsaved, so it quits at once
@@ -71,10 +53,11 @@ def test_a_theme_textual_cannot_read_is_skipped_and_the_app_starts(launch, confi
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB file system of its own (tmpfs: needs root, or the test is skipped), unmounted afterwards."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
+def small_disk(config):
+    """The data dir on a 1 MiB file system of its own (tmpfs: needs root, or the test is skipped), unmounted
+    afterwards."""
+    mount = config.data_dir
+    mount.mkdir(parents=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
@@ -98,13 +81,13 @@ def fill(disk) -> None:
         os.close(fd)
 
 
-def with_a_turn_it_cannot_save(launch, disk):
-    """The app with one saved turn, then a disk run full and a second message sent: its turn is only in memory."""
-    data = disk / "data"
-    app = launch(data_dir=data)
+def with_a_turn_it_cannot_save(launch, data):
+    """The app with one saved turn, then its disk run full and a second message sent: that turn is only in
+    memory."""
+    app = launch(SHORT)
     app.send("first message")
     wait_until(lambda: [m for m in saved(data) if m.role == "assistant" and m.finish_reason], "the first reply")
-    fill(disk)
+    fill(data)
     app.type("second message\r")
     wait_until(lambda: shows(app, "Could not save chats"), "the save error")
     assert "second message" not in [m.content for m in saved(data)]
@@ -112,39 +95,39 @@ def with_a_turn_it_cannot_save(launch, disk):
     wait_until(lambda: shows(app, "Esc keeps trying") or exited(app), "the question before quitting")
     assert not exited(app) and shows(app, "1 chat could not be saved"), app.screen_tail()
     time.sleep(0.5)  # focus reaches the dialog's field just after its first paint
-    return app, data
+    return app
 
 
 def test_quitting_with_unsaved_chats_exports_them_where_the_user_says(launch, small_disk, tmp_path):
     """ctrl+q used to exit at once: the turn that could not be saved was lost."""
-    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    app = with_a_turn_it_cannot_save(launch, small_disk)
     rescue = tmp_path / "rescue"
     app.type(str(rescue) + "\r")   # the suggested folder is selected: typing replaces it; Enter exports
     assert app.wait() == 0, app.screen_tail()
     [exported] = list(rescue.glob("*.json"))
     chat = read_chat_file(exported)   # what `pagedchat import` reads
     assert [m.content for m in chat.messages if m.role == "user"] == ["first message", "second message"]
-    assert "second message" not in [m.content for m in saved(data)]   # it really was unsaved
+    assert "second message" not in [m.content for m in saved(small_disk)]   # it really was unsaved
 
 
 def test_quitting_with_unsaved_chats_waits_and_quits_once_they_are_saved(launch, small_disk):
-    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    app = with_a_turn_it_cannot_save(launch, small_disk)
     (small_disk / "filler").unlink()   # space again: the next retry writes the turn, and the app quits
     assert app.wait() == 0, app.screen_tail()
-    assert "second message" in [m.content for m in saved(data)]
+    assert "second message" in [m.content for m in saved(small_disk)]
 
 
 def test_quit_anyway_leaves_and_says_what_was_lost(launch, small_disk):
-    app, data = with_a_turn_it_cannot_save(launch, small_disk)
+    app = with_a_turn_it_cannot_save(launch, small_disk)
     app.type("\t\t\t\r")   # from the folder to Export, Keep trying, Quit (losing them)
     assert app.wait() == 0, app.screen_tail()
-    assert "second message" not in [m.content for m in saved(data)]
+    assert "second message" not in [m.content for m in saved(small_disk)]
     assert shows(app, "the latest changes could not be saved"), app.screen_tail()
 
 
 async def test_a_message_refused_as_too_long_is_still_in_the_input_after_a_restart(launch, config):
     """It stayed in the input, but a quit lost it: drafts were not saved."""
-    app = launch()
+    app = launch(SHORT)
     wait_until(lambda: PLACEHOLDER in app.output, "the app to show its input")
     time.sleep(0.3)  # focus arrives just after the first paint
     text = "far too long " * 150   # more tokens than the model's 256 of context
