@@ -175,6 +175,31 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     return out
 
 
+MODIFIERS = ("alt", "ctrl", "hyper", "meta", "shift", "super")   # as Textual names them, in its order
+
+
+def binding_problem(keys: str) -> str | None:
+    """Why a [keys] value ("ctrl+t", "f2,f9") holds a key Textual never reports, or None: such a binding would
+    be accepted and never fire. Key names are Textual's own (its Keys and the characters' names)."""
+    from textual.keys import REPLACED_KEYS, Keys, key_to_character  # the app's check: loading config stays light
+
+    named = {k.value.rpartition("+")[2] for k in Keys}
+    for key in (k.strip() for k in keys.split(",")):
+        if len(key) == 1:
+            continue   # a character: Textual names it itself
+        *modifiers, name = key.split("+")
+        unknown = [m for m in modifiers if m not in MODIFIERS]
+        if not key or unknown:
+            return f"{unknown[0]!r} is not a modifier ({', '.join(MODIFIERS)})" if unknown else "an empty key"
+        if len(set(modifiers)) < len(modifiers):
+            return f"a modifier is given twice in {key!r}"
+        if modifiers != sorted(modifiers):
+            return f"Textual reports it as {'+'.join(sorted(modifiers) + [name])!r}"
+        if name not in named and name not in REPLACED_KEYS and key_to_character(name) is None:
+            return f"{name!r} is not a key name (like a, f5, pageup, plus, enter)"
+    return None
+
+
 def load_config(path: str | Path | None = None, **overrides) -> AppConfig:
     """Read config.toml (path, or the one in config_dir() if it exists), then apply overrides (CLI flags).
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedchat.config import AppConfig, ConfigError, load_config, parse_config
+from pagedchat.config import AppConfig, ConfigError, binding_problem, load_config, parse_config
 
 
 def test_defaults_without_a_file(tmp_path, monkeypatch):
@@ -127,3 +127,22 @@ def test_server_and_api_key_from_file_env_and_flags(tmp_path, monkeypatch):
     (tmp_path / "config.toml").write_text("server = 8000\n")
     with pytest.raises(ConfigError, match="server must be a string"):
         load_config(config_dir=tmp_path)
+
+
+@pytest.mark.parametrize("keys", ["ctrl+t", "f2,f9", "ctrl+shift+up", "alt+enter", "ctrl+plus", "super+c", "a",
+                                  "ctrl+pagedown", "escape", "ctrl+exclamation_mark"])
+def test_keys_textual_reports_are_bindings(keys):
+    assert binding_problem(keys) is None
+
+
+@pytest.mark.parametrize("keys, problem", [
+    ("ctrl+ctrl+zz", "a modifier is given twice in 'ctrl+ctrl+zz'"),
+    ("ctrl+zz", "'zz' is not a key name"),
+    ("control+t", "'control' is not a modifier"),
+    ("shift+ctrl+up", "Textual reports it as 'ctrl+shift+up'"),
+    ("f2,", "an empty key"),
+    ("ctrl+", "'' is not a key name"),
+])
+def test_keys_textual_never_reports_are_refused_with_the_reason(keys, problem):
+    """Accepted silently before, such a binding never fired and the action lost its key."""
+    assert (binding_problem(keys) or "").startswith(problem)

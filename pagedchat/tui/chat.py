@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from textual import events
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -31,6 +31,9 @@ from pagedchat.tui.records import ChatMessage, stats_line
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
 RENDER_SPACING = 20
+# TextArea re-wraps an edited line whole on every key, and re-cuts it whole for each screen row it draws: with a
+# line past this many characters the input scrolls sideways instead, and a key costs what the line's length does.
+WRAP_LIMIT = 10_000
 
 
 def action_name(method) -> str:
@@ -58,6 +61,10 @@ class PromptInput(TextArea):
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message  (Enter sends · ctrl+j newline · F1 help)", **kwargs)
         self.recalling = False   # the text is a recalled prompt (tui/history.py)
+
+    @on(TextArea.Changed)
+    def _wrap_unless_too_long(self) -> None:
+        self.soft_wrap = max(map(len, self.document.lines), default=0) <= WRAP_LIMIT
 
     def _recall_step(self, key: str) -> int | None:
         row, column = self.cursor_location
