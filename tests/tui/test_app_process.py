@@ -133,7 +133,7 @@ async def test_a_message_refused_as_too_long_is_still_in_the_input_after_a_resta
     text = "far too long " * 150   # more tokens than the model's 256 of context
     app.type(text)
     # Enter until the model is loaded and the check refuses it (before, Enter only says it is loading).
-    wait_until(lambda: shows(app, "would make the chat"), "the refusal", nudge=lambda: app.type("\r"))
+    wait_until(lambda: shows(app, "back in the input"), "the refusal", nudge=lambda: app.type("\r"))
     app.type("\x11")  # ctrl+q
     assert app.wait() == 0, app.screen_tail()
     assert not saved(config.data_dir)   # nothing was sent
