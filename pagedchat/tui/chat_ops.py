@@ -99,10 +99,10 @@ def offer_export(app) -> None:
     session = app.active_session
     if session is None:
         return
-    # PickScreen starts on the last option: Markdown, as ctrl+o always wrote.
-    options = [("JSON: messages and settings, imports back (.json)", ExportFormat.JSON),
-               ("Markdown: to read or share (.md)", ExportFormat.MARKDOWN)]
-    app.push_screen(PickScreen("Export this chat as", options),
+    # Markdown first, and the one Enter picks: it is what ctrl+o always wrote.
+    options = [("Markdown: to read or share (.md)", ExportFormat.MARKDOWN),
+               ("JSON: messages and settings, imports back (.json)", ExportFormat.JSON)]
+    app.push_screen(PickScreen("Export this chat as", options, highlighted=0),
                     lambda fmt: fmt is not None and export_chat(app, session, fmt))
 
 

@@ -272,6 +272,8 @@ async def test_f8_deletes_a_chat_for_good_after_asking(config):
 
 # ---- export and import ------------------------------------------------------------------------------------
 async def test_ctrl_o_json_export_imports_back(config):
+    from textual.widgets import OptionList
+
     from pagedchat.tui.chat_ops import import_chat
     from pagedchat.tui.screens.modals import PickScreen
 
@@ -282,7 +284,10 @@ async def test_ctrl_o_json_export_imports_back(config):
         await replied(pilot, session)
         await pilot.press("ctrl+o")
         await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the format question")
-        await pilot.press("up", "enter")   # from Markdown up to JSON
+        options = app.screen.query_one(OptionList)
+        # The dialog opens on the first option, Markdown (what Enter has always written).
+        assert str(options.highlighted_option.prompt).startswith("Markdown") and options.highlighted == 0
+        await pilot.press("down", "enter")   # from Markdown down to JSON
         folder = config.data_dir / "exports"
         await wait_for(pilot, lambda: folder.exists() and list(folder.glob("*.json")), "the JSON file")
         [path] = folder.glob("*.json")
