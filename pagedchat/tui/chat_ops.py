@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from textual.widgets import TabbedContent
+
 from pagedchat.tui.records import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
@@ -18,25 +20,45 @@ from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, re
 
 
 async def open_at(app, chat_id: str, index: int) -> None:
-    """Show a chat (reopening it if closed) with message `index` focused and in view."""
-    session = app.sessions.get(chat_id)
-    if session is None:
-        await app.reopen_chat(chat_id)
-        session = app.sessions.get(chat_id)
-        if session is None:
-            app.notify("That chat is no longer saved.", severity="warning")
-            return
-    else:
-        app.chats.show(session)
-        await app.chats.activated(session)
-    view = app.chat_view(session)
-    if view is None:
+    """Show a chat (reopening it if closed) with message `index` focused and at the top of the view."""
+    # Shown and activated here, once: the TabActivated that showing it posts would activate it a second time,
+    # later, and send the focus from the message back to the input.
+    with app.chats.tabbed.prevent(TabbedContent.TabActivated):
+        session = await _shown(app, chat_id)
+    if session is None or (view := app.chat_view(session)) is None:
         return
     await view.populate()
-    message = view.view_at(index)
-    if message is not None:
-        # After the palette has closed and the tab switch has settled, each of which moves focus itself.
-        app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))
+    if (message := view.view_at(index)) is not None:
+        jump_when_laid_out(message)
+
+
+async def _shown(app, chat_id: str) -> ChatSession | None:
+    if (session := app.sessions.get(chat_id)) is not None:
+        app.chats.show(session)
+        await app.chats.activated(session)
+        return session
+    await app.reopen_chat(chat_id)
+    if (session := app.sessions.get(chat_id)) is None:
+        app.notify("That chat is no longer saved.", severity="warning")
+    return session
+
+
+def jump_when_laid_out(message) -> None:
+    """Focus a message and scroll it to the top of its chat once a layout has placed it. Not "after the next
+    refresh": the palette that asked holds screen updates back as it closes (delay_update), and callbacks
+    after a refresh then run at once, before a tab just shown is laid out, so the jump found no place to
+    scroll to and the chat stayed where it was (at its bottom, where it was anchored)."""
+    signal = message.screen.screen_layout_refresh_signal
+
+    def laid_out(_screen) -> None:
+        if message.virtual_region:
+            signal.unsubscribe(message)
+            message.focus(scroll_visible=False)
+            message.scroll_visible(animate=False, top=True, immediate=True)
+
+    signal.unsubscribe(message)      # a newer jump to the same message replaces the older one
+    signal.subscribe(message, laid_out)
+    message.refresh(layout=True)     # so that a layout comes even where nothing else changed
 
 
 def pick_message(app, title: str, then: Callable[[int], object], role: str | None = None) -> None:
