@@ -16,7 +16,8 @@ from pagedchat.tui.records import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, read_chat_file, render
+from pagedchat.tui.transfer import (ExportFormat, NotAChatExport, export_path, imported_title, read_chat_file,
+                                    render)
 
 
 async def open_at(app, chat_id: str, index: int) -> None:
@@ -134,6 +135,9 @@ async def import_chat(app, path: Path) -> ChatSession | None:
     except NotAChatExport as exc:
         app.notify(f"Not imported: {exc}", severity="error", timeout=10)
         return None
+    # Open chats too: a title changed in a tab may not be saved yet.
+    taken = {r.title for r in app.store.load_chats()} | {s.record.title for s in app.sessions.values()}
+    record.title = imported_title(record.title, taken)
     session = ChatSession(record)
     (await app.chats.open(session, after=app.active_session)).save(messages=True)
     app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
@@ -152,5 +156,7 @@ def ask_import(app) -> None:
 
 def save_imported(store, record: ChatRecord) -> None:
     """The CLI's import: a new open chat after the open tabs, shown at the next start."""
-    record.position = len(store.load_chats(open_only=True))
+    saved = store.load_chats()
+    record.title = imported_title(record.title, {r.title for r in saved})
+    record.position = sum(r.is_open for r in saved)
     store.save_chat(record)

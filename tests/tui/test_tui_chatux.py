@@ -341,10 +341,16 @@ async def test_ctrl_o_json_export_imports_back(config):
         [path] = folder.glob("*.json")
         imported = await import_chat(app, path)
         assert app.active_session is imported and imported.id != session.id
-        assert imported.record.system_prompt == "Be kind." and imported.record.title == session.record.title
+        # The same title would make the two chats (and their delete prompts) look alike.
+        assert imported.record.system_prompt == "Be kind."
+        assert imported.record.title == f"{session.record.title} (imported)"
         assert [(m.role, m.content) for m in imported.record.messages] == \
                [(m.role, m.content) for m in session.record.messages]
         assert imported.record.settings == session.record.settings
+        again = await import_chat(app, path)
+        assert again.record.title == f"{session.record.title} (imported 2)"
+        await wait_for(pilot, lambda: any(n.startswith(f"Imported “{again.record.title}”") for n in notices(app)),
+                       "the notice with the new title")
         bad = folder / "bad.json"
         bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
         assert await import_chat(app, bad) is None
