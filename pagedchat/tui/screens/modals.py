@@ -121,12 +121,14 @@ class ChatSettingsScreen(Dialog):
 
 
 class PickScreen(Dialog):
-    """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen)."""
+    """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen). It opens
+    on option `highlighted`, by default the last: the newest message, or the last code block."""
 
-    def __init__(self, title: str, options: list[tuple[str, object]]) -> None:
+    def __init__(self, title: str, options: list[tuple[str, object]], highlighted: int = -1) -> None:
         super().__init__(title)
         self._values = [value for _, value in options]
         self._labels = [label for label, _ in options]
+        self._highlighted = highlighted
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
@@ -138,7 +140,7 @@ class PickScreen(Dialog):
     def on_mount(self) -> None:
         options = self.query_one(OptionList)
         if self._labels:
-            options.highlighted = len(self._labels) - 1   # the last: the newest message, or the usual choice
+            options.highlighted = range(len(self._labels))[self._highlighted]
 
     @on(OptionList.OptionSelected)
     def pick(self, event: OptionList.OptionSelected) -> None:
