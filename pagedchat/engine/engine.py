@@ -34,7 +34,7 @@ from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
-from pagedchat.engine.threads import ThreadGovernor
+from pagedchat.engine.threads import ThreadGovernor, cpu_seconds
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
@@ -102,7 +102,7 @@ def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | Non
     """On the compute thread: a governor of its torch thread count, unless the user set one (or on a GPU)."""
     if threads is not None or device.type != "cpu" or torch.get_num_threads() < 2:
         return None
-    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter)
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter, cpu_seconds)
 
 
 class Engine:
