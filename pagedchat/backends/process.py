@@ -1,11 +1,11 @@
 """The engine in a process of its own, behind the same backend face: what the app runs.
 
-Why a process: in one process the UI thread and the engine's thread share one GIL. Every torch op lets go of it,
-and while the UI draws, the engine then waits a switch interval to take it back after each of a step's many
-small ops, so a reply slows by far more than the UI's own share of the CPU (docs/bench.md, "The engine in a
-process of its own"). vLLM's V1 engine moved its core out of the API server's process for the same reason. A
-separate process also keeps the app alive when the engine dies (out of memory, a crash in native code): its
-replies end with an error, the chats stay, and the app offers a restart.
+Why a process: in one process the UI thread and the engine's thread share one GIL. Every torch op lets go of it, and
+while the UI draws, the engine then waits a switch interval to take it back after each of a step's many small ops,
+so a reply slows by far more than the UI's own share of the CPU (docs/bench.md#the-engine-in-a-process-of-its-own).
+vLLM's V1 engine moved its core out of the API server's process for the same reason. A separate process also keeps
+the app alive when the engine dies (out of memory, a crash in native code): its replies end with an error, the chats
+stay, and the app offers a restart.
 
 This side imports no torch: the app's process never loads it. The other side is `engine_process.serve`.
 """

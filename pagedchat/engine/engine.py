@@ -106,7 +106,7 @@ def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | Non
 
 
 class Engine:
-    """A paged KV-cache LLM engine. See README "Python API"."""
+    """A paged KV-cache LLM engine. See docs/python-api.md."""
 
     def __init__(self, model=None, *, kv_cache_memory: int | str | None = None, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,

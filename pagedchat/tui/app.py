@@ -59,7 +59,7 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else
 def default_backend_factory(config: AppConfig) -> BackendFactory:
     """The server named by --server / `server =`, else the engine in a process of its own, so that drawing
     never holds up a step (backends/process.py). Every core computes: the UI needs little CPU between steps, and
-    leaving it a core made streaming slower for less timer jitter (docs/bench.md, "A core for the event loop")."""
+    leaving it a core made streaming slower for less timer jitter (docs/bench.md#a-core-for-the-event-loop)."""
     return lambda progress: open_backend(config, progress, own_process=os.name == "posix")  # pass_fds: POSIX
 
 

@@ -27,7 +27,8 @@ from pagedchat.tui.records import ChatMessage, stats_line
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
 # core, and an append costs more as the reply grows (Textual re-parses the last block and rebuilds a list or a
 # code block whole), so each flush waits at least RENDER_SPACING times as long as the last append took: the
-# appends then hold the main thread a bounded share of the time. Measurements: docs/bench.md, "The app keeps up".
+# appends then hold the main thread a bounded share of the time. Measurements:
+# docs/bench.md#the-app-keeps-up-with-its-engine.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
 RENDER_SPACING = 20

@@ -56,7 +56,7 @@ def test_the_chat_does_every_key_on_its_messages():
 
 
 def test_every_binding_id_a_config_may_name_is_kept():
-    """config.toml's [keys] rebinds these ids (README, "Config"): a user's file must keep working."""
+    """config.toml's [keys] rebinds these ids (docs/app.md#key-bindings): a user's file must keep working."""
     assert {b.id for b in binding_catalogue()} >= {
         "quit", "new_chat", "close_chat", "help", "toggle_inspector", "chat_settings", "rename_chat", "next_chat",
         "prev_chat", "regenerate", "branch", "export_chat", "compare", "delete_chat", "stop", "focus_messages",
