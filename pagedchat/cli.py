@@ -35,7 +35,7 @@ settings: config.toml in the user config dir (see README); flags override it.
 
 
 ASK_MAX_TOKENS = 512
-ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "threads", "quantize")
+ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "threads", "quantize", "max_seqs")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
@@ -54,6 +54,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
                    "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
     p.add_argument("--threads", type=positive_int, metavar="N", default=default,
                    help="torch threads on the CPU (default: one per core, fewer while other programs take cores)")
+    p.add_argument("--max-num-seqs", dest="max_seqs", type=positive_int, metavar="N", default=default,
+                   help="sequences in one batch at most; a request's n replies count as n, and each request keeps "
+                   "a fair share (default: 64)")
     p.add_argument("--quantize", choices=("int4", "int8"), default=default,
                    help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
                    "files keep their own quantization without it")

@@ -9,6 +9,7 @@ Example `config.toml` (every key optional):
     device = "cuda"
     dtype = "float32"                                # default auto: bf16 where computed natively, else float32
     threads = 2                                      # torch threads on the CPU; default: adapts to the load
+    max_seqs = 64                                    # sequences in one batch (--max-num-seqs)
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
     server = "http://127.0.0.1:8000/v1"              # an OpenAI-compatible server instead of the local engine
@@ -74,6 +75,7 @@ class EngineOptions:
     dtype: str | None = None
     threads: int | None = None               # torch threads on the CPU; None: the engine's governor
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
+    max_seqs: int = 64                       # sequences in one batch (serve's --max-num-seqs, vLLM's name)
 
     def kwargs(self) -> dict:
         """Engine's keyword arguments (plain values: they also cross to the engine process)."""
@@ -127,8 +129,8 @@ class AppConfig:
 
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
-        "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "system_prompt": (str,),
-        "theme": (str,), "server": (str,), "api_key": (str,)}
+        "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "max_seqs": (int,),
+        "system_prompt": (str,), "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
 # [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is left out).
 _SAMPLING = {f.name: (int, float) if f.kind is float else (int,) for f in CHAT_FIELDS}
@@ -165,12 +167,37 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     problem = fields_problem(chosen)
     if problem:
         raise ConfigError(f"{source} [sampling]: {problem}")
-    for key in ("block_size", "threads"):
+    for key in ("block_size", "threads", "max_seqs"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")
     if keys:
         out["keys"] = dict(keys)
     return out
+
+
+MODIFIERS = ("alt", "ctrl", "hyper", "meta", "shift", "super")   # as Textual names them, in its order
+
+
+def binding_problem(keys: str) -> str | None:
+    """Why a [keys] value ("ctrl+t", "f2,f9") holds a key Textual never reports, or None: such a binding would
+    be accepted and never fire. Key names are Textual's own (its Keys and the characters' names)."""
+    from textual.keys import REPLACED_KEYS, Keys, key_to_character  # the app's check: loading config stays light
+
+    named = {k.value.rpartition("+")[2] for k in Keys}
+    for key in (k.strip() for k in keys.split(",")):
+        if len(key) == 1:
+            continue   # a character: Textual names it itself
+        *modifiers, name = key.split("+")
+        unknown = [m for m in modifiers if m not in MODIFIERS]
+        if not key or unknown:
+            return f"{unknown[0]!r} is not a modifier ({', '.join(MODIFIERS)})" if unknown else "an empty key"
+        if len(set(modifiers)) < len(modifiers):
+            return f"a modifier is given twice in {key!r}"
+        if modifiers != sorted(modifiers):
+            return f"Textual reports it as {'+'.join(sorted(modifiers) + [name])!r}"
+        if name not in named and name not in REPLACED_KEYS and key_to_character(name) is None:
+            return f"{name!r} is not a key name (like a, f5, pageup, plus, enter)"
+    return None
 
 
 def load_config(path: str | Path | None = None, **overrides) -> AppConfig:

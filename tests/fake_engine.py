@@ -20,8 +20,9 @@ from pagedchat.engine.sequence import SeqStatus, Sequence
 from pagedchat.errors import RequestError
 
 
-def make_seq(tokens, rid="s", max_tokens=16) -> Sequence:
-    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def make_seq(tokens, rid="s", max_tokens=16, group="") -> Sequence:
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    group=group)
 
 
 def toks(n: int, salt: int = 0) -> list[int]:
@@ -196,13 +197,16 @@ class FakeEngine:
         self.n += 1
         return f"r{self.n - 1}"
 
-    def add(self, prompt: list[int], max_tokens: int) -> str | None:
-        seq = make_seq(prompt, self._new_id(), max_tokens)
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> str | None:
+        """A request; n > 1: n replies to the prompt (ids rid, rid-1, ...), as the engine's submit_many makes."""
+        rid = self._new_id()
+        seq, *siblings = [make_seq(prompt, rid if i == 0 else f"{rid}-{i}", max_tokens, group=rid)
+                          for i in range(n)]
         try:
             self.core.check_fits(seq.token_ids, seq.params)
         except RequestError:
             return None
-        self.core.add(seq)
+        self.core.add_group(seq, siblings)
         return seq.request_id
 
     def fork(self, parent_id: str, max_tokens: int) -> str | None:

@@ -60,6 +60,26 @@ class AppProcess(Terminal):
                 "--dtype", "float32", "--threads", "1", "--temperature", "0", "--max-tokens", str(max_tokens)]
         super().__init__(args, env, cwd)
 
+    def engine_pid(self) -> int:
+        """The app's engine process (backends/process.py): its child that runs engine_process."""
+        def find() -> int | None:
+            for entry in Path("/proc").iterdir():
+                try:
+                    stat = (entry / "stat").read_text()
+                    command = (entry / "cmdline").read_bytes()
+                except (OSError, ValueError):  # not a process, or one that just ended
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.pid and b"engine_process" in command:
+                    return int(entry.name)
+            return None
+
+        return wait_until(find, "the app's engine process")
+
+    def shows(self, text: str, since: int = 0) -> bool:
+        """The text was drawn, in one piece, after `since` (a len(output) taken earlier; output keeps its last
+        200,000 bytes, so this is for short waits)."""
+        return text.encode() in self.output[since:]
+
     def send(self, text: str) -> None:
         """Type a message and press Enter until it shows up saved (the model may still be loading)."""
         wait_until(lambda: PLACEHOLDER in self.output, "the app to show its input")

@@ -229,6 +229,23 @@ def test_import_brings_a_json_export_back_as_a_new_chat(tmp_path, monkeypatch, c
     assert len(Store.open(tmp_path / "data").load_chats()) == 1   # nothing written for the bad file
 
 
+def test_import_of_a_title_already_saved_gets_a_distinct_one(tmp_path, monkeypatch, capsys):
+    """Two chats of one title could not be told apart in the tabs or the delete prompt."""
+    from pagedchat.tui.store import Store
+
+    monkeypatch.setenv("PAGEDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    export = tmp_path / "chat.json"
+    export.write_text(json.dumps({"title": "Capitals", "messages": [{"role": "user", "content": "Capital?"}]}))
+    for _ in range(3):
+        assert main(["import", str(export)]) == 0
+    out = capsys.readouterr().out
+    assert "Imported “Capitals (imported)”" in out and "Imported “Capitals (imported 2)”" in out
+    chats = Store.open(tmp_path / "data").load_chats()
+    assert [c.title for c in chats] == ["Capitals", "Capitals (imported)", "Capitals (imported 2)"]
+    assert [c.position for c in chats] == [0, 1, 2]
+
+
 def test_import_prints_a_crafted_title_as_text(tmp_path, monkeypatch, capsys):
     """The success line was the one place a title reached the terminal raw: OSC 2 set the window title, CSI 2J
     cleared the screen, U+202E reversed what followed."""

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedchat.config import AppConfig, ConfigError, load_config, parse_config
+from pagedchat.config import AppConfig, ConfigError, binding_problem, load_config, parse_config
 
 
 def test_defaults_without_a_file(tmp_path, monkeypatch):
@@ -19,13 +19,13 @@ def test_defaults_without_a_file(tmp_path, monkeypatch):
 def test_file_then_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
     (tmp_path / "config.toml").write_text(
-        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\n'
+        'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\nmax_seqs = 16\n'
         'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
         '[keys]\nnew_chat = "ctrl+t"\n')
     config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
     assert config.engine.model == "other/model"          # the flag wins
     assert config.engine.kv_cache_memory == "2GiB"        # None flags change nothing
-    assert config.engine.threads == 3
+    assert config.engine.threads == 3 and config.engine.max_seqs == 16
     assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
     assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
     assert isinstance(config.sampling.temperature, float)
@@ -45,6 +45,7 @@ def test_explicit_path_must_exist(tmp_path):
     ("block_size = 0", "at least 1"),
     ("threads = 0", "threads must be at least 1"),
     ("threads = 'all'", "threads must be a whole number"),
+    ("max_seqs = 0", "max_seqs must be at least 1"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
@@ -126,3 +127,22 @@ def test_server_and_api_key_from_file_env_and_flags(tmp_path, monkeypatch):
     (tmp_path / "config.toml").write_text("server = 8000\n")
     with pytest.raises(ConfigError, match="server must be a string"):
         load_config(config_dir=tmp_path)
+
+
+@pytest.mark.parametrize("keys", ["ctrl+t", "f2,f9", "ctrl+shift+up", "alt+enter", "ctrl+plus", "super+c", "a",
+                                  "ctrl+pagedown", "escape", "ctrl+exclamation_mark"])
+def test_keys_textual_reports_are_bindings(keys):
+    assert binding_problem(keys) is None
+
+
+@pytest.mark.parametrize("keys, problem", [
+    ("ctrl+ctrl+zz", "a modifier is given twice in 'ctrl+ctrl+zz'"),
+    ("ctrl+zz", "'zz' is not a key name"),
+    ("control+t", "'control' is not a modifier"),
+    ("shift+ctrl+up", "Textual reports it as 'ctrl+shift+up'"),
+    ("f2,", "an empty key"),
+    ("ctrl+", "'' is not a key name"),
+])
+def test_keys_textual_never_reports_are_refused_with_the_reason(keys, problem):
+    """Accepted silently before, such a binding never fired and the action lost its key."""
+    assert (binding_problem(keys) or "").startswith(problem)

@@ -111,8 +111,8 @@ class EngineHold:
     reply is still running when the test next acts, however long Pilot takes: a reply of LONG tokens takes about
     half a second in the engine's own process, and a key press can wait as long for the tabs' underline
     animation. release() lets the engine go on (SIGCONT), and so does the app shutting it down (which would
-    otherwise wait out STOP_TIMEOUT_S for a process that cannot read its stop). Make it after ready(), before
-    the send; while it holds, the app must not wait on a call to the engine."""
+    otherwise kill it, as a process that stopped answering). Make it after ready(), before the send; the app
+    waits on no call to the engine meanwhile (tests/tui/test_engine_stall.py holds one far longer)."""
 
     def __init__(self, app) -> None:
         self.backend = app.backend
@@ -218,6 +218,9 @@ class StandInBackend:
 
     def memory(self) -> MemoryView:
         return self.memory_view()
+
+    def stalled_for(self) -> None:
+        return None
 
     def shutdown(self) -> None:
         pass

@@ -60,7 +60,8 @@ class Backend(Protocol):
         """Start a reply to `messages` (the last one the user's). Raises PagedChatError when it cannot start."""
 
     def prompt_tokens(self, messages: list[dict], previous: Outcome | None = None) -> int | None:
-        """The prompt's size in tokens, where the backend can count it (None: only the backend's refusal tells)."""
+        """The prompt's size in tokens, where the backend can count it (None: only the backend's refusal tells).
+        It may wait on the engine (the engine process's answer): never call it on the UI thread."""
 
     def fork(self, parent: ReplyHandle, params: "SamplingParams", *,
              on_update: OnUpdate | None = None) -> ReplyHandle:
@@ -68,6 +69,10 @@ class Backend(Protocol):
 
     def memory(self) -> MemoryView:
         """The latest memory picture; never waits on the network (the UI thread calls it on a timer)."""
+
+    def stalled_for(self) -> float | None:
+        """How long the engine has not been heard from, once that is long enough to say it has stopped answering
+        (its process stopped or starved); None while it answers, or where the backend cannot tell."""
 
     def shutdown(self) -> None: ...
 
@@ -103,6 +108,13 @@ class TokenBackend(Backend, Protocol):
         """Steps run and pages in use: cheap enough to read in every on_update."""
 
     def memory(self) -> "MemorySnapshot": ...
+
+
+def refusal(handle: ReplyHandle) -> Exception | None:
+    """Why the backend would not start this reply, where it said so after returning its handle (the engine
+    process: submit and fork do not wait for its answer). Its one update then ends it as an error; this tells
+    that apart from a reply that failed once started. None for any other reply."""
+    return getattr(handle, "refusal", None)
 
 
 def has_page_map(view: MemoryView) -> bool:

@@ -5,8 +5,10 @@ The first message in is the Engine's keyword arguments; then tuples.
   update, ("memory",) and ("stop",).
 - Out while loading: ("progress", stage, fraction), then ("ready", info, memory) or ("failed", text).
 - Out after: ("updates", [(reply key, Update, the reply's figures so far), ...]), ("result", key, value,
-  error), ("memory", MemorySnapshot) when asked and just before each reply's last update, and ("failure", text).
-Calls are answered on this process's main thread; updates are sent from the engine's thread as it steps.
+  error), ("memory", MemorySnapshot) when asked and just before each reply's last update, ("failure", text), and
+  ("alive",) every HEARTBEAT_S in which nothing else went out.
+Calls are answered on this process's main thread; updates are sent from the engine's thread as it steps. The
+heartbeat has a thread of its own, so that neither a long step nor a slow call reads as an engine that stopped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ POLL_S = 0.25   # how often, when no call comes, the engine's loop is checked fo
 # Updates go to the app at most this often, batched (a reply's first after a pause and its last at once): each
 # send wakes two of the app's threads, and each wake-up on a busy core stalls the step's parallel ops.
 BATCH_S = 0.05
+# A sign of life when nothing else is sent for this long: the app tells an engine that stopped answering (a
+# stopped or swamped process) from one busy with a long prefill by it (process.STALL_S).
+HEARTBEAT_S = 0.5
 
 
 class EngineServer:
@@ -32,7 +37,8 @@ class EngineServer:
         self.replies: dict[int, Any] = {}  # until the app has had the last update and says forget
         self._send_lock = threading.Lock()
         self._outbox: list[tuple] = []    # (reply key, Update, figures) not yet sent
-        self._sent_at = 0.0
+        self._sent_at = 0.0               # updates last went out
+        self._said_at = 0.0               # anything last went out
         self._failure_sent = False
 
     def send(self, *message: Any) -> None:
@@ -42,8 +48,17 @@ class EngineServer:
     def _send(self, message: tuple) -> None:
         try:
             self.conn.send(message)
+            self._said_at = time.monotonic()
         except (OSError, ValueError):  # the app is gone; the main loop sees it and stops
             pass
+
+    def beat(self) -> None:
+        """The heartbeat thread's loop, until the process ends (a daemon: it beats through the shutdown too)."""
+        while True:
+            time.sleep(HEARTBEAT_S / 2)
+            with self._send_lock:
+                if time.monotonic() - self._said_at >= HEARTBEAT_S:
+                    self._send(("alive",))
 
     def send_memory(self) -> None:
         """The memory picture, taken and sent under the send lock, so that pictures arrive in the order taken
@@ -109,6 +124,7 @@ class EngineServer:
 
     def run(self) -> None:
         """Until the app says stop or goes away."""
+        threading.Thread(target=self.beat, name="pagedchat-heartbeat", daemon=True).start()
         while True:
             try:
                 ready = self.conn.poll(BATCH_S if self._outbox else POLL_S)

@@ -73,5 +73,8 @@ class LocalBackend:
     def memory(self) -> MemorySnapshot:
         return self.engine.memory()
 
+    def stalled_for(self) -> None:
+        return None   # the engine runs in this process: a stopped engine is a stopped app
+
     def shutdown(self) -> None:
         self.engine.shutdown()

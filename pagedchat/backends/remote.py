@@ -249,6 +249,9 @@ class RemoteBackend:
             asyncio.run_coroutine_threadsafe(self._refresh(), self._loop)
         return self._view
 
+    def stalled_for(self) -> None:
+        return None   # a server sends nothing between chunks to tell a busy one from one that stopped
+
     def shutdown(self) -> None:
         if not self._loop.is_running():
             return

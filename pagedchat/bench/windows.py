@@ -2,7 +2,7 @@
 the window layers' passed pages released (the engine's default) and kept (what a contiguous cache must do).
 
 Both runs step the same engine settings by hand, so the peak is read after every step: the bytes of the pages
-in use in every layer group (engine/page_groups.py). docs/bench.md, "Sliding-window pages (issue 24)", holds a
+in use in every layer group (engine/page_groups.py). docs/bench.md#sliding-window-pages---windows holds a
 measured run.
 """
 

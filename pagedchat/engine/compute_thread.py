@@ -4,7 +4,7 @@ Why one thread: torch's CPU ops run on OpenMP (libgomp), which gives each thread
 worker threads of its own. Two live teams oversubscribe a small machine's cores, and libgomp then stops letting
 idle workers spin, so every parallel op pays a sleep/wake-up: stepping on a thread other than the one that
 loaded the weights slows every decode step, and loading and stepping on one thread costs nothing extra (the
-figures: `docs/bench.md`, "One compute thread"). Callers' threads then stay free of torch work, so an app's or
+figures: docs/bench.md#one-compute-thread). Callers' threads then stay free of torch work, so an app's or
 a benchmark's own thread holds no team.
 """
 

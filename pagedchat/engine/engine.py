@@ -34,7 +34,7 @@ from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
-from pagedchat.engine.threads import ThreadGovernor
+from pagedchat.engine.threads import ThreadGovernor, cpu_seconds
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.model import packed_cache, qmm
@@ -102,11 +102,11 @@ def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | Non
     """On the compute thread: a governor of its torch thread count, unless the user set one (or on a GPU)."""
     if threads is not None or device.type != "cpu" or torch.get_num_threads() < 2:
         return None
-    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter)
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter, cpu_seconds)
 
 
 class Engine:
-    """A paged KV-cache LLM engine. See README "Python API"."""
+    """A paged KV-cache LLM engine. See docs/python-api.md."""
 
     def __init__(self, model=None, *, kv_cache_memory: int | str | None = None, block_size: int = 16,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -209,7 +209,7 @@ class Engine:
         for ids in encoded:
             self.core.check_fits(ids, params)
         rids = [rid or f"req-{next(self._ids)}" for rid in request_ids or [None] * len(prompts)]
-        groups = [[self._new_sequence(ids, params, rid if i == 0 else f"{rid}-{i}", i) for i in range(n)]
+        groups = [[self._new_sequence(ids, params, rid, i) for i in range(n)]
                   for ids, rid in zip(encoded, rids)]
         handles = self._register([seq for group in groups for seq in group], on_update)
         for parent, *siblings in groups:
@@ -306,7 +306,8 @@ class Engine:
     def _new_sequence(self, ids: list[int], params: SamplingParams, rid: str, sibling: int = 0) -> Sequence:
         """sibling: the index among the n replies to one prompt; a seeded request's siblings take the seeds
         after its own, so that they differ and still repeat (params.sibling_seed)."""
-        seq = Sequence(request_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), params=params)
+        seq = Sequence(request_id=rid if sibling == 0 else f"{rid}-{sibling}", token_ids=list(ids),
+                       num_prompt_tokens=len(ids), params=params, group=rid)
         if not params.greedy:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(sibling_seed(params.seed, sibling) if params.seed is not None else torch.seed())

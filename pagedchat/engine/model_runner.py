@@ -18,10 +18,9 @@ from pagedchat.model.llama import DecoderModel
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, but on the CPU from the OS's lazily zeroed memory: pages are handed out as they are first
-    touched, instead of torch writing the whole pool at start (docs/bench.md, "Quantized weights kept packed",
+    touched, instead of torch writing the whole pool at start (docs/bench.md#quantized-weights-kept-packed
     times both). On Linux the pool asks for huge pages: a step's attention then misses the TLB less, and a
-    page's first write faults once per 2 MiB instead of once per 4 KiB (docs/bench.md, "Panels packed at
-    load")."""
+    page's first write faults once per 2 MiB instead of once per 4 KiB (docs/bench.md#panels-packed-at-load)."""
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:  # an empty array has no bytes to view as another dtype
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -8,6 +8,7 @@ are read from the logits after the processors (so after the mask, as vLLM does) 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -21,6 +22,8 @@ from pagedchat.model import qmm
 __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 
 log = logging.getLogger("pagedchat.engine")
+
+BIAS_CACHE = 256   # requests' logit_bias tensors kept: more than a batch runs at once
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class Sampler:
     end_ids: the model's end-of-sequence ids, which min_tokens holds back."""
 
     end_ids: frozenset[int] = field(default_factory=frozenset)
+    # Each request's logit_bias as (ids, values) tensors, made once rather than at every step: keyed by the
+    # params' id, with the params kept so that the id cannot be reused while the entry lives.
+    _biases: OrderedDict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = \
+        field(default_factory=OrderedDict, repr=False)
 
     def __call__(self, logits: torch.Tensor, rows: list[Row],
                  after_row: Callable[[int], None] | None = None) -> list[Sampled | Exception]:
@@ -89,16 +96,28 @@ class Sampler:
             picked = logits[seen]
             logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(list(row.output_ids)), minlength=logits.numel())[:logits.numel()]
-            counts = counts.to(logits.device, logits.dtype)
-            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        for token, bias in p.logit_bias:
-            if token < logits.numel():
-                logits[token] += bias
+            # Over the tokens the reply holds, not the vocabulary: the cost is the sender's.
+            ids, counts = torch.unique(torch.tensor(list(row.output_ids)), return_counts=True)
+            ids, counts = ids[ids < logits.numel()].to(logits.device), counts[ids < logits.numel()]
+            logits[ids] -= p.frequency_penalty * counts.to(logits.device, logits.dtype) + p.presence_penalty
+        if p.logit_bias:
+            ids, values = self._bias(p)
+            inside = ids < logits.numel()
+            logits.index_add_(0, ids[inside].to(logits.device), values[inside].to(logits.device))
         # A grammar that is complete allows only the end, and wins over min_tokens (else no token were left).
         if len(row.output_ids) < p.min_tokens and not (row.matcher is not None and row.matcher.is_stopped()):
             ends = [t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.numel()]
             logits[ends] = float("-inf")
+
+    def _bias(self, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self._biases.get(id(p))
+        if entry is None or entry[0] is not p:
+            ids, values = zip(*p.logit_bias)
+            entry = self._biases[id(p)] = (p, torch.tensor(ids), torch.tensor(values, dtype=torch.float32))
+            while len(self._biases) > BIAS_CACHE:
+                self._biases.popitem(last=False)
+        self._biases.move_to_end(id(p))
+        return entry[1], entry[2]
 
     @staticmethod
     def _result(logits: torch.Tensor, row: Row, token: int) -> Sampled:

@@ -2,9 +2,16 @@
 
 Every step has a token budget. Running sequences go first, oldest first: a decode costs one token, and a
 prompt being prefilled takes what the budget leaves after every running decode has its token (chunked
-prefill), so a long paste never stalls the other chats. Then swapped-out sequences come back, then waiting
-ones are admitted. When a running sequence needs a page and none is left, the newest running sequence is
-preempted: swapped to the CPU tier, or dropped for recompute when the tier is full.
+prefill), so a long paste never stalls the other chats. Then swapped-out and waiting sequences join.
+
+The batch is shared per request: a request's n replies count as one request running n sequences (its share).
+- Joining: the queued sequence whose request runs the fewest goes first (a swapped one before a waiting one
+  among equals, then in queue order), so a new request never waits behind another's n replies.
+- Preemption: when a running sequence needs a page and none is left, the victim is the newest sequence of the
+  request running the most; among requests running as many, the newest (first come, first served).
+- When the batch is full, a queued request running at least two fewer sequences than the largest takes a slot
+  from it: the largest's newest is preempted.
+A preempted sequence is swapped to the CPU tier, or dropped for recompute when the tier is full.
 
 The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
 queues and sets the status with the move, the end included (finish). Everything else only reads it.
@@ -12,7 +19,7 @@ queues and sets the status with the move, the end included (finish). Everything 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pagedchat.engine.page_groups import PageGroups
@@ -79,25 +86,20 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.plan = plan = StepPlan()
+        self._share_slots()
         decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
         prefill_budget = self.max_tokens_per_step - decodes
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for one before it
             decode = seq.num_uncomputed == 1
             n = 1 if decode else min(seq.num_uncomputed, prefill_budget)
-            if n <= 0:
-                i += 1
+            if n <= 0 or not self._make_room(seq, n):
                 continue
-            if not self._make_room(seq, n):
-                continue  # seq itself was preempted; the list shrank under i
             if not decode:  # a prefill chunk, even of one token, comes out of the prefill budget
                 prefill_budget -= n
             self._schedule(plan, seq, n)
-            i += 1
-        budget = self.max_tokens_per_step - plan.num_tokens
-        budget = self._resume_swapped(plan, budget)
-        self._admit_waiting(plan, budget)
+        self._join(plan, self.max_tokens_per_step - plan.num_tokens)
         plan.group_ops = self.block_manager.take_ops()
         return plan
 
@@ -105,14 +107,38 @@ class Scheduler:
         self.block_manager.register_full_pages(seq, seq.num_computed + n)
         plan.scheduled.append(ScheduledSeq(seq, n, seq.num_computed + n == len(seq.token_ids)))
 
+    def _shares(self) -> Counter[str]:
+        """How many sequences each request runs."""
+        return Counter(s.request for s in self.running)
+
+    def _victim(self) -> Sequence | None:
+        """The running sequence to preempt, of those not yet in this step's plan (module docstring)."""
+        shares, planned = self._shares(), {item.seq for item in self.plan.scheduled}
+        candidates = [s for s in self.running if s not in planned]
+        return max(candidates, key=lambda s: (shares[s.request], s.arrival), default=None)
+
     def _make_room(self, seq: Sequence, n: int) -> bool:
-        """Pages for seq's next n tokens, preempting newer sequences as needed. False if seq itself went."""
+        """Pages for seq's next n tokens, preempting others as needed. False if seq itself went."""
         while not self.block_manager.prepare_write(seq, n):
-            victim = self.running[-1]
+            victim = self._victim()  # never None: seq itself is a candidate
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _next_in(self) -> Sequence | None:
+        """The queued sequence to join next: its request runs the fewest; swapped first, then queue order."""
+        shares = self._shares()
+        queued = [*self.swapped, *self.waiting]
+        return min(queued, key=lambda s: shares[s.request], default=None)  # min keeps the first of equals
+
+    def _share_slots(self) -> None:
+        """A full batch gives a slot to a queued request running two or more fewer sequences than the largest."""
+        while len(self.running) >= self.max_seqs and (seq := self._next_in()) is not None:
+            victim, shares = self._victim(), self._shares()
+            if victim is None or shares[victim.request] < shares[seq.request] + 2:
+                return
+            self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -127,33 +153,26 @@ class Scheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
 
-    def _resume_swapped(self, plan: StepPlan, budget: int) -> int:
-        while self.swapped and len(self.running) < self.max_seqs and budget > 0:
-            seq = self.swapped[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.block_manager.swap_in(seq, n):
-                break
-            self.swapped.popleft()
-            self._insert_running(seq)
-            self._schedule(plan, seq, n)
-            budget -= n
-        return budget
-
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        if self.swapped:
-            return  # swapped sequences come back first, so a stream of new requests cannot starve them
-        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
-            seq = self.waiting[0]
-            n = self.block_manager.admit(seq, budget)
-            if n == 0:
-                break
-            self.waiting.popleft()
+    def _join(self, plan: StepPlan, budget: int) -> None:
+        """Swapped and waiting sequences join while the budget, the batch and the pool allow; the first that
+        does not fit stops the others (a smaller one behind it would otherwise keep a long prompt out)."""
+        while budget > 0 and len(self.running) < self.max_seqs and (seq := self._next_in()) is not None:
+            if seq.status is SeqStatus.SWAPPED:
+                n = min(seq.num_uncomputed, budget)
+                if not self.block_manager.swap_in(seq, n):
+                    return
+                self.swapped.remove(seq)
+            else:
+                n = self.block_manager.admit(seq, budget)
+                if n == 0:
+                    return
+                self.waiting.remove(seq)
             self._insert_running(seq)
             self._schedule(plan, seq, n)
             budget -= n
 
     def _insert_running(self, seq: Sequence) -> None:
-        """Keep running in arrival order, so preemption always picks the newest."""
+        """Keep running in arrival order: the oldest are scheduled first."""
         seq.status = SeqStatus.RUNNING
         pos = len(self.running)
         while pos > 0 and self.running[pos - 1].arrival > seq.arrival:

@@ -38,6 +38,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)
+    group: str = ""                      # the request it answers: the n replies to one prompt share the first's id
     status: SeqStatus = SeqStatus.WAITING  # written by the scheduler alone (engine/scheduler.py)
     num_computed: int = 0                # leading tokens whose K/V are in the cache
     tables: list[PageTable] = field(default_factory=lambda: [PageTable()])  # one per layer group
@@ -82,6 +83,11 @@ class Sequence:
     @cpu_table.setter
     def cpu_table(self, pages: list[int]) -> None:
         self.tables[0].cpu_table = pages
+
+    @property
+    def request(self) -> str:
+        """The request whose share of the batch this sequence counts against (engine/scheduler.py)."""
+        return self.group or self.request_id
 
     def table(self, group: int) -> PageTable:
         """The table of a layer group, made empty on first use (a sequence does not know its model's groups)."""

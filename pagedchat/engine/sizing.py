@@ -22,8 +22,8 @@ DEFAULT_GPU_SHARE = 0.60       # of free GPU memory after the weights
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """AVX-512 BF16 or AMX: bf16 matmuls run natively there, faster than fp32 (docs/bench.md, "What each change
-    bought"). Elsewhere bf16 is emulated."""
+    """AVX-512 BF16 or AMX: bf16 matmuls run natively there, faster than fp32
+    (docs/bench.md#the-bf16-engine-what-each-change-bought). Elsewhere bf16 is emulated."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -36,11 +36,10 @@ def default_dtype(device: torch.device, quantized: bool = False) -> torch.dtype:
     """What auto means on a CPU:
     - quantized weights (a GGUF's, or `--quantize`) where pagedchat's kernels run them: float32, whose
       activations their panels take. Even where the CPU computes bf16 natively they decode faster so than with
-      bf16 activations (docs/bench.md, "One kernel library"), at twice the KV bytes a token;
+      bf16 activations (docs/bench.md#one-kernel-library), at twice the KV bytes a token;
     - else bf16 where the hardware computes it natively (half the KV cache, faster attention and dense matmuls);
     - else float32, but for quantized weights without pagedchat's kernels: packed on torch's int4 kernel they
-      decode faster in bf16 than expanded to float32 (docs/bench.md, "Quantized kernels for every x86-64
-      level")."""
+      decode faster in bf16 than expanded to float32 (docs/bench.md#quantized-kernels-for-every-x86-64-level)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if quantized:

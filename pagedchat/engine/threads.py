@@ -7,15 +7,20 @@ one thread. So the governor times the steps and tries a neighbouring count now a
 slow down against the best this count has done, and on a timer that backs off while nothing changes. A count is
 kept only when its steps were clearly faster than the current count's on steps of the same size.
 
-Torch-free: the engine passes the call that sets the count and the clock.
+The first count comes from what other processes took while the engine got ready (where /proc tells): a core
+held by another program is left to it from the first step, since timing tries alone cost a short reply much of
+its time before they settle.
+
+Torch-free: the engine passes the call that sets the count, the clock and the CPU reading.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger("pagedchat.engine")
 
@@ -27,6 +32,23 @@ LAST_INTERVAL = 30.0
 MIN_GAP = 0.5         # seconds between tries that slowed steps start
 FRESH = 3.0           # a count's timing of a step size is compared only this long after it was last seen
 EWMA = 0.3
+MIN_READING = 0.05    # seconds: a shorter look at the other processes' CPU time says too little
+
+CpuReading = Callable[[], Optional[tuple[float, float]]]
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has been busy, this process's), from /proc; None without it. Busy counts steal,
+    the time another virtual machine held a core."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        with open("/proc/self/stat") as f:
+            utime, stime = map(int, f.read().rsplit(")", 1)[1].split()[11:13])
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / tick, (utime + stime) / tick
 
 
 def ladder(most: int) -> tuple[int, ...]:
@@ -62,10 +84,13 @@ class _Probe:
 
 
 class ThreadGovernor:
-    def __init__(self, most: int, set_threads: Callable[[int], None], clock: Callable[[], float]):
+    def __init__(self, most: int, set_threads: Callable[[int], None], clock: Callable[[], float],
+                 cpu: CpuReading = lambda: None):
         self.counts = ladder(most)
         self._set = set_threads
         self._clock = clock
+        self._cpu = cpu
+        self._first_reading = (clock(), cpu())   # until the first step: see _start_from_load
         self._rung = 0                                       # index into counts: the count in use
         self._timings: dict[tuple[int, int], _Timing] = {}   # (rung, step size) -> timing
         self._probe: _Probe | None = None
@@ -80,6 +105,8 @@ class ThreadGovernor:
     def observe(self, size: int, seconds: float) -> None:
         """A step that computed `size` tokens took `seconds` on the count in use."""
         now = self._clock()
+        if self._first_reading is not None:
+            self._start_from_load(now)
         if self._probe is not None:
             self._observe_probe(size, seconds, now)
             return
@@ -91,6 +118,24 @@ class ThreadGovernor:
             self._start(self._rung + 1, now)
         elif now >= self._next_try:
             self._start(self._rung - 1 if self._rung > 0 else self._rung + 1, now)
+
+    def _start_from_load(self, now: float) -> None:
+        """Leave the cores other processes kept busy since the governor was made (rounded) to them."""
+        then, before = self._first_reading
+        if before is not None and now - then < MIN_READING:
+            return   # too soon to tell: a later step reads it
+        self._first_reading = None
+        after = self._cpu() if before is not None else None
+        if after is None:
+            return
+        others = ((after[0] - before[0]) - (after[1] - before[1])) / (now - then)
+        free = max(1, self.counts[0] - int(others + 0.5))
+        rung = next(i for i, count in enumerate(self.counts) if count <= free)
+        if rung != self._rung:
+            log.info("torch threads %d -> %d: other processes kept %.1f cores busy", self.counts[self._rung],
+                     self.counts[rung], others)
+            self._rung = rung
+            self._set(self.counts[rung])
 
     def _record(self, rung: int, size: int, seconds: float, now: float) -> _Timing:
         timing = self._timings.get((rung, size))

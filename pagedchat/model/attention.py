@@ -128,7 +128,7 @@ def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int,
 def _math_dtype(q: torch.Tensor) -> torch.dtype:
     """fp16 attention on the CPU has no fast kernel, so it is upcast. bf16 stays bf16 (the flash kernel
     accumulates in fp32, as transformers' bf16 sdpa does), which skips copying every gathered page to fp32
-    (measured in docs/bench.md, "The packed weights against llama.cpp")."""
+    (measured in docs/bench.md#decode-attention-in-bf16-shared-prefix-read-once)."""
     return torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
 
 
@@ -137,7 +137,7 @@ def _math_dtype(q: torch.Tensor) -> torch.dtype:
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Reading a shared prefix once instead of once per sequence costs an extra attention call, gathers and a
 # merge per layer, about what reading this many keys costs: below it the split is a loss (per-layer timings
-# in docs/bench.md, "The packed weights against llama.cpp").
+# in docs/bench.md#decode-attention-in-bf16-shared-prefix-read-once).
 SHARED_PREFIX_MIN_SAVED_KEYS = 1536
 
 

@@ -2,9 +2,9 @@
 
 - `Linear`: a dense weight. On the CPU in bf16, torch's F.linear runs oneDNN on a plain row-major weight;
   handing oneDNN the weight already packed in its own blocked layout gives the same numbers bit for bit and runs
-  faster (docs/bench.md, "What each change bought"). oneDNN's packing is a private torch op, so it is used only
-  where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's sgemm,
-  the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
+  faster (docs/bench.md#the-bf16-engine-what-each-change-bought). oneDNN's packing is a private torch op, so it is
+  used only where a probe at load shows it present and exact; elsewhere, and in fp32 (where F.linear takes MKL's
+  sgemm, the kernel transformers uses, and oneDNN's differs in the last bits), the weight stays plain.
 - `blocks.BlockLinear`: a GGUF's quantized blocks as the file holds them, run by pagedchat's kernels (qmm.py):
   the CPU's path wherever they are built, in float32 or bf16.
 - `quant.Int4Linear`: a GGUF's 4-bit (and Q8_0) blocks, packed for torch's int4 kernel on bf16 activations: the

@@ -3,7 +3,7 @@
 Every quantized type of a typical download (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's
 blocks, reordered at load into panels of 16 rows (pack; csrc/qmm.h), so the weights take the file's size in
 memory. Each call quantizes its activation rows to int8 per 32 inputs and takes integer dot products against the
-blocks, as llama.cpp's CPU kernels do (docs/bench.md, "Quantized kernels for every x86-64 level"). The same
+blocks, as llama.cpp's CPU kernels do (docs/kernels.md#quantized-weights-on-the-cpu). The same
 library holds the rest of a decode step's kernels on the CPU (csrc/layer_level.cpp): attention straight from the
 pages, and a float32 step's norms, rotary turn with the cache write, and silu(gate) * up.
 
@@ -107,8 +107,8 @@ def level() -> Level | None:
 
 def integer_batches() -> bool:
     """Whether the level in use also runs a prompt's big chunks: every SIMD level's integer dot products beat
-    dequantizing the weight for sgemm at any row count (docs/bench.md, "The prompt's matmuls"); the portable
-    C++ loops do not, so there blocks.BlockLinear keeps the dense path for big chunks."""
+    dequantizing the weight for sgemm at any row count (docs/bench.md#the-prompts-matmuls-and-attentions-sums);
+    the portable C++ loops do not, so there blocks.BlockLinear keeps the dense path for big chunks."""
     lv = level()
     return lv is not None and lv != PORTABLE
 

@@ -27,8 +27,8 @@ import torch
 GROUP = 32
 # From this many rows (a prefill chunk) a matmul dequantizes its weight into float32 scratch and runs a dense
 # GEMM instead of the int4 kernel: the kernel dequantizes the weight again for every 4 rows, so past a few
-# hundred rows one dequantization plus MKL's sgemm is cheaper (docs/bench.md, "The packed weights against
-# llama.cpp"). The scratch is reused, so no second resident copy of the weights exists.
+# hundred rows one dequantization plus MKL's sgemm is cheaper (docs/bench.md#a-dense-path-for-prefill-chunks).
+# The scratch is reused, so no second resident copy of the weights exists.
 DENSE_MIN_ROWS = 256
 DENSE_SCRATCH_WEIGHTS = 1 << 21  # weights dequantized at a time: a few MB of scratch, whatever the matrix
 # Types whose blocks map onto int4 groups; every other quantized type is dequantized (see GGUFTensor).

@@ -1,13 +1,13 @@
 """The model's tokenizer without transformers at start: a record of the tokenizer transformers builds for a folder,
 read back into the `tokenizers` library's Tokenizer, with the chat template rendered by jinja2 as transformers does.
 
-Importing transformers costs more than everything else a start does beside torch (docs/bench.md, "Start to model
-ready"). So at a folder's first load transformers' own tokenizer is built once, and what it encodes and renders
-with is saved as a record in the cache: its backend exactly as transformers configured it (added tokens,
-post-processor, normalizer), its special tokens and its chat template. The record is checked against transformers
-on probe texts and chats before it is saved; every later start reads it. A tokenizer the record cannot stand for
-(a class with its own Python encode or decode, a decode that would clean up spaces, a template the probes render
-differently) stays transformers' own.
+Importing transformers costs more than everything else a start does beside torch
+(docs/bench.md#start-up-without-transformers). So at a folder's first load transformers' own tokenizer is built
+once, and what it encodes and renders with is saved as a record in the cache: its backend exactly as transformers
+configured it (added tokens, post-processor, normalizer), its special tokens and its chat template. The record is
+checked against transformers on probe texts and chats before it is saved; every later start reads it. A tokenizer
+the record cannot stand for (a class with its own Python encode or decode, a decode that would clean up spaces, a
+template the probes render differently) stays transformers' own.
 """
 
 from __future__ import annotations

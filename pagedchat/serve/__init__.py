@@ -1,1 +1,1 @@
-"""`pagedchat serve`: the OpenAI-compatible HTTP API over the one in-process engine (see README "Serving")."""
+"""`pagedchat serve`: the OpenAI-compatible HTTP API over the one in-process engine (docs/serving.md)."""

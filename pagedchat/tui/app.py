@@ -30,7 +30,7 @@ from textual.widgets import Footer, TabbedContent
 
 from pagedchat.backends.base import Backend
 from pagedchat.backends.open import open_backend
-from pagedchat.config import DEFAULT_THEME, AppConfig
+from pagedchat.config import DEFAULT_THEME, AppConfig, binding_problem
 from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
@@ -44,12 +44,14 @@ from pagedchat.tui.records import ChatRecord, ChatSettings
 from pagedchat.tui.saver import RETRY_S, Saver
 from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen
+from pagedchat.tui.screens.modals import UnsavedQuitScreen
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.store import BUSY_TIMEOUT_S, Store
 from pagedchat.tui.tabs import ChatTabs, TabHooks
 from pagedchat.tui.themes import load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
+DRAFT_S = 2.0          # each chat's unsent input is saved this often, if it changed
 RECONNECT_S = 3.0      # a server that could not be reached is tried again this often, in the background
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
@@ -57,7 +59,7 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else
 def default_backend_factory(config: AppConfig) -> BackendFactory:
     """The server named by --server / `server =`, else the engine in a process of its own, so that drawing
     never holds up a step (backends/process.py). Every core computes: the UI needs little CPU between steps, and
-    leaving it a core made streaming slower for less timer jitter (docs/bench.md, "A core for the event loop")."""
+    leaving it a core made streaming slower for less timer jitter (docs/bench.md#a-core-for-the-event-loop)."""
     return lambda progress: open_backend(config, progress, own_process=os.name == "posix")  # pass_fds: POSIX
 
 
@@ -100,6 +102,7 @@ class PagedChatApp(App):
         self._exiting = False                          # a signal: no more updates are taken
         self._focus_before_inspector = None            # where F2 found the keyboard, to give it back
         self._startup_notes: list[tuple[str, str]] = []
+        self.applied_keys: dict[str, str] = {}         # config.toml's [keys] that were taken (_apply_keymap)
         loaded = load_themes(config.user_theme_dir)
         for theme in loaded.themes:
             self.register_theme(theme)
@@ -167,11 +170,15 @@ class PagedChatApp(App):
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._apply_keymap()
         await self.chats.restore(self.store.load_chats(open_only=True), self.store.get_state("active_chat"))
+        drafts = self.store.drafts()
+        for view in self.chats.views():
+            self._restore_draft(view, drafts)
         for text, severity in self._startup_notes:
             self.notify(text, severity=severity, timeout=10)
         self.link.start()
         self.set_interval(TICK_S, self.refresh_memory)
         self.set_interval(RETRY_S, self.saver.retry)  # a no-op unless a write failed
+        self.set_interval(DRAFT_S, self.keep_drafts)
 
     def _open_store(self) -> Store:
         try:
@@ -210,12 +217,20 @@ class PagedChatApp(App):
         self.refresh_memory(force=True)
 
     def _apply_keymap(self) -> None:
-        known = {b.id for b in binding_catalogue() if b.id}
-        unknown = sorted(set(self.config.keys) - known)
-        if unknown:
+        """config.toml's [keys] over the bindings. An unknown id, or keys Textual never reports, is a warning,
+        and that binding keeps its default key."""
+        known = {b.id: b for b in binding_catalogue() if b.id}
+        if unknown := sorted(set(self.config.keys) - set(known)):
             self._startup_notes.append((f"config.toml [keys]: unknown binding id {', '.join(unknown)} "
                                         "(F1 lists them)", "warning"))
-        self.set_keymap({k: v for k, v in self.config.keys.items() if k in known})
+        problems = {i: binding_problem(keys) for i, keys in self.config.keys.items() if i in known}
+        for i, problem in problems.items():
+            if problem is not None:
+                self._startup_notes.append((f"config.toml [keys] {i} ({known[i].description or known[i].action}) "
+                                            f"= {self.config.keys[i]!r}: {problem}; it stays on {known[i].key}",
+                                            "warning"))
+        self.applied_keys = {i: self.config.keys[i] for i, problem in problems.items() if problem is None}
+        self.set_keymap(self.applied_keys)
 
     # ---- routing to the chats ------------------------------------------------------------------------------
     @on(TabbedContent.TabActivated, "#chats")
@@ -263,13 +278,30 @@ class PagedChatApp(App):
         if session is None:
             return
         await self.active_chat.abandon()
+        self.saver.draft(session.record, self.active_chat.prompt.text)
         session.record.is_open = False
         self.active_chat.save(row=True)
         await self.chats.remove(session)
         self.notify(f"Closed “{session.record.title}”; reopen it from the command palette.", timeout=4)
 
     async def reopen_chat(self, chat_id: str) -> None:
+        if chat_id in self.sessions:
+            return
         await self.chats.reopen(next((r for r in self.store.load_chats(open_only=False) if r.id == chat_id), None))
+        if (session := self.sessions.get(chat_id)) is not None:
+            self._restore_draft(self.chat_view(session), self.store.drafts())
+
+    def _restore_draft(self, view: ChatView, drafts: dict[str, str]) -> None:
+        if text := drafts.get(view.chat_id):
+            view.prompt.text = text
+            view.prompt.move_cursor(view.prompt.document.end)
+            self.saver.draft(view.session.record, text, saved=True)
+
+    def keep_drafts(self) -> None:
+        """Each chat's unsent input that changed, marked and written (every DRAFT_S, and on the way out)."""
+        for view in self.chats.views():
+            self.saver.draft(view.session.record, view.prompt.text)
+        self.saver.flush()
 
     def action_next_chat(self) -> None:
         self.chats.switch(1)
@@ -307,22 +339,30 @@ class PagedChatApp(App):
             chat.prompt.focus()
 
     def action_help(self) -> None:
-        keymap = self.config.keys
-        rows = [(keymap.get(b.id, b.key), b.description or b.action, b.id) for b in binding_catalogue()]
+        rows = [(self.applied_keys.get(b.id, b.key), b.description or b.action, b.id) for b in binding_catalogue()]
         paths = (f"## Files\n\n* Saved chats: `{self.store.path}`\n* Exports: `{self.config.data_dir / 'exports'}`\n"
                  f"* Config: `{self.config.config_dir / 'config.toml'}`\n"
                  f"* Your themes: `{self.config.user_theme_dir}/*.toml`")
         self.push_screen(HelpScreen(rows, paths))
 
     async def action_quit(self) -> None:
+        """Quit once everything is saved. Chats that cannot be written (a full disk) are not dropped silently:
+        the user is asked, while the retries go on, and a retry that succeeds meanwhile quits."""
+        if isinstance(self.screen, UnsavedQuitScreen):
+            return
         await self.save_all()
-        self.exit()
+        if self.saver.retry(BUSY_TIMEOUT_S) or not self.saver.unsaved_chats():  # else only tab order or theme
+            self.exit()
+            return
+        ask = UnsavedQuitScreen(self.saver, Path.home() / "pagedchat-unsaved")
+        self.push_screen(ask, lambda answer: answer is not None and self.exit(ask.exported))
 
     async def save_all(self) -> None:
         for view in self.chats.views():
             await view.abandon()
         if self.sessions:
             self.chats.save_order()
+        self.keep_drafts()
 
     # ---- signals and the end ----------------------------------------------------------------------------------
     def _install_exit_signals(self) -> None:
@@ -348,6 +388,7 @@ class PagedChatApp(App):
         self._exiting = True
         for view in self.chats.views():
             view.save_interrupted()
+        self.keep_drafts()
         self.saver.retry(BUSY_TIMEOUT_S)  # even while writes fail: this is the last chance
         self.exit()
 
@@ -396,6 +437,8 @@ def binding_catalogue() -> list[Binding]:
 def run_app(config: AppConfig, *, backend_factory: BackendFactory | None = None) -> None:
     """Run the chat app until the user quits (the CLI's entry point)."""
     app = PagedChatApp(config, backend_factory=backend_factory)
-    app.run()
+    exported = app.run() or []   # the unsaved chats' files, where the user exported them at quit
     if app.saver is not None and app.saver.pending:  # the last save at exit failed too: say so, not silently
         print(f"pagedchat: the latest changes could not be saved ({app.saver.failing})", file=sys.stderr)
+    for path in exported:
+        print(visible_controls(f"pagedchat: exported {path}; `pagedchat import` brings it back"), file=sys.stderr)

@@ -1,5 +1,5 @@
 """The app's one backend: loading it off the UI thread, the status bar that shows how that goes, why there is
-none, an engine that stopped and its restart, and the periodic memory poll.
+none, an engine that stopped and its restart, an engine that stopped answering, and the periodic memory poll.
 
 The backend starts on a daemon thread (bridge.start_loading); its progress, its arrival and its failure come
 back as messages the app hands to `BackendLink`.
@@ -76,6 +76,7 @@ class BackendLink:
         self.backend: Backend | None = None
         self.error: str | None = None
         self._stop_noted = False      # the backend's failure has been shown
+        self._stall_noted = False     # an engine that stopped answering has been told of
         self.error_said: str | None = None   # the last failure told in a notice
 
     @property
@@ -134,6 +135,9 @@ class BackendLink:
         if self.backend.failure is not None:
             status.error(f"engine stopped: {self.backend.failure}")
             return
+        if self._stall_noted and (quiet := self.backend.stalled_for()) is not None:
+            status.error(f"engine not answering for {quiet:.0f} s (Esc stops a reply, keeping its text)")
+            return
         info = self.backend.info
         pages = f" · {info.num_pages} pages" if info.num_pages else ""
         activity = f" · {generating} generating" if generating else ""
@@ -165,9 +169,25 @@ class BackendLink:
             self.app.notify(self.stopped_text(), severity="error", timeout=15)
         return True
 
+    def note_stall(self, busy: list) -> bool:
+        """Say once, while a reply waits on it, that the engine stopped answering, and once that it answers
+        again; the status bar counts the seconds meanwhile. True while that is noted."""
+        answering = self.backend.stalled_for() is None
+        if not answering and busy and not self._stall_noted:
+            self._stall_noted = True
+            self.app.notify("The engine is not answering: its process is stopped or starved of CPU. Replies go on "
+                            "once it answers; Esc stops one and keeps its text.", severity="warning", timeout=10)
+        elif answering and self._stall_noted:
+            self._stall_noted = False
+            self.app.notify("The engine is answering again.", timeout=4)
+            self.show_status(len(busy))
+        if self._stall_noted:
+            self.show_status(len(busy))
+        return self._stall_noted
+
     def restart(self) -> None:
         """Load a fresh engine in place of one that stopped; the chats stay as they are."""
-        old, self.backend, self._stop_noted = self.backend, None, False
+        old, self.backend, self._stop_noted, self._stall_noted = self.backend, None, False, False
         if old is not None:
             old.shutdown()
         if (status := self._status()) is not None:
@@ -179,6 +199,7 @@ class BackendLink:
         busy = [s for s in chats.sessions.values() if s.busy]
         if self.backend is None or self.note_stopped(len(busy)):
             return
+        stalled = self.note_stall(busy)
         if not busy and not inspector.display:
             return
         view = self.backend.memory()
@@ -188,6 +209,8 @@ class BackendLink:
                 session.pages, session.page_tokens = held
             if (chat := chats.view(session)) is not None:
                 chat.show_fill()
+                if (message := chat.view_at(session.reply.index)) is not None:
+                    message.mark_stalled(stalled)
         if inspector.display:
             pages = chats.chat_pages()
             active = chats.active

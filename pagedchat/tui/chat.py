@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from textual import events
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -27,10 +27,14 @@ from pagedchat.tui.records import ChatMessage, stats_line
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
 # core, and an append costs more as the reply grows (Textual re-parses the last block and rebuilds a list or a
 # code block whole), so each flush waits at least RENDER_SPACING times as long as the last append took: the
-# appends then hold the main thread a bounded share of the time. Measurements: docs/bench.md, "The app keeps up".
+# appends then hold the main thread a bounded share of the time. Measurements:
+# docs/bench.md#the-app-keeps-up-with-its-engine.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
 RENDER_SPACING = 20
+# TextArea re-wraps an edited line whole on every key, and re-cuts it whole for each screen row it draws: with a
+# line past this many characters the input scrolls sideways instead, and a key costs what the line's length does.
+WRAP_LIMIT = 10_000
 
 
 def action_name(method) -> str:
@@ -58,6 +62,10 @@ class PromptInput(TextArea):
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message  (Enter sends · ctrl+j newline · F1 help)", **kwargs)
         self.recalling = False   # the text is a recalled prompt (tui/history.py)
+
+    @on(TextArea.Changed)
+    def _wrap_unless_too_long(self) -> None:
+        self.soft_wrap = max(map(len, self.document.lines), default=0) <= WRAP_LIMIT
 
     def _recall_step(self, key: str) -> int | None:
         row, column = self.cursor_location
@@ -92,7 +100,7 @@ class MessageActions(Protocol):
     def edit_message(self, index: int) -> None: ...
     async def regenerate_from(self, index: int) -> None: ...
     async def focus_message(self, index: int) -> None: ...
-    def action_stop(self) -> None: ...
+    async def action_stop(self) -> None: ...
 
 
 class MessageView(Vertical, can_focus=True):
@@ -123,13 +131,15 @@ class MessageView(Vertical, can_focus=True):
         self._flush_timer: Timer | None = None
         self._flush_gap = FLUSH_S   # from the last append's end to the next one's start
         self._streamed_tokens = streamed or 0
+        self._doing = ""            # the stats line while streaming, before its marks
+        self._stalled = False       # the engine has stopped answering
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
-            line = self._progress() if self._streaming else stats_line(stats) if stats else ""
+            line = self._live_line(self._progress()) if self._streaming else stats_line(stats) if stats else ""
             yield Label(plain(line), classes="stats")
 
     @property
@@ -152,7 +162,24 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = True
         self._flush_gap = FLUSH_S
         self._streamed_tokens = 0
-        self.set_stats("waiting for the first token…  (Esc stops)")
+        self._stalled = False
+        self._show_live("waiting for the first token…")
+
+    def _show_live(self, doing: str) -> None:
+        self._doing = doing
+        self.set_stats(self._live_line(doing))
+
+    def _live_line(self, doing: str) -> str:
+        """The stats line while streaming: what the reply is doing, and whether the engine still answers."""
+        if self._stalled:
+            return f"stalled: the engine is not answering · {doing}  (Esc stops it, keeping the text)"
+        return f"{doing}  (Esc stops)"
+
+    def mark_stalled(self, stalled: bool) -> None:
+        """Mark the streaming reply stalled while the engine does not answer, or take the mark back."""
+        if self._streaming and stalled != self._stalled:
+            self._stalled = stalled
+            self._show_live(self._doing)
 
     def feed(self, text: str, tokens: int) -> None:
         """Queue text for the next flush; cheap, called once per batch of updates."""
@@ -163,7 +190,7 @@ class MessageView(Vertical, can_focus=True):
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
     def _progress(self) -> str:
-        return f"generating · {self._streamed_tokens} tokens  (Esc stops)"
+        return f"generating · {self._streamed_tokens} tokens"
 
     async def _flush(self) -> None:
         if not self._streaming:
@@ -171,7 +198,7 @@ class MessageView(Vertical, can_focus=True):
             return
         text = "".join(self._pending)
         self._pending.clear()
-        self.set_stats(self._progress())
+        self._show_live(self._progress())
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
@@ -219,5 +246,5 @@ class MessageView(Vertical, can_focus=True):
     async def action_next(self) -> None:
         await self.actions.focus_message(self.index + 1)
 
-    def action_back(self) -> None:
-        self.actions.action_stop()
+    async def action_back(self) -> None:
+        await self.actions.action_stop()

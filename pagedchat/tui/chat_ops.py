@@ -10,33 +10,56 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from textual.widgets import TabbedContent
+
 from pagedchat.tui.records import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession
-from pagedchat.tui.transfer import ExportFormat, NotAChatExport, export_path, read_chat_file, render
+from pagedchat.tui.transfer import (ExportFormat, NotAChatExport, export_path, imported_title, read_chat_file,
+                                    render)
 
 
 async def open_at(app, chat_id: str, index: int) -> None:
-    """Show a chat (reopening it if closed) with message `index` focused and in view."""
-    session = app.sessions.get(chat_id)
-    if session is None:
-        await app.reopen_chat(chat_id)
-        session = app.sessions.get(chat_id)
-        if session is None:
-            app.notify("That chat is no longer saved.", severity="warning")
-            return
-    else:
-        app.chats.show(session)
-        await app.chats.activated(session)
-    view = app.chat_view(session)
-    if view is None:
+    """Show a chat (reopening it if closed) with message `index` focused and at the top of the view."""
+    # Shown and activated here, once: the TabActivated that showing it posts would activate it a second time,
+    # later, and send the focus from the message back to the input.
+    with app.chats.tabbed.prevent(TabbedContent.TabActivated):
+        session = await _shown(app, chat_id)
+    if session is None or (view := app.chat_view(session)) is None:
         return
     await view.populate()
-    message = await view.log_view.reveal(index)   # an old message is mounted, with a page around it
-    if message is not None:
-        # After the palette has closed and the tab switch has settled, each of which moves focus itself.
-        app.call_after_refresh(lambda: message.focus() and message.scroll_visible(animate=False, top=True))
+    if (message := await view.log_view.reveal(index)) is not None:   # an old message is mounted, with a page around it
+        jump_when_laid_out(message)
+
+
+async def _shown(app, chat_id: str) -> ChatSession | None:
+    if (session := app.sessions.get(chat_id)) is not None:
+        app.chats.show(session)
+        await app.chats.activated(session)
+        return session
+    await app.reopen_chat(chat_id)
+    if (session := app.sessions.get(chat_id)) is None:
+        app.notify("That chat is no longer saved.", severity="warning")
+    return session
+
+
+def jump_when_laid_out(message) -> None:
+    """Focus a message and scroll it to the top of its chat once a layout has placed it. Not "after the next
+    refresh": the palette that asked holds screen updates back as it closes (delay_update), and callbacks
+    after a refresh then run at once, before a tab just shown is laid out, so the jump found no place to
+    scroll to and the chat stayed where it was (at its bottom, where it was anchored)."""
+    signal = message.screen.screen_layout_refresh_signal
+
+    def laid_out(_screen) -> None:
+        if message.virtual_region:
+            signal.unsubscribe(message)
+            message.focus(scroll_visible=False)
+            message.scroll_visible(animate=False, top=True, immediate=True)
+
+    signal.unsubscribe(message)      # a newer jump to the same message replaces the older one
+    signal.subscribe(message, laid_out)
+    message.refresh(layout=True)     # so that a layout comes even where nothing else changed
 
 
 def pick_message(app, title: str, then: Callable[[int], object], role: str | None = None) -> None:
@@ -99,10 +122,10 @@ def offer_export(app) -> None:
     session = app.active_session
     if session is None:
         return
-    # PickScreen starts on the last option: Markdown, as ctrl+o always wrote.
-    options = [("JSON: messages and settings, imports back (.json)", ExportFormat.JSON),
-               ("Markdown: to read or share (.md)", ExportFormat.MARKDOWN)]
-    app.push_screen(PickScreen("Export this chat as", options),
+    # Markdown first, and the one Enter picks: it is what ctrl+o always wrote.
+    options = [("Markdown: to read or share (.md)", ExportFormat.MARKDOWN),
+               ("JSON: messages and settings, imports back (.json)", ExportFormat.JSON)]
+    app.push_screen(PickScreen("Export this chat as", options, highlighted=0),
                     lambda fmt: fmt is not None and export_chat(app, session, fmt))
 
 
@@ -112,6 +135,9 @@ async def import_chat(app, path: Path) -> ChatSession | None:
     except NotAChatExport as exc:
         app.notify(f"Not imported: {exc}", severity="error", timeout=10)
         return None
+    # Open chats too: a title changed in a tab may not be saved yet.
+    taken = {r.title for r in app.store.load_chats()} | {s.record.title for s in app.sessions.values()}
+    record.title = imported_title(record.title, taken)
     session = ChatSession(record)
     (await app.chats.open(session, after=app.active_session)).save(messages=True)
     app.notify(f"Imported “{record.title}” ({len(record.messages)} messages).", timeout=5)
@@ -130,5 +156,7 @@ def ask_import(app) -> None:
 
 def save_imported(store, record: ChatRecord) -> None:
     """The CLI's import: a new open chat after the open tabs, shown at the next start."""
-    record.position = len(store.load_chats(open_only=True))
+    saved = store.load_chats()
+    record.title = imported_title(record.title, {r.title for r in saved})
+    record.position = sum(r.is_open for r in saved)
     store.save_chat(record)

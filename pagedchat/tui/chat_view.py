@@ -18,9 +18,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 
-from pagedchat.backends.base import Backend
+from pagedchat.backends.base import Backend, refusal
 from pagedchat.engine.records import FinishReason, Outcome, Update
-from pagedchat.tui import context, copying
+from pagedchat.tui import context, copying, refused
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import UpdateInbox
 from pagedchat.tui.chat import MessageView, PromptInput, action_name
@@ -152,13 +152,15 @@ class ChatView(Vertical):
         event.stop()
         self.services.history.step(event.prompt, event.step)
 
-    def action_stop(self) -> None:
+    async def action_stop(self) -> None:
         """Esc: stop the live reply (the footer offers it only then); on a message with none live, back to the
-        input."""
-        if self.session.busy:
-            self.stop()
-        else:
+        input. An engine that is not answering sends no final update: the reply ends here, kept as it stands."""
+        if not self.session.busy:
             self.prompt.focus()
+        elif self.backend is not None and self.backend.stalled_for() is not None:
+            await self.abandon()
+        else:
+            self.stop()
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         # Esc shows as "Stop" in the footer only while this chat is replying.
@@ -198,21 +200,17 @@ class ChatView(Vertical):
         if self.session.busy:
             self.notify(BUSY_NOTICE, severity="warning")
             return
-        if (backend := self.services.link.ready_or_say()) is None:
-            return
-        if (notice := context.prompt_too_long(backend, self.session, text)) is not None:
-            self.notify(notice, severity="warning", timeout=10)
+        if self.services.link.ready_or_say() is None:
             return
         if await self.start_reply(ask=text):
-            prompt.clear()  # only now: a refused message stays in the input
+            prompt.clear()  # only now: a message refused at once stays in the input (a later refusal puts it back)
             self.services.history.add(text)
             self.services.history.forget_walk(prompt)
 
     async def start_reply(self, keep: int | None = None, ask: str | None = None) -> bool:
         """Ask for a reply to the chat's first `keep` messages (default all; the last is the user's), followed
-        by the user's new message `ask` if given. Messages from `keep` on (a reply being regenerated, a message
-        being edited and what followed it) are removed only once the backend has accepted the request, so a
-        refused one changes nothing. True if the reply started."""
+        by `ask` if given. Messages from `keep` on (a reply being regenerated, a message being edited and what
+        followed it) go at once; a refusal puts them back (refused.py). True if the reply started."""
         backend = self.services.link.ready_or_say()
         if backend is None:
             return False
@@ -222,10 +220,11 @@ class ChatView(Vertical):
         try:
             handle = backend.submit(conversation, record.settings.params(), previous=session.previous(keep),
                                     on_update=self.services.inbox.callback(session.id))
-        except Exception as exc:  # settings, or a prompt too long for the context or the cache: keep the chat
+        except Exception as exc:  # known without asking the engine (it stopped): keep the chat
             self.notify(f"Cannot send: {exc}", severity="error", timeout=10)
             return False
         # The record changes in one go (no await between the cut and the new messages), then the screen.
+        replaced = session.replacing(keep, ask)
         self._drop(keep)
         if ask is not None:
             if not record.messages and record.title == "New chat":
@@ -233,7 +232,7 @@ class ChatView(Vertical):
             record.messages.append(ChatMessage("user", ask))
         record.messages.append(ChatMessage("assistant", ""))
         index = len(record.messages) - 1
-        session.reply.start(handle, index)
+        session.reply.start(handle, index, replaced=replaced)
         self.services.changed(session)
         self.save(*range(keep, index + 1), row=True)
         await self.truncate(keep)
@@ -253,7 +252,8 @@ class ChatView(Vertical):
             self.notify(notice, severity="warning", timeout=8)
         self.session.record.messages[reply.index].content = reply.content
         if fed.outcome is not None:
-            await self._finish(fed.outcome)
+            error = refusal(reply.handle)   # taken, then refused: the chat goes back as it was
+            await (self._finish(fed.outcome) if error is None else refused.put_back(self, error))
             return
         if view is not None:
             view.feed(fed.text, fed.tokens)

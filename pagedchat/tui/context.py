@@ -2,18 +2,20 @@
 full chat over into a new one.
 
 A chat's size is what its last request held (prompt plus generated tokens): the backend's own count, so it
-needs no re-tokenising. While a reply streams it grows with each update. The app never tokenizes: the check
-before sending asks the backend (Backend.prompt_tokens), and is skipped where the backend cannot count.
+needs no re-tokenising. While a reply streams it grows with each update. The app never tokenizes, and never
+waits on the engine to count a message before sending it: the backend refuses one that cannot fit, and the chat
+is put back as it was (chat_view.py).
 """
 
 from __future__ import annotations
 
+import threading
 from copy import deepcopy
 from dataclasses import dataclass
 
 from textual.content import Content
 
-from pagedchat.errors import PagedChatError
+from pagedchat.errors import PagedChatError, RequestError
 
 from pagedchat.tui.records import ChatMessage, ChatRecord
 from pagedchat.tui.session import ChatSession
@@ -75,21 +77,12 @@ def fill(session: ChatSession, backend) -> Content | None:
     return ContextFill(tokens_in_use(session), limit).content() if limit is not None else None
 
 
-def prompt_too_long(backend, session: ChatSession, text: str) -> str | None:
-    """A notice when sending `text` would not leave the reply a single token of context, else None."""
-    limit = context_length(backend)
-    if limit is None:
-        return None
-    record = session.record
-    messages = record.conversation() + [{"role": "user", "content": text}]
-    try:
-        count = backend.prompt_tokens(messages, session.previous(len(record.messages)))
-    except PagedChatError:  # a template problem: the send path reports it with its own words
-        return None
-    if count is None or count < limit:
-        return None
-    return (f"This message would make the chat {count:,} tokens, but the model's context holds {limit:,}; "
-            f"it is still in the input. Shorten it, or {CONTINUE_HINT}.")
+def refused_notice(error: Exception, back_in_input: bool) -> str:
+    """What the app says when the backend refuses a reply after taking it (the engine process answers a start
+    later). A RequestError is a prompt that can never run: too long for the context or for the cache."""
+    back = " Your message is back in the input." if back_in_input else ""
+    hint = f" {CONTINUE_HINT}." if isinstance(error, RequestError) else ""
+    return f"Cannot send: {str(error).rstrip('.')}.{back}{hint}"
 
 
 CONTEXT_FULL = f"Context full: the reply stopped at the model's limit. {CONTINUE_HINT}."
@@ -116,19 +109,37 @@ def carried_messages(record: ChatRecord, count_tokens, budget: float) -> list[Ch
     return [ChatMessage(m.role, m.content, m.stats) for m in keep]
 
 
-async def continue_in_new_chat(app) -> ChatSession | None:
-    """A new tab with the active chat's system prompt, settings and the last turns that fit half the context."""
+def continue_in_new_chat(app) -> threading.Thread | None:
+    """A new tab with the active chat's system prompt, settings and the last turns that fit half the context.
+    Counting them asks the backend, which may be slow to answer: that runs on a thread (returned), and the tab
+    opens on the app's loop once it is done."""
     session = app.active_session
-    if session is None or app.link.ready_or_say() is None:
+    if session is None or (backend := app.link.ready_or_say()) is None:
         return None
-    record = session.record
-    limit = context_length(app.backend)
+    record = session.record   # a copy to count from: the chat may change meanwhile
+    source = ChatRecord(title=record.title, system_prompt=record.system_prompt, settings=deepcopy(record.settings),
+                        messages=list(record.messages))
+    limit = context_length(backend)
     budget = int(limit * CARRY_SHARE) if limit is not None else float("inf")   # unknown: carry every turn
-    messages = carried_messages(record, lambda conv: conversation_tokens(app.backend, conv), budget)
-    new = ChatSession(ChatRecord(title=f"↪ {record.title}"[:40], system_prompt=record.system_prompt,
-                                 settings=deepcopy(record.settings), messages=messages))
-    (await app.chats.open(new, after=session)).save(messages=True)
-    dropped = len(record.messages) - len(messages)
+
+    def count() -> None:
+        try:
+            messages = carried_messages(source, lambda conv: conversation_tokens(backend, conv), budget)
+        except PagedChatError as exc:
+            app.call_later(app.notify, f"Cannot continue in a new chat: {exc}", severity="error", timeout=10)
+            return
+        app.call_later(_open_continued, app, session, source, messages)
+
+    thread = threading.Thread(target=count, name="pagedchat-carry", daemon=True)
+    thread.start()
+    return thread
+
+
+async def _open_continued(app, session: ChatSession, source: ChatRecord, messages: list[ChatMessage]) -> None:
+    new = ChatSession(ChatRecord(title=f"↪ {source.title}"[:40], system_prompt=source.system_prompt,
+                                 settings=source.settings, messages=messages))
+    after = session if app.chats.is_open(session.id) else None
+    (await app.chats.open(new, after=after)).save(messages=True)
+    dropped = len(source.messages) - len(messages)
     app.notify(f"Continued in a new chat with the last {len(messages)} messages ({dropped} left behind).",
                timeout=6)
-    return new

@@ -22,7 +22,7 @@ from pagedchat.tui.inspector_parts import heading as _heading
 from pagedchat.tui.inspector_parts import kv as _kv
 from pagedchat.tui.inspector_remote import render_without_map
 
-MAX_CELLS = 2048           # above this, one map cell stands for several pages
+MAP_ROWS = 6               # the map's height at most: past it, one cell stands for several pages
 MAX_TABLE_ROWS = 48        # block-table rows shown before eliding the middle
 
 
@@ -89,26 +89,24 @@ def render_groups(snap, width: int = 80) -> list[Content]:
     return lines
 
 
-def render_map(snap, chats: list[ChatPages], width: int) -> Content:
-    """One cell per page (or per group of pages when there are very many), coloured by owner."""
+def render_map(snap, chats: list[ChatPages], width: int, rows: int = MAP_ROWS) -> Content:
+    """One cell per page, coloured by owner, in at most `rows` rows: past that, each cell stands for a group of
+    pages (the title says how many). rows=1 is the folded map: that one row, without legend or CPU tier."""
     live, idle = _owners(snap, chats)
     n = len(snap.page_states)
-    group = max(1, -(-n // MAX_CELLS))
     width = max(8, width)
-    cells: list[tuple[str, str]] = []
-    for start in range(0, n, group):
-        pages = range(start, min(n, start + group))
-        cells.append(_cell(snap, pages, live, idle))
-    rows = []
-    for r in range(0, len(cells), width):
-        rows.append(_join_runs(cells[r:r + width]))
+    group = max(1, -(-n // (width * max(1, rows))))
+    cells = [_cell(snap, range(start, min(n, start + group)), live, idle) for start in range(0, n, group)]
+    lines = [_join_runs(cells[r:r + width]) for r in range(0, len(cells), width)]
     groups = getattr(snap, "groups", ())
     title = "Page map" + (f" · {_group_name(groups[0])} layers" if len(groups) > 1 else "") + (
         f"  (1 cell = {group} pages)" if group > 1 else "")
+    if rows <= 1:
+        return Content("\n").join([_heading(title), *lines])
     legend = Content.assemble(
         (GLYPH_USED, "$foreground"), " used  ", (GLYPH_SHARED, "$foreground"), " shared  ",
         (GLYPH_CACHED, "$foreground"), " cached  ", (GLYPH_FREE, MUTED), " free")
-    out = [_heading(title), *rows, legend]
+    out = [_heading(title), *lines, legend]
     if snap.cpu_total:
         cpu = ([(GLYPH_USED, "$warning")] * snap.cpu_swapped + [(GLYPH_CACHED, "$warning")] * snap.cpu_cached
                + [(GLYPH_FREE, MUTED)] * max(0, snap.cpu_total - snap.cpu_used))
@@ -192,11 +190,16 @@ def held(pages: list[int]) -> list[int]:
     return [p for p in pages if p != NULL_PAGE]
 
 
-def render_sharing(snap, width: int = 80) -> Content:
+def render_sharing(snap, width: int = 80, folded: bool = False) -> Content:
+    """What sharing saves, the slack a contiguous cache would waste, and the cache's counters; folded: the
+    heading and one line of the figures that matter most."""
     c = snap.counters
     saved = snap.pages_saved_by_sharing
     live = len(snap.seqs)
     shared = len(snap.shared_pages)
+    if folded:
+        return Content.assemble(_heading("Sharing and waste"), "\n", Content.styled(
+            f"shared {shared} · saves {saved} pg · hits {snap.hit_rate:.0%}", MUTED))
     lines = [_heading("Sharing and waste"),
              _kv("shared", f"{shared} page{'' if shared == 1 else 's'}",
                  f"saves {saved} ({fmt_bytes(saved * snap.page_bytes)})", width)]
@@ -259,6 +262,24 @@ def render_block_table(snap, chat: ChatPages | None) -> Content:
     return Content("\n").join(rows)
 
 
+def fitted_parts(snap, chats: list[ChatPages], width: int, height: int) -> tuple[Content, ...]:
+    """The summary, the map, the sharing and the chats, made to leave the block table's heading in a panel
+    `height` rows tall (each part is followed by a blank row): the map in fewer rows (each cell then more pages),
+    and where even its smallest does not fit, the map and the sharing folded to a line each."""
+    summary, chats_part = render_summary(snap, width), render_chats(snap, chats, width)
+    sharing = render_sharing(snap, width)
+    spare = height - sum(_height(p) + 1 for p in (summary, sharing, chats_part)) - 1
+    for rows in range(MAP_ROWS, 1, -1):
+        page_map = render_map(snap, chats, width, rows)
+        if _height(page_map) + 1 <= spare:
+            return summary, page_map, sharing, chats_part
+    return summary, render_map(snap, chats, width, rows=1), render_sharing(snap, width, folded=True), chats_part
+
+
+def _height(content: Content) -> int:
+    return content.plain.count("\n") + 1
+
+
 class InspectorView(VerticalScroll):
     """The F2 side panel. update_view() re-renders only when the picture changed."""
 
@@ -287,8 +308,8 @@ class InspectorView(VerticalScroll):
 
     def update_view(self, view, chats: list[ChatPages], focused: ChatPages | None, force: bool = False) -> None:
         """Draw a backend's memory view: a snapshot's full page map, or what a server without one tells."""
-        width = self.map_width()
-        key = (view, tuple(chats), focused, width)
+        width, height = self.map_width(), self.scrollable_content_region.height
+        key = (view, tuple(chats), focused, width, height)
         if not force and key == self._last_key:
             return
         self._last_key = key
@@ -297,10 +318,9 @@ class InspectorView(VerticalScroll):
             return
         snap = self.last_snapshot = view
         self._show_parts(())
-        self.query_one("#insp-summary", Static).update(render_summary(snap, width))
-        self.query_one("#insp-map", Static).update(render_map(snap, chats, width))
-        self.query_one("#insp-sharing", Static).update(render_sharing(snap, width))
-        self.query_one("#insp-chats", Static).update(render_chats(snap, chats, width))
+        parts = fitted_parts(snap, chats, width, height)
+        for part, content in zip(("#insp-summary", "#insp-map", "#insp-sharing", "#insp-chats"), parts):
+            self.query_one(part, Static).update(content)
         self.query_one("#insp-table", Static).update(render_block_table(snap, focused))
 
     def _show_parts(self, parts: tuple[Content, ...]) -> None:

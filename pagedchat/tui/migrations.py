@@ -85,6 +85,15 @@ def m003_search(conn: sqlite3.Connection) -> None:
     conn.execute("INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')")  # what was there before
 
 
+@migration
+def m004_drafts(conn: sqlite3.Connection) -> None:
+    """Each chat's unsent input, so that a message refused as too long (or simply not sent yet) outlives a quit.
+    A table of its own: a draft changes far more often than the chat's row, and is written alone."""
+    conn.execute("""CREATE TABLE drafts (
+        chat_id TEXT PRIMARY KEY REFERENCES chats(id) ON DELETE CASCADE,
+        text TEXT NOT NULL)""")
+
+
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

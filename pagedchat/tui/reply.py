@@ -24,6 +24,18 @@ class Ending:
     stats: Outcome
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """What starting a reply took out of its chat (the messages from `keep` on, their turns, the title) and the
+    user's new message it sent: put back if the backend refuses the reply after taking it."""
+
+    keep: int
+    messages: list[ChatMessage]
+    turns: dict[int, Outcome]
+    title: str
+    ask: str | None
+
+
 @dataclass(eq=False)
 class Reply:
     handle: ReplyHandle | None = None  # the live request, if any
@@ -34,6 +46,7 @@ class Reply:
     tokens: int = 0
     saved_at: float = 0.0              # monotonic time its snapshot was last saved
     taking: bool = False               # still takes updates: false once it has ended
+    replaced: Replaced | None = None   # what its start changed in the chat (None: a forked branch)
 
     @property
     def live(self) -> bool:
@@ -54,9 +67,11 @@ class Reply:
     def takes(self, request_id: str) -> bool:
         return self.taking and self.request_id == request_id
 
-    def start(self, handle: ReplyHandle, index: int, *, prefix: str = "", inheriting: bool = False) -> None:
+    def start(self, handle: ReplyHandle, index: int, *, prefix: str = "", inheriting: bool = False,
+              replaced: Replaced | None = None) -> None:
         self.end()
         self.handle, self.index, self.prefix, self.inheriting, self.taking = handle, index, prefix, inheriting, True
+        self.replaced = replaced
 
     def feed(self, updates: list[Update]) -> Update:
         """Take a batch of updates; what they add, as one."""
@@ -105,4 +120,4 @@ class Reply:
 
     def end(self) -> None:
         self.handle, self.index, self.prefix, self.inheriting = None, None, "", False
-        self.text, self.tokens, self.taking = "", 0, False
+        self.text, self.tokens, self.taking, self.replaced = "", 0, False, None

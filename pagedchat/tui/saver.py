@@ -12,11 +12,13 @@ from __future__ import annotations
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.records import ChatMessage, ChatRecord, slug
 from pagedchat.tui.db import describe
 from pagedchat.tui.store import Store
+from pagedchat.tui.transfer import to_json
 
 RETRY_S = 2.0       # how often the app retries a failed write
 RETRY_WAIT_S = 0.1  # how long a retry waits for a lock: the UI thread waits with it, every RETRY_S
@@ -31,6 +33,7 @@ class _Changes:
     row: bool = False                                                      # title, settings, tab place
     messages: dict[str, tuple[int, ChatMessage]] = field(default_factory=dict)  # id -> (index, message)
     removed: set[str] = field(default_factory=set)
+    draft: str | None = None                                               # the input's text, when it changed
 
 
 class Saver:
@@ -42,6 +45,7 @@ class Saver:
         self._state: dict[str, str] = {}
         self._deleted: set[str] = set()
         self._gone: set[str] = set()       # deleted chats: a late mark must not bring one back
+        self._drafts: dict[str, str] = {}  # each chat's input as last marked or read: unchanged ones are not written
         self.failing: str | None = None    # the last write error, while writes fail
 
     # ---- marking --------------------------------------------------------------------------------------------
@@ -73,6 +77,14 @@ class Saver:
             changes.messages.pop(message.id, None)
             changes.removed.add(message.id)
 
+    def draft(self, record: ChatRecord, text: str, *, saved: bool = False) -> None:
+        """The chat's unsent input, marked if it changed since last seen; saved=True: as read from the store."""
+        if self._drafts.get(record.id, "") == text:
+            return
+        self._drafts[record.id] = text
+        if not saved:
+            self._changes(record).draft = text
+
     def delete_chat(self, chat_id: str) -> None:
         """Delete the chat for good; anything still unsaved of it is dropped."""
         self._chats.pop(chat_id, None)
@@ -88,6 +100,10 @@ class Saver:
     @property
     def pending(self) -> bool:
         return bool(self._chats or self._deleted or self._order is not None or self._state)
+
+    def unsaved_chats(self) -> list[ChatRecord]:
+        """The chats with changes not written yet: what quitting now would lose."""
+        return [changes.record for changes in self._chats.values()]
 
     # ---- writing --------------------------------------------------------------------------------------------
     def flush(self) -> bool:
@@ -129,10 +145,12 @@ class Saver:
             if changes.row:
                 record.updated = time.time()
                 store.put_chat(record)
-            elif changes.messages:
+            elif changes.messages or changes.draft is not None:
                 store.ensure_chat(record)
             for index, message in changes.messages.values():
                 store.put_message(record.id, index, message)
+            if changes.draft is not None:
+                store.put_draft(record.id, changes.draft)
             if changes.removed:
                 store.remove_messages(record.id, sorted(changes.removed))
         for chat_id in self._deleted:
@@ -148,3 +166,15 @@ class Saver:
         self.failing = reason
         self._report(f"Could not save chats ({reason}). Retrying every {RETRY_S:.0f} s; nothing is lost while "
                      "pagedchat runs.", "error")
+
+
+def export_chats(records: list[ChatRecord], folder: Path) -> list[Path]:
+    """Each chat whole, as the JSON `pagedchat import` reads, into folder (made if missing): the way out when
+    the chats cannot be saved where they live. Raises OSError when the folder cannot be written either."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for record in records:
+        path = folder / f"{slug(record.title)}-{record.id[:8]}.json"   # the id: two "New chat"s both kept
+        path.write_text(to_json(record), encoding="utf-8")
+        paths.append(path)
+    return paths

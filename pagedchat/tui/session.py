@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedchat.engine.records import Outcome
 from pagedchat.tui.records import ChatMessage, ChatRecord
-from pagedchat.tui.reply import Reply
+from pagedchat.tui.reply import Replaced, Reply
 
 
 @dataclass(eq=False)
@@ -44,6 +44,19 @@ class ChatSession:
         del self.record.messages[count:]
         self.turns = {i: turn for i, turn in self.turns.items() if i < count}
         return dropped
+
+    def replacing(self, keep: int, ask: str | None) -> Replaced:
+        """What a reply to the first `keep` messages (and `ask`) replaces, to put back if it is refused."""
+        return Replaced(keep, self.record.messages[keep:], {i: t for i, t in self.turns.items() if i >= keep},
+                        self.record.title, ask)
+
+    def put_back(self, replaced: Replaced) -> list[ChatMessage]:
+        """The chat as it was before a refused reply's start; returns the messages that start added."""
+        added = self.truncate(replaced.keep)
+        self.record.messages += replaced.messages
+        self.turns.update(replaced.turns)
+        self.record.title = replaced.title
+        return added
 
     def turns_before(self, index: int) -> dict[int, Outcome]:
         return {i: turn for i, turn in self.turns.items() if i < index}

@@ -237,6 +237,10 @@ class Store:
             "ORDER BY c.updated DESC, m.idx DESC, m.seq DESC LIMIT ?", (limit * 2,)).fetchall()
         return list(dict.fromkeys(content for (content,) in rows))[:limit]
 
+    def drafts(self) -> dict[str, str]:
+        """Each chat's unsent input, by chat id (chats without one are absent)."""
+        return dict(self.conn.execute("SELECT chat_id, text FROM drafts").fetchall())
+
     def get_state(self, key: str, default: str | None = None) -> str | None:
         row = self.conn.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default
@@ -275,6 +279,14 @@ class Store:
         """Tab order of the open chats."""
         self.conn.executemany("UPDATE chats SET position = ?, is_open = 1 WHERE id = ?",
                               [(i, cid) for i, cid in enumerate(open_ids)])
+
+    def put_draft(self, chat_id: str, text: str) -> None:
+        """The chat's unsent input; an empty one leaves no row."""
+        if text:
+            self.conn.execute("INSERT INTO drafts (chat_id, text) VALUES (?, ?) "
+                              "ON CONFLICT(chat_id) DO UPDATE SET text = excluded.text", (chat_id, text))
+        else:
+            self.conn.execute("DELETE FROM drafts WHERE chat_id = ?", (chat_id,))
 
     def put_state(self, key: str, value: str) -> None:
         self.conn.execute("INSERT INTO state (key, value) VALUES (?, ?) "

@@ -17,7 +17,10 @@ from importlib import resources
 from pathlib import Path
 
 from textual.color import Color, ColorParseError
-from textual.css.stylesheet import Stylesheet, StylesheetParseError
+from textual.css.errors import StylesheetError
+from textual.css.stylesheet import Stylesheet
+from textual.css.tokenize import tokenize_values
+from textual.css.tokenizer import TokenError
 from textual.theme import Theme
 
 from pagedchat.config import tomllib
@@ -101,6 +104,9 @@ def _variables(path: Path, variables) -> dict[str, str]:
             raise ThemeFileError(f"{where} is not a theme variable (a typo?)")
         if not isinstance(value, str):
             raise ThemeFileError(f"{where} must be a string, not {value!r}")
+        if not _tokenizes(value):
+            raise ThemeFileError(f"{where} = {value!r} is not a value Textual's CSS can read (a value holds no "
+                                 "';', '{', '}', ':' or quotes)")
         if key in CHAT_VARIABLES:
             _colour(path, f"[variables] {key}", value)  # drawn as a Content style, which takes plain colours
         elif _is_text_style(key):
@@ -117,13 +123,23 @@ def _is_text_style(variable: str) -> bool:
     return variable.endswith("-style") or variable.endswith("-style-hover")
 
 
+def _tokenizes(value: str) -> bool:
+    """Whether Textual's tokenizer reads the value as it reads every theme variable (Stylesheet.set_variables):
+    one it cannot read raises there, from whichever stylesheet parse meets it first, and the app is gone."""
+    try:
+        tokenize_values({"value": value})
+    except TokenError:
+        return False
+    return True
+
+
 def _css_accepts(rule: str, variable: str, value: str) -> bool:
     """Whether Textual's CSS parser takes value where the app's stylesheet uses this kind of variable."""
     sheet = Stylesheet(variables={variable: value})
     sheet.add_source(f"Screen {{ {rule}: ${variable}; }}", read_from=("theme", variable))
     try:
         sheet.parse()
-    except StylesheetParseError:
+    except StylesheetError:  # a parse error, or a value whose tokens end the rule ('}', ';') and break the parser
         return False
     return True
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from dataclasses import fields
+from itertools import count
 from enum import Enum
 from pathlib import Path
 
@@ -96,6 +98,17 @@ def from_json(text: str) -> ChatRecord:
         raise NotAChatExport("\"title\" and \"system\" must be text")
     return ChatRecord(title=title, system_prompt=system, settings=_settings(data.get("settings")),
                       messages=messages)
+
+
+def imported_title(title: str, taken: Collection[str]) -> str:
+    """The title an imported chat gets: its own, or where a saved chat has that already, "title (imported)",
+    then "(imported 2)"..., so that the two can be told apart (in the tabs, in the delete prompt)."""
+    if title not in taken:
+        return title
+    for n in count(1):
+        candidate = f"{title} (imported)" if n == 1 else f"{title} (imported {n})"
+        if candidate not in taken:
+            return candidate
 
 
 def read_chat_file(path: Path) -> ChatRecord:

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.backends.base import Backend
+from pagedchat.backends.base import Backend, refusal
 from pagedchat.backends.local import LocalBackend
-from pagedchat.backends.process import ProcessBackend
+from pagedchat.backends.process import STALL_S, STOP_TIMEOUT_S, ProcessBackend
 from pagedchat.engine.records import FinishReason, ReplyHandle
 from pagedchat.errors import PagedChatError, RequestError
 
@@ -89,17 +89,67 @@ def test_fork_cancel_and_so_far(remote):
     assert fork_updates[0].inherited is not None and forked.prompt_tokens > ended.prompt_tokens
     assert forked.prompt_token_ids == ended.history_ids[:forked.prompt_tokens]
     assert fork.so_far() == forked  # once ended, its figures are the final ones
-    with pytest.raises(PagedChatError, match="finished"):
-        remote.fork(parent, long)
+    late = remote.fork(parent, long)   # refused when the engine process answers
+    assert late.result(30).finish_reason == "error" and "finished" in str(refusal(late))
 
 
 def test_a_refusal_crosses_as_the_same_error(remote, local):
+    """submit returns before the engine process answers; its refusal then ends the reply with one error update,
+    and refusal() tells it apart from a reply that failed once started."""
     too_long = [{"role": "user", "content": "page " * 5000}]
     with pytest.raises(RequestError) as here:
         local.submit(too_long, GREEDY)
-    with pytest.raises(RequestError) as there:
-        remote.submit(too_long, GREEDY)
-    assert str(there.value) == str(here.value)
+    updates = []
+    handle = remote.submit(too_long, GREEDY, on_update=updates.append)
+    outcome = handle.result(30)
+    assert isinstance(refusal(handle), RequestError) and str(refusal(handle)) == str(here.value)
+    assert outcome.finish_reason is FinishReason.ERROR and outcome.error == str(here.value)
+    assert [u.outcome for u in updates] == [outcome]
+    assert refusal(remote.submit(QUESTION, GREEDY)) is None and refusal(local.submit(QUESTION, GREEDY)) is None
+
+
+def test_an_idle_engine_process_still_answers(remote):
+    """Its heartbeat: with no reply running and nothing asked, it is never taken for stalled."""
+    remote.submit(QUESTION, GREEDY).result(30)
+    deadline = time.monotonic() + STALL_S * 2
+    while time.monotonic() < deadline:
+        assert remote.stalled_for() is None
+        time.sleep(0.05)
+
+
+def test_a_stopped_engine_process_holds_up_nothing(tiny_llama):
+    """SIGSTOP mid-reply: submit and fork return at once (a message larger than the socket's buffer too),
+    stalled_for() says so within STALL_S and a bit, and after SIGCONT every reply goes on and ends. A process
+    stopped again is killed at shutdown at once, not after STOP_TIMEOUT_S."""
+    backend = ProcessBackend(options(tiny_llama), lambda stage, fraction: None)
+    try:
+        updates = []
+        running = backend.submit(QUESTION, SamplingParams(max_tokens=300, ignore_eos=True), on_update=updates.append)
+        wait_until(lambda: sum(u.tokens for u in updates) >= 4)
+        os.kill(backend.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        huge = [{"role": "user", "content": "page " * 400_000}]   # 2 MB: far more than a socket holds
+        started = time.monotonic()
+        waiting = backend.submit(QUESTION, GREEDY)
+        refused = backend.submit(huge, GREEDY)
+        forked = backend.fork(running, GREEDY)
+        assert time.monotonic() - started < 0.5
+        assert backend.memory() is not None   # the latest picture, without asking
+        wait_until(lambda: backend.stalled_for() is not None, timeout=10)
+        # Quiet counts from its last message, which came a step or so before the stop.
+        assert STALL_S - 0.25 < time.monotonic() - stopped_at < STALL_S + 1.5
+        os.kill(backend.pid, signal.SIGCONT)
+        assert running.result(30).finish_reason == "length" and waiting.result(30).finish_reason == "length"
+        assert forked.result(30).finish_reason == "length" and refusal(forked) is None
+        assert isinstance(refusal(refused), RequestError) and refused.result(1).finish_reason == "error"
+        assert backend.stalled_for() is None
+        os.kill(backend.pid, signal.SIGSTOP)
+        wait_until(lambda: backend.stalled_for() is not None, timeout=10)
+        started = time.monotonic()
+        backend.shutdown()
+        assert time.monotonic() - started < STOP_TIMEOUT_S / 2
+    finally:
+        backend.shutdown()
 
 
 def test_a_model_that_cannot_load_says_why(tmp_path):
@@ -125,7 +175,7 @@ def test_a_killed_engine_ends_its_replies_and_refuses_more(tiny_llama, tmp_path)
         assert outcome.prompt_tokens > 0  # the figures so far, for the chat's context indicator
         assert "killed by SIGKILL" in backend.failure
         with pytest.raises(PagedChatError, match="The engine stopped: .*SIGKILL"):
-            backend.submit(QUESTION, GREEDY)
+            backend.submit(QUESTION, GREEDY)   # known here: refused at once
     finally:
         backend.shutdown()
 

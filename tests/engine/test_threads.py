@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from pagedchat.engine.threads import LAST_INTERVAL, ThreadGovernor, ladder
+from pagedchat.engine.threads import LAST_INTERVAL, ThreadGovernor, cpu_seconds, ladder
 
 
 class Machine:
-    """Steps whose time depends on the thread count in use: `costs[threads]` seconds a step."""
+    """Steps whose time depends on the thread count in use: `costs[threads]` seconds a step. `others` cores are
+    kept busy by other processes, which the CPU reading shows (None: a machine without /proc)."""
 
-    def __init__(self, costs: dict[int, float]):
+    def __init__(self, costs: dict[int, float], others: float | None = None):
         self.costs = costs
         self.now = 0.0
+        self.others = others
         self.counts_set: list[int] = []
-        self.governor = ThreadGovernor(max(costs), self.counts_set.append, lambda: self.now)
+        self.governor = ThreadGovernor(max(costs), self.counts_set.append, lambda: self.now, self.cpu)
+
+    def cpu(self) -> tuple[float, float] | None:
+        """Every process's busy seconds and ours: ours is a core's worth, the others' as set."""
+        return None if self.others is None else (self.now * (1 + self.others), self.now)
 
     def run(self, seconds: float, size: int = 1) -> dict[int, float]:
         """Step for about `seconds`; the share of the time each count ran."""
@@ -54,6 +62,23 @@ def test_a_busy_machine_moves_to_one_thread_at_once():
     assert share[1] > 0.9
 
 
+@pytest.mark.parametrize("others, first", [(0.0, 2), (0.3, 2), (0.9, 1), (1.6, 1)])
+def test_the_first_count_leaves_the_cores_other_processes_keep_busy(others, first):
+    machine = Machine({2: 0.100, 1: 0.020} if first == 1 else {2: 0.010, 1: 0.018}, others=others)
+    machine.now += 0.5                       # the model loads, and the others run meanwhile
+    machine.run(0.02)                        # the first step reads what they took
+    assert machine.governor.threads == first and machine.counts_set[:1] == ([1] if first == 1 else [])
+
+
+def test_without_a_cpu_reading_the_steps_alone_decide():
+    machine = Machine({2: 0.100, 1: 0.020}, others=None)
+    machine.now += 0.5
+    machine.run(0.1)
+    assert machine.governor.threads == 2     # not yet: its tries need steps to compare
+    machine.run(0.5)
+    assert machine.governor.threads == 1
+
+
 def test_a_machine_that_gets_busy_moves_down_and_back_when_it_is_quiet_again():
     machine = Machine({2: 0.010, 1: 0.018})
     machine.run(5.0)
@@ -91,3 +116,16 @@ def test_noise_alone_never_settles_on_the_slower_count(noise):
         machine.costs = {t: c * (1 + rng.uniform(-noise, noise)) for t, c in base.items()}
         machine.run(0.01)
     assert machine.governor.threads == 2
+
+
+def test_the_cpu_reading_counts_this_process_within_every_process():
+    reading = cpu_seconds()
+    if reading is None:
+        pytest.skip("no /proc here")
+    before = reading
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    after = cpu_seconds()
+    assert after[1] - before[1] >= 0.15           # our own busy loop
+    assert after[0] - before[0] >= after[1] - before[1] - 0.02   # within what every process used

@@ -79,8 +79,8 @@ def test_every_type_on_every_level_matches_transformers(tiny_of_type, level, ker
 
 def test_bf16_activations_on_packed_weights(tiny_of_type, monkeypatch, tmp_path):
     """bf16 (a CPU with native bf16: half the KV cache): every type on the blocks where pagedchat's kernels are
-    built (faster there than torch's int4 kernel, docs/bench.md), else the types torch's int4 layout holds on
-    that kernel; transformers' tokens up to bf16's near-ties."""
+    built (faster there than torch's int4 kernel, docs/bench.md#one-kernel-library), else the types torch's int4
+    layout holds on that kernel; transformers' tokens up to bf16's near-ties."""
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
     kind, folder, _, ref, expected = tiny_of_type
     engine, outs = generate(folder, dtype="bfloat16")

@@ -1,6 +1,7 @@
 """The clients people point at `pagedchat serve`, against a real server subprocess on 127.0.0.1 on a tiny model:
 openai (parse, tools, n, logprobs), langchain-openai (with_structured_output, bind_tools), litellm (its error
-classes) and instructor (JSON, JSON_SCHEMA and TOOLS modes). Every JSON the model writes validates against its
+classes), the OpenAI Agents SDK and pydantic-ai (an output type beside tools) and instructor (JSON, JSON_SCHEMA
+and TOOLS modes). Every JSON the model writes validates against its
 schema: the grammar allows nothing else, even from a random model."""
 
 from __future__ import annotations
@@ -292,6 +293,36 @@ def test_langchain_maps_context_overflow(chat_model):
 
     with pytest.raises(OpenAIContextOverflowError):
         chat_model.invoke("fox " * CONTEXT)
+
+
+# ---- agent frameworks: an answer in a schema beside tools, one request carrying both -----------------------------
+def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+    """Get the weather in a city."""
+    return f"Sunny in {city}"
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_openai_agents_output_type_beside_tools(server, tool_choice):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    agent = agents.Agent(name="pets", instructions="Name a pet.", output_type=Pet,
+                         tools=[agents.function_tool(get_weather)],
+                         model=agents.OpenAIChatCompletionsModel(model=server.model, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice=tool_choice, max_tokens=80, temperature=0))
+    result = agents.Runner.run_sync(agent, "Name a pet.", max_turns=4)
+    assert isinstance(result.final_output, Pet)
+
+
+def test_pydantic_ai_native_output_beside_tools(server):
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(server.model, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key=KEY))
+    agent = pydantic_ai.Agent(model, output_type=pydantic_ai.NativeOutput(Pet), tools=[get_weather],
+                              model_settings={"max_tokens": 80, "temperature": 0})
+    assert isinstance(agent.run_sync("Name a pet.").output, Pet)
 
 
 class Note(BaseModel):

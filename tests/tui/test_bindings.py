@@ -14,10 +14,13 @@ from textual.binding import Binding
 from textual.dom import DOMNode
 
 import pagedchat.tui
+from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
+from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.chat import MessageActions, MessageView, PromptInput
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.screens.compare import CompareScreen
+from tui_support import ScriptedEngine, make_config, notices, quick_pilot, wait_for  # noqa: F401 (quick_pilot: autouse)
 
 
 def tui_classes() -> list[type[DOMNode]]:
@@ -53,8 +56,23 @@ def test_the_chat_does_every_key_on_its_messages():
 
 
 def test_every_binding_id_a_config_may_name_is_kept():
-    """config.toml's [keys] rebinds these ids (README, "Config"): a user's file must keep working."""
+    """config.toml's [keys] rebinds these ids (docs/app.md#key-bindings): a user's file must keep working."""
     assert {b.id for b in binding_catalogue()} >= {
         "quit", "new_chat", "close_chat", "help", "toggle_inspector", "chat_settings", "rename_chat", "next_chat",
         "prev_chat", "regenerate", "branch", "export_chat", "compare", "delete_chat", "stop", "focus_messages",
         "newline", "message.copy", "message.copy_code", "message.branch", "message.edit", "message.regenerate"}
+
+
+async def test_a_binding_textual_never_reports_keeps_the_default_with_a_warning(tmp_path):
+    """`new_chat = "ctrl+ctrl+zz"` was taken as it stood: ctrl+n stopped opening chats and nothing said why."""
+    config = make_config(tmp_path, keys={"new_chat": "ctrl+ctrl+zz", "toggle_inspector": "f9"})
+    app = PagedChatApp(config, backend_factory=lambda progress: LocalBackend(ScriptedEngine([])))
+    async with app.run_test(notifications=True) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        await wait_for(pilot, lambda: any("ctrl+ctrl+zz" in n for n in notices(app)), "the warning")
+        assert any(n.startswith("config.toml [keys] new_chat (New) = 'ctrl+ctrl+zz': a modifier is given twice")
+                   and n.endswith("it stays on ctrl+n") for n in notices(app)), notices(app)
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "ctrl+n to open a chat")
+        await pilot.press("f9")   # a good binding beside it is still taken
+        assert app.query_one(InspectorView).display

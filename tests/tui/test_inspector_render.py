@@ -9,7 +9,8 @@ from pagedchat.backends.metrics import ServerMetrics
 from pagedchat.engine.block_manager import MemoryCounters
 from pagedchat.engine.records import NULL_PAGE, PageState
 from pagedchat.engine.memory import GroupMemory, MemorySnapshot, SequenceMemory
-from pagedchat.tui.inspector import MAX_TABLE_ROWS, render_block_table, render_chats, render_map, render_sharing, \
+from pagedchat.tui.inspector import MAP_ROWS, MAX_TABLE_ROWS, fitted_parts, render_block_table, render_chats, \
+    render_map, render_sharing, \
     render_summary
 from pagedchat.tui.inspector_parts import ChatPages, fmt_bytes
 from pagedchat.tui.inspector_remote import render_without_map
@@ -68,6 +69,33 @@ def test_map_groups_pages_past_its_cell_limit():
     group = int(lines[0].split("= ")[1].split()[0])
     cells = "".join(lines[1:-1])
     assert len(cells) == -(-4000 // group) and cells[0] == "◆"  # the busiest page stands for its group
+
+
+def test_a_big_pool_keeps_the_map_to_its_rows():
+    """A default pool (thousands of pages) drawn one cell per page took the whole panel."""
+    lines = render_map(snap(num_pages=2340), [A], width=40).plain.splitlines()
+    group = -(-2340 // (40 * MAP_ROWS))
+    assert lines[0] == f"Page map  (1 cell = {group} pages)"
+    assert len(lines[1:-1]) == MAP_ROWS and len("".join(lines[1:-1])) == -(-2340 // group)
+    folded = render_map(snap(num_pages=2340), [A], width=40, rows=1).plain.splitlines()
+    assert folded == [f"Page map  (1 cell = {-(-2340 // 40)} pages)", "◆" + "·" * 39]   # no legend
+
+
+def test_a_short_panel_gets_a_smaller_map_then_folded_sections():
+    """Each part and the blank row after it must leave the block table's heading inside the panel."""
+    def rows_used(parts) -> int:
+        return sum(part.plain.count("\n") + 2 for part in parts) + 1
+
+    big = snap(num_pages=2340)
+    tall = fitted_parts(big, [A, B], 40, height=60)
+    assert tall[1] == render_map(big, [A, B], 40) and tall[2] == render_sharing(big, 40)
+    short = fitted_parts(big, [A, B], 40, height=rows_used(tall) - 2)
+    assert rows_used(short) <= rows_used(tall) - 2 and short[2] == tall[2]   # the map gave up rows
+    assert short[1].plain.count("\n") < tall[1].plain.count("\n")
+    tiny = fitted_parts(big, [A, B], 40, height=20)
+    assert [p.plain.splitlines()[0] for p in tiny] == ["KV cache", f"Page map  (1 cell = {-(-2340 // 40)} pages)",
+                                                        "Sharing and waste", "Chats"]
+    assert tiny[2].plain.splitlines()[1] == "shared 2 · saves 2 pg · hits 40%" and rows_used(tiny) <= 20
 
 
 def test_chats_show_status_tokens_pages_and_shared_counts():

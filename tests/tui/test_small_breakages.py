@@ -37,3 +37,20 @@ async def test_ctrl_c_says_how_to_quit_in_plain_words(tmp_path):
         await wait_for(pilot, lambda: any("to quit" in n for n in notices(app)), "the hint")
         hint = next(n for n in notices(app) if "to quit" in n)
         assert hint == "Press ctrl+q to quit the app." and "[" not in hint
+
+
+async def test_a_line_too_long_to_wrap_scrolls_sideways_and_short_ones_wrap_again(tmp_path):
+    """A 1 MB line was wrapped into some ten thousand rows, each key re-wrapping it and each drawn row re-cutting
+    it whole: a key took seconds. Past WRAP_LIMIT characters the line stays one row."""
+    app = scripted_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.active_chat is not None, "the chat")
+        prompt = app.active_chat.prompt
+        prompt.focus()
+        prompt.text = "x" * 1_000_000
+        prompt.move_cursor(prompt.document.end)
+        await pilot.press("y")
+        await wait_for(pilot, lambda: prompt.wrapped_document.height == 1, "the line to stay one row")
+        assert prompt.text.endswith("xy") and prompt.scroll_offset.x > 0   # scrolled to the cursor
+        prompt.text = "short words " * 30
+        await wait_for(pilot, lambda: prompt.wrapped_document.height > 1, "a short text to wrap again")

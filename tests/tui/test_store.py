@@ -202,6 +202,25 @@ def test_a_saver_writes_only_what_it_marked(tmp_path):
     assert [m.content for m in other.load_chat(chat.id).messages] == ["hi", "hello, edited elsewhere", "more"]
 
 
+def test_drafts_are_saved_when_they_change_and_go_with_their_chat(tmp_path):
+    store = Store.open(tmp_path)
+    chat, other = _chat("drafted"), _chat("other")
+    saver = Saver(store, Reports())
+    saver.draft(chat, "half a thought")   # a chat never saved before gets its row with its draft
+    saver.draft(other, "kept", saved=True)   # as read from the store: nothing to write
+    saver.flush()
+    assert Store.open(tmp_path).drafts() == {chat.id: "half a thought"}
+    saver.draft(chat, "half a thought")
+    assert not saver.pending   # unchanged: not written again
+    saver.draft(chat, "")      # sent: the draft goes
+    saver.flush()
+    assert store.drafts() == {}
+    saver.draft(chat, "again")
+    saver.flush()
+    store.delete_chat(chat.id)
+    assert store.drafts() == {}
+
+
 def test_held_lock_on_an_old_file_is_not_damage(tmp_path):
     """Another program holds an exclusive lock on a rollback-journal file: pagedchat says so and leaves it."""
     path = tmp_path / DB_NAME

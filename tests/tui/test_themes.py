@@ -47,6 +47,12 @@ def test_user_themes_add_and_broken_ones_are_skipped(tmp_path):
     ('name = "x"\nprimary = "#fff"\n[variables]\nfooter-key-foreground = "#12345"', "footer-key-foreground"),
     ('name = "x"\nprimary = "#fff"\n[variables]\nblock-cursor-text-style = "shiny"', "not a text style"),
     ('name = "x"\nprimary = "#fff"\n[variables]\ntext-mutd = "#fff"', "text-mutd is not a theme variable"),
+    # Values Textual's CSS tokenizer cannot read (it raised TokenError from the app's constructor), and one it
+    # reads but whose '}' ends the rule and breaks the parse.
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = "#fff {"', "not a value Textual's CSS can read"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = "#fff;"', "not a value Textual's CSS can read"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\nlink-style = "bold; x"', "not a value Textual's CSS can read"),
+    ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = "red}*"', r"text-muted = 'red}\*' is not a colour"),
     ('name = "x"\nprimary = "#fff"\n[variables]\ntext-muted = 3', "text-muted must be a string"),
     ('name = "x"\nprimary = "#fff"\nvariables = 3', r"\[variables\] must be a table"),
     ('name = "x"\nprimary = "#fff"\ntext_alpha = "half"', "text_alpha must be a number"),

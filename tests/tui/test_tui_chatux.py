@@ -15,7 +15,7 @@ from pagedchat.tui.records import ChatMessage, ChatRecord, stats_line
 from test_tui import SIZE, ready, replied, send
 from tiny_models import make_tiny_model
 from tui_support import (ScriptedEngine, StandInBackend, make_config, notices, quick_pilot, screen_text,  # noqa: F401
-                         wait_for)
+                         scripted_app, wait_for)
 
 CONTEXT = 256   # the tiny model's context: small, so a chat can fill it
 
@@ -125,8 +125,10 @@ async def test_continue_in_a_new_chat_carries_the_system_prompt_and_last_turns(c
         await replied(pilot, session)
         session = await send(pilot, "second", max_tokens=8)
         await replied(pilot, session)
-        new = await continue_in_new_chat(app)
-        assert app.active_session is new and new.record.system_prompt == "Be brief."
+        counting = continue_in_new_chat(app)   # on a thread: counting asks the engine
+        await wait_for(pilot, lambda: not counting.is_alive() and app.active_session is not session, "the new chat")
+        new = app.active_session
+        assert new.record.system_prompt == "Be brief."
         # Half the context (128 tokens) holds the last exchange but not both.
         assert [m.content for m in new.record.messages] == [m.content for m in session.record.messages[2:]]
 
@@ -237,6 +239,54 @@ async def test_search_finds_a_closed_chat_and_opens_it_at_the_message(config):
                        "the message focused")
 
 
+def long_chat(title: str, words: dict[int, str]) -> ChatRecord:
+    """A chat many screens tall: every reply has a list and a code block. words: message index -> a word."""
+    messages = []
+    for i in range(24):
+        text = f"{words.get(i, 'filler')} " + "\n\n".join(f"message {i} paragraph {p}" for p in range(4))
+        if i % 2:
+            text += "\n\n" + "\n".join(f"- item {k} with `code`" for k in range(15))
+            text += "\n\n```python\n" + "\n".join(f"x{k} = {k}" for k in range(15)) + "\n```\n"
+        messages.append(ChatMessage("assistant" if i % 2 else "user", text))
+    return ChatRecord(title=title, messages=messages)
+
+
+def at_top(view, message) -> bool:
+    """The message is laid out and its top row is the first (after its margin) that the chat's log shows."""
+    region = message.virtual_region
+    return bool(region) and 0 <= region.y - view.log_view.scroll_y <= message.styles.margin.top
+
+
+async def test_search_jumps_in_a_row_land_on_each_hit(tmp_path):
+    """Jumps between two long chats: the third goes back to a chat already shown, now in a hidden tab."""
+    from pagedchat.tui.chat import MessageView
+    from pagedchat.tui.store import Store
+
+    app = scripted_app(tmp_path)
+    store = Store.open(app.config.data_dir)
+    for position, chat in enumerate((long_chat("Alpha", {4: "aardvark", 18: "anteater"}),
+                                     long_chat("Bravo", {10: "bison", 20: "badger"}))):
+        chat.position = position
+        store.save_chat(chat)
+    store.close()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: len(app.sessions) == 2, "the two chats")
+        for title, word, index in (("Alpha", "aardvark", 4), ("Bravo", "bison", 10), ("Alpha", "anteater", 18),
+                                   ("Bravo", "badger", 20)):
+            await open_entry(pilot, "Search chats…")
+            await wait_for(pilot, lambda: "Search all chats…" in screen_text(app), "the search palette")
+            await pilot.press(*word)
+            await wait_for(pilot, lambda: f"{title} · You: {word}" in screen_text(app)
+                           or f"{title} · Assistant: {word}" in screen_text(app), f"the hit for {word}")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.active_session.record.title == title
+                           and isinstance(app.focused, MessageView) and app.focused.index == index
+                           and at_top(app.active_chat, app.focused), f"message {index} of {title} at the top")
+            await pilot.pause(0.2)   # and it stays there
+            assert app.focused.index == index and at_top(app.active_chat, app.focused)
+            assert f"{word} message {index} paragraph 0" in screen_text(app)
+
+
 # ---- delete -----------------------------------------------------------------------------------------------
 async def test_f8_deletes_a_chat_for_good_after_asking(config):
     from pagedchat.tui.screens.ask import ConfirmScreen
@@ -272,6 +322,8 @@ async def test_f8_deletes_a_chat_for_good_after_asking(config):
 
 # ---- export and import ------------------------------------------------------------------------------------
 async def test_ctrl_o_json_export_imports_back(config):
+    from textual.widgets import OptionList
+
     from pagedchat.tui.chat_ops import import_chat
     from pagedchat.tui.screens.modals import PickScreen
 
@@ -282,16 +334,25 @@ async def test_ctrl_o_json_export_imports_back(config):
         await replied(pilot, session)
         await pilot.press("ctrl+o")
         await wait_for(pilot, lambda: isinstance(app.screen, PickScreen), "the format question")
-        await pilot.press("up", "enter")   # from Markdown up to JSON
+        options = app.screen.query_one(OptionList)
+        # The dialog opens on the first option, Markdown (what Enter has always written).
+        assert str(options.highlighted_option.prompt).startswith("Markdown") and options.highlighted == 0
+        await pilot.press("down", "enter")   # from Markdown down to JSON
         folder = config.data_dir / "exports"
         await wait_for(pilot, lambda: folder.exists() and list(folder.glob("*.json")), "the JSON file")
         [path] = folder.glob("*.json")
         imported = await import_chat(app, path)
         assert app.active_session is imported and imported.id != session.id
-        assert imported.record.system_prompt == "Be kind." and imported.record.title == session.record.title
+        # The same title would make the two chats (and their delete prompts) look alike.
+        assert imported.record.system_prompt == "Be kind."
+        assert imported.record.title == f"{session.record.title} (imported)"
         assert [(m.role, m.content) for m in imported.record.messages] == \
                [(m.role, m.content) for m in session.record.messages]
         assert imported.record.settings == session.record.settings
+        again = await import_chat(app, path)
+        assert again.record.title == f"{session.record.title} (imported 2)"
+        await wait_for(pilot, lambda: any(n.startswith(f"Imported “{again.record.title}”") for n in notices(app)),
+                       "the notice with the new title")
         bad = folder / "bad.json"
         bad.write_text('{"messages": [{"role": "tool", "content": "x"}]}')
         assert await import_chat(app, bad) is None

@@ -6,11 +6,11 @@ import sqlite3
 from functools import partial
 
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.screens.modals import EditMessageScreen
+from pagedchat.tui.screens.modals import EditMessageScreen, UnsavedQuitScreen
 from pagedchat.tui.store import DB_NAME, Store
 from test_tui import SIZE, ready, replied, send
 from test_tui import config, tui_model  # noqa: F401  (the same fixtures as the other app tests)
-from tui_support import notices, quick_pilot, wait_for  # noqa: F401  (quick_pilot: autouse)
+from tui_support import notices, quick_pilot, scripted_app, wait_for  # noqa: F401  (quick_pilot: autouse)
 
 TOO_LONG = "word " * 3000  # more tokens than the model's context: the engine refuses the request
 
@@ -39,6 +39,26 @@ async def test_a_lock_held_past_the_timeout_is_a_notice_and_a_retry(config):
         await wait_for(pilot, lambda: "saved later" in stored_texts(config), "the retry to save it", timeout=10)
         await wait_for(pilot, lambda: any("saved again" in n for n in notices(app)), "the saved-again notice")
         assert stored_texts(config) == [m.content for m in session.record.messages]
+
+
+async def test_quit_asks_while_a_chat_cannot_be_saved_and_not_once_it_is(config):
+    """Esc ("keep trying") goes back to the chats, the retries go on, and ctrl+q then quits without asking."""
+    app = PagedChatApp(config, open_store=partial(Store.open, busy_timeout_s=0.1))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        holder = sqlite3.connect(config.data_dir / DB_NAME, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        await replied(pilot, await send(pilot, "saved later", max_tokens=8))
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: isinstance(app.screen, UnsavedQuitScreen), "the question")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, UnsavedQuitScreen), "back to the chats")
+        assert app.is_running
+        holder.execute("ROLLBACK")
+        holder.close()
+        await wait_for(pilot, lambda: "saved later" in stored_texts(config), "the retry to save it", timeout=10)
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: not app.is_running, "the app to quit without asking")
 
 
 async def answered(pilot):
@@ -76,3 +96,20 @@ async def test_a_refused_edit_or_message_changes_nothing(config):
         await wait_for(pilot, lambda: sum("model's context holds" in n for n in notices(app)) == 2, "the refusal")
         assert prompt.text == TOO_LONG  # kept in the input, to shorten and send again
         assert [m.content for m in session.record.messages] == before and stored_texts(config) == before
+
+
+async def test_a_closed_chat_reopens_with_its_unsent_input(tmp_path):
+    app = scripted_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.active_chat is not None, "the chat")
+        first = app.active_session
+        app.active_chat.prompt.text = "not sent yet"
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a second chat")
+        app.chats.show(first)
+        await wait_for(pilot, lambda: app.active_session is first, "the first chat in view")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: first.id not in app.sessions, "the chat closed")
+        await app.reopen_chat(first.id)
+        await wait_for(pilot, lambda: first.id in app.sessions, "the chat reopened")
+        assert app.chat_view(app.sessions[first.id]).prompt.text == "not sent yet"

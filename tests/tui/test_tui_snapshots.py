@@ -7,7 +7,7 @@ Update with `pytest tests/tui/test_tui_snapshots.py --snapshot-update` after che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from textual.widgets import TextArea
@@ -19,7 +19,7 @@ from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings
 from pagedchat.tui.store import Store
-from tui_support import StandInBackend, make_config
+from tui_support import StandInBackend, make_config, screen_text
 
 PAGE_BYTES = 16 * 2 * 30 * 3 * 64 * 2   # SmolLM2-135M in bf16: 16 tokens x K,V x 30 layers x 3 heads x 64
 
@@ -156,3 +156,27 @@ def test_inspector(app, snap_compare):
 
 def test_inspector_at_80x24(app, snap_compare):
     assert snap_compare(app, terminal_size=(80, 24), run_before=_with_inspector("aaaaaaaaaaaa"))
+
+
+DEFAULT_POOL = 2340   # pages: a pool of the size the default config gives the default model (thousands)
+
+
+def big_pool() -> MemorySnapshot:
+    picture = fixed_memory()
+    return replace(picture, num_pages=DEFAULT_POOL, free_pages=DEFAULT_POOL - 6,
+                   page_states=picture.page_states + [PageState.FREE] * (DEFAULT_POOL - 96))
+
+
+@pytest.mark.parametrize("size", [(140, 45), (80, 24)])
+async def test_a_big_pool_leaves_every_inspector_heading_in_view(tmp_path, size):
+    """A pool of thousands of pages, one cell each, pushed the sections under the map below the fold."""
+    config = make_config(tmp_path, "/models/SmolLM2-135M-Instruct")
+    saved_chats(config)
+    info = BackendInfo(model="SmolLM2-135M-Instruct", where="on cuda", block_size=16, num_pages=DEFAULT_POOL,
+                       page_bytes=PAGE_BYTES)
+    app = PagedChatApp(config, backend_factory=lambda progress: StandInBackend(big_pool, info))
+    async with app.run_test(size=size) as pilot:
+        await _with_inspector("cccccccccccc")(pilot)
+        text = screen_text(app)
+        for heading in ("Page map", "Sharing and waste", "Chats", "Block table"):
+            assert heading in text, f"{heading!r} not in view at {size}:\n{text}"

@@ -208,7 +208,7 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 // Activations: per 32 inputs, d = max |x| / 127 and q = round(x / d), rounded half away from zero as ggml does.
 
 // In lanes.h's eight-lane vectors, the level's own: as scalar loops this was a visible part of a batched step
-// (docs/bench.md, "Activation quantization in vectors"). Each lane does the scalar formula's operations in its
+// (docs/bench.md#activation-quantization-in-vectors). Each lane does the scalar formula's operations in its
 // order (no contraction: -ffp-contract=off), so the codes and scales are the same bits on every level; the
 // largest magnitude and the codes' sums are exact whatever order they are reduced in.
 typedef int8_t b8 __attribute__((vector_size(8)));
@@ -673,9 +673,9 @@ struct Packed {
   int lanes;  // this group's byte offset in a chunk of dwords
 
   const uint8_t* file_block(int64_t j) const { return panel + B::BYTES * (j / PER); }
-  // Block j's share of the panel's bytes, AHEAD bytes further on (docs/bench.md, "Panels fetched ahead"). A
-  // step's weights and pages outgrow the caches, so every call streams its panels from memory, and the
-  // hardware's prefetchers, which start over at each 4 KiB page, do not run far enough ahead of the first pass.
+  // Block j's share of the panel's bytes, AHEAD bytes further on (docs/bench.md#panels-fetched-ahead-one-call-a-layer).
+  // A step's weights and pages outgrow the caches, so every call streams its panels from memory, and the hardware's
+  // prefetchers, which start over at each 4 KiB page, do not run far enough ahead of the first pass.
   void fetch_ahead(int64_t j) const {
     const uint8_t* at = panel + B::BYTES * j / PER + AHEAD;
     for (int64_t l = 0; l < (B::BYTES / PER + 63) / 64; ++l) __builtin_prefetch(at + 64 * l);

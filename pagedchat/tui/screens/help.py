@@ -17,7 +17,9 @@ The model's KV cache lives in fixed-size **pages** (blocks of tokens). Each requ
 mapping its logical blocks to physical pages, so a chat only takes the pages it fills.
 
 * **Page map** — one cell per page, coloured like the chat's tab marker: `█` in use, `◆` shared by several
-  requests (copy-on-write), `░` cached (free to reuse, still holding a finished prefix), `·` free.
+  requests (copy-on-write), `░` cached (free to reuse, still holding a finished prefix), `·` free. A large pool
+  keeps to a few rows: each cell then stands for several pages (the heading says how many) and shows the
+  busiest of them.
 * **Block table** — the focused chat: logical block → physical page, how full it is, its reference count.
   `CoW` marks a shared, partly filled page that is copied before either owner writes to it.
 * **Sharing and waste** — pages saved by sharing, and what reserving the full context per live request

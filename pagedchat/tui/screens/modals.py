@@ -6,6 +6,8 @@ pictures (pagedchat.text); a field saved unchanged gives back the original text,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -17,6 +19,7 @@ from textual.widgets.option_list import Option
 from pagedchat.engine.params import CHAT_FIELDS
 from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.saver import Saver, export_chats
 
 
 def unless_unchanged(edited: str, original: str) -> str:
@@ -118,12 +121,14 @@ class ChatSettingsScreen(Dialog):
 
 
 class PickScreen(Dialog):
-    """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen)."""
+    """Choose one of several options (a message to branch at, a code block to copy, a chat to reopen). It opens
+    on option `highlighted`, by default the last: the newest message, or the last code block."""
 
-    def __init__(self, title: str, options: list[tuple[str, object]]) -> None:
+    def __init__(self, title: str, options: list[tuple[str, object]], highlighted: int = -1) -> None:
         super().__init__(title)
         self._values = [value for _, value in options]
         self._labels = [label for label, _ in options]
+        self._highlighted = highlighted
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
@@ -135,8 +140,62 @@ class PickScreen(Dialog):
     def on_mount(self) -> None:
         options = self.query_one(OptionList)
         if self._labels:
-            options.highlighted = len(self._labels) - 1   # the last: the newest message, or the usual choice
+            options.highlighted = range(len(self._labels))[self._highlighted]
 
     @on(OptionList.OptionSelected)
     def pick(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self._values[int(event.option.id)])
+
+
+class UnsavedQuitScreen(Dialog):
+    """Quitting while chats cannot be saved (a full disk). Dismisses with None (Esc, "Keep trying": back to the
+    chats), "exported" once they are written to the folder typed (`exported` lists the files), "quit" (quit
+    anyway, losing them), or "saved": the app's retries wrote them while the dialog was up."""
+
+    POLL_S = 0.5
+
+    def __init__(self, saver: Saver, folder: Path) -> None:
+        unsaved = len(saver.unsaved_chats())
+        super().__init__(f"{unsaved} chat{'s' if unsaved > 1 else ''} could not be saved ({saver.failing}). "
+                         "pagedchat keeps retrying and quits by itself once they are saved.")
+        self._saver = saver
+        self._folder = folder
+        self.exported: list[Path] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label(plain(self.heading), classes="dialog-title -question")
+            yield Label("Export them as JSON (`pagedchat import` reads it) into this folder:")
+            yield Input(str(self._folder), id="folder")
+            yield Label("", id="error", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Export and quit", variant="primary", id="export")
+                yield Button("Keep trying", id="cancel")
+                yield Button("Quit, losing them", variant="error", id="quit")
+            yield Label("Enter exports · Esc keeps trying", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.set_interval(self.POLL_S, self._check_saved)
+
+    def _check_saved(self) -> None:
+        if not self._saver.unsaved_chats():
+            self.dismiss("saved")
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#export")
+    def _export_pressed(self) -> None:
+        typed = self.query_one("#folder", Input).value.strip()
+        if not typed:
+            self.query_one("#error", Label).update("Type the folder to export into.")
+            return
+        folder = Path(typed).expanduser()
+        try:
+            self.exported = export_chats(self._saver.unsaved_chats(), folder)
+        except OSError as exc:
+            self.query_one("#error", Label).update(plain(f"Cannot write to {folder}: {exc.strerror or exc}"))
+            return
+        self.dismiss("exported")
+
+    @on(Button.Pressed, "#quit")
+    def _quit_pressed(self) -> None:
+        self.dismiss("quit")
