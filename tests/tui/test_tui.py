@@ -175,9 +175,11 @@ async def test_inspector_numbers_match_the_engine(config):
         assert not inspector.display
         await pilot.press("f2")
         assert inspector.display
+        throttle = EngineThrottle(app)  # else a fast machine ends the reply before the inspector's next poll
         session = await send(pilot, "hello there", max_tokens=LONG)
         await wait_for(pilot, lambda: inspector.last_snapshot is not None and inspector.last_snapshot.seqs,
                        "a live request in the inspector")
+        throttle.stop()
         await replied(pilot, session)
         snap = app.backend.memory()  # idle now: the figures no longer move
         pages = session.pages
