@@ -7,9 +7,9 @@ one thread. So the governor times the steps and tries a neighbouring count now a
 slow down against the best this count has done, and on a timer that backs off while nothing changes. A count is
 kept only when its steps were clearly faster than the current count's on steps of the same size.
 
-The first count comes from what other processes took while the engine got ready (where /proc tells): a core
-held by another program is left to it from the first step, since timing tries alone cost a short reply much of
-its time before they settle.
+Where /proc tells what other processes take, the governor reads it too: the first count leaves the cores they kept
+busy while the engine got ready, and a timed try of more threads waits while they still hold the cores it would
+need. On a busy machine a try of more threads costs several slow steps, and a short reply much of its time.
 
 Torch-free: the engine passes the call that sets the count, the clock and the CPU reading.
 """
@@ -90,7 +90,8 @@ class ThreadGovernor:
         self._set = set_threads
         self._clock = clock
         self._cpu = cpu
-        self._first_reading = (clock(), cpu())   # until the first step: see _start_from_load
+        self._reading = (clock(), cpu())          # the last look at the CPU time: see _free_cores
+        self._first_step = True
         self._rung = 0                                       # index into counts: the count in use
         self._timings: dict[tuple[int, int], _Timing] = {}   # (rung, step size) -> timing
         self._probe: _Probe | None = None
@@ -105,7 +106,8 @@ class ThreadGovernor:
     def observe(self, size: int, seconds: float) -> None:
         """A step that computed `size` tokens took `seconds` on the count in use."""
         now = self._clock()
-        if self._first_reading is not None:
+        if self._first_step:
+            self._first_step = False
             self._start_from_load(now)
         if self._probe is not None:
             self._observe_probe(size, seconds, now)
@@ -117,25 +119,33 @@ class ThreadGovernor:
         if slowed and self._rung + 1 < len(self.counts):
             self._start(self._rung + 1, now)
         elif now >= self._next_try:
-            self._start(self._rung - 1 if self._rung > 0 else self._rung + 1, now)
+            more = self._rung - 1
+            if more >= 0 and (free := self._free_cores(now)) is not None and free < self.counts[more]:
+                self._next_try = now + FIRST_INTERVAL   # the others still hold the cores it needs: look again soon
+            else:
+                self._start(more if more >= 0 else self._rung + 1, now)
 
     def _start_from_load(self, now: float) -> None:
-        """Leave the cores other processes kept busy since the governor was made (rounded) to them."""
-        then, before = self._first_reading
-        if before is not None and now - then < MIN_READING:
-            return   # too soon to tell: a later step reads it
-        self._first_reading = None
-        after = self._cpu() if before is not None else None
-        if after is None:
+        """Leave the cores other processes kept busy since the governor was made to them."""
+        free = self._free_cores(now)
+        if free is None:
             return
-        others = ((after[0] - before[0]) - (after[1] - before[1])) / (now - then)
-        free = max(1, self.counts[0] - int(others + 0.5))
         rung = next(i for i, count in enumerate(self.counts) if count <= free)
         if rung != self._rung:
-            log.info("torch threads %d -> %d: other processes kept %.1f cores busy", self.counts[self._rung],
-                     self.counts[rung], others)
+            log.info("torch threads %d -> %d: other processes kept %d of %d cores busy", self.counts[self._rung],
+                     self.counts[rung], self.counts[0] - free, self.counts[0])
             self._rung = rung
             self._set(self.counts[rung])
+
+    def _free_cores(self, now: float) -> int | None:
+        """The cores other processes left free since the last look (their busy time, rounded; at least one), or
+        None where nothing can be read or the last look is too recent to tell."""
+        then, before = self._reading
+        if before is None or now - then < MIN_READING or (after := self._cpu()) is None:
+            return None
+        self._reading = (now, after)
+        others = ((after[0] - before[0]) - (after[1] - before[1])) / (now - then)
+        return max(1, self.counts[0] - int(others + 0.5))
 
     def _record(self, rung: int, size: int, seconds: float, now: float) -> _Timing:
         timing = self._timings.get((rung, size))

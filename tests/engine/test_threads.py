@@ -17,12 +17,18 @@ class Machine:
         self.costs = costs
         self.now = 0.0
         self.others = others
+        self.busy = self.ours = 0.0
         self.counts_set: list[int] = []
         self.governor = ThreadGovernor(max(costs), self.counts_set.append, lambda: self.now, self.cpu)
 
     def cpu(self) -> tuple[float, float] | None:
-        """Every process's busy seconds and ours: ours is a core's worth, the others' as set."""
-        return None if self.others is None else (self.now * (1 + self.others), self.now)
+        """Every process's busy seconds and ours (a core's worth while it runs; the others' as set)."""
+        return None if self.others is None else (self.busy, self.ours)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.ours += seconds
+        self.busy += seconds * (1 + (self.others or 0.0))
 
     def run(self, seconds: float, size: int = 1) -> dict[int, float]:
         """Step for about `seconds`; the share of the time each count ran."""
@@ -31,7 +37,7 @@ class Machine:
         while self.now < end:
             threads = self.governor.threads
             cost = self.costs[threads]
-            self.now += cost
+            self.advance(cost)
             spent[threads] = spent.get(threads, 0.0) + cost
             self.governor.observe(size, cost)
         return {t: s / seconds for t, s in spent.items()}
@@ -65,14 +71,24 @@ def test_a_busy_machine_moves_to_one_thread_at_once():
 @pytest.mark.parametrize("others, first", [(0.0, 2), (0.3, 2), (0.9, 1), (1.6, 1)])
 def test_the_first_count_leaves_the_cores_other_processes_keep_busy(others, first):
     machine = Machine({2: 0.100, 1: 0.020} if first == 1 else {2: 0.010, 1: 0.018}, others=others)
-    machine.now += 0.5                       # the model loads, and the others run meanwhile
+    machine.advance(0.5)                     # the model loads, and the others run meanwhile
     machine.run(0.02)                        # the first step reads what they took
     assert machine.governor.threads == first and machine.counts_set[:1] == ([1] if first == 1 else [])
 
 
+def test_no_try_of_more_threads_while_the_others_hold_the_cores_and_one_when_they_leave():
+    machine = Machine({2: 0.100, 1: 0.020}, others=1.0)
+    machine.advance(0.5)
+    machine.run(60.0)
+    assert machine.counts_set == [1]          # moved at the first step, and never tried two threads since
+    machine.others, machine.costs = 0.0, {2: 0.010, 1: 0.018}
+    machine.run(3.0)
+    assert machine.governor.threads == 2
+
+
 def test_without_a_cpu_reading_the_steps_alone_decide():
     machine = Machine({2: 0.100, 1: 0.020}, others=None)
-    machine.now += 0.5
+    machine.advance(0.5)
     machine.run(0.1)
     assert machine.governor.threads == 2     # not yet: its tries need steps to compare
     machine.run(0.5)
