@@ -98,8 +98,9 @@ class Sampler:
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
             # Over the tokens the reply holds, not the vocabulary: the cost is the sender's.
             ids, counts = torch.unique(torch.tensor(list(row.output_ids)), return_counts=True)
-            ids, counts = ids[ids < logits.numel()].to(logits.device), counts[ids < logits.numel()]
-            logits[ids] -= p.frequency_penalty * counts.to(logits.device, logits.dtype) + p.presence_penalty
+            inside = ids < logits.numel()
+            counts = counts[inside].to(logits.device, logits.dtype)
+            logits[ids[inside].to(logits.device)] -= p.frequency_penalty * counts + p.presence_penalty
         if p.logit_bias:
             ids, values = self._bias(p)
             inside = ids < logits.numel()
