@@ -139,8 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    serve.add_argument("--api-key", metavar="KEY",
-                       help="require Authorization: Bearer KEY on /v1 paths (default: $PAGEDCHAT_API_KEY, else none)")
+    serve.add_argument("--api-key", metavar="KEY", action="append", dest="api_keys", default=[],
+                       help="require Authorization: Bearer KEY on /v1 paths; repeat it to give each client its own "
+                       "key (default: $PAGEDCHAT_API_KEY, else none)")
+    serve.add_argument("--max-requests-per-key", type=positive_int, metavar="N",
+                       help="generation requests one client (its API key, else its address) may have open at once; "
+                       "more are answered 429 (default: no limit)")
+    serve.add_argument("--max-request-tokens", type=positive_int, metavar="N",
+                       help="the most tokens one request may ask to generate, n x max_tokens; more are refused with "
+                       "400, and a request without max_tokens gets N / n a reply (default: no limit)")
     serve.add_argument("--max-body-size", metavar="SIZE", type=size_bytes,
                        help="refuse larger request bodies with 413, e.g. 4MiB (default: 32 bytes per token of the "
                        "model's context, at least 1MiB)")
@@ -333,8 +340,9 @@ def cmd_serve(args) -> int:
         raise PagedChatError(f"pagedchat serve needs its extra ({exc.name} is missing): "
                              "pip install 'pagedchat[serve]'") from None
     # The engine's settings come from config.toml, then the flags; the key only from --api-key or the environment.
-    return serve(ServeOptions(engine=_config(args).engine, host=args.host, port=args.port, api_key=args.api_key,
-                              max_body_size=args.max_body_size, grammar_seconds=args.grammar_timeout,
+    return serve(ServeOptions(engine=_config(args).engine, host=args.host, port=args.port,
+                              api_keys=tuple(args.api_keys), max_requests_per_key=args.max_requests_per_key,
+                              max_request_tokens=args.max_request_tokens, max_body_size=args.max_body_size, grammar_seconds=args.grammar_timeout,
                               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
                               drain_seconds=args.drain_timeout))
 

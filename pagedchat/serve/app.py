@@ -33,7 +33,7 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.grammars import COMPILE_SECONDS, GrammarWorker
-from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, default_body_limit
+from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, PerClientLimit, default_body_limit
 from pagedchat.serve.metrics import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, capped, parse
@@ -58,17 +58,21 @@ class EventStream(StreamingResponse):
 
 
 class BearerAuth:
-    """ASGI middleware: /v1 paths need `Authorization: Bearer KEY`; /health and /metrics stay open, as in vLLM.
-    The scheme's name is case-insensitive (RFC 7235), so `bearer KEY` passes too."""
+    """ASGI middleware: /v1 paths need `Authorization: Bearer KEY` with one of the server's keys; /health and
+    /metrics stay open, as in vLLM. The scheme's name is case-insensitive (RFC 7235), so `bearer KEY` passes too."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = tuple(key.encode() for key in api_keys)
+
+    def _known(self, token: bytes) -> bool:
+        # Every key is compared, so the time taken says nothing about which one came close.
+        return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), self.key)):
+            if not (scheme.lower() == b"bearer" and self._known(token.lstrip(b" "))):
                 error = ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                                  code="invalid_api_key")
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
@@ -81,8 +85,9 @@ class Server:
 
     def __init__(self, load_backend: Callable[[], TokenBackend], model_name: str,
                  on_load_failure: Callable[[BaseException], None] | None = None, max_body_size: int | None = None,
-                 grammar_seconds: float = COMPILE_SECONDS):
+                 grammar_seconds: float = COMPILE_SECONDS, max_request_tokens: int | None = None):
         self.load_backend = load_backend
+        self.max_request_tokens = max_request_tokens
         self.model_name = model_name
         self.on_load_failure = on_load_failure
         self.max_body_size = max_body_size
@@ -200,6 +205,10 @@ class Server:
                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the "
                            "completion). Please reduce the length of the messages or completion (context_length_exceeded).",
                            param="max_tokens", code="context_length_exceeded")
+        cap = self.max_request_tokens
+        if cap is not None and max_tokens is not None and req.n * max_tokens > cap:
+            raise ApiError(400, f"n x max_tokens is {req.n * max_tokens}, over this server's limit of {cap} tokens a "
+                           "request (pagedchat serve --max-request-tokens)", param="max_tokens")
         if max_tokens is None:
             cache_tokens = info.num_pages * info.block_size
             # Where the context is the limit, the engine stops there and says so (context_full); where the
@@ -207,6 +216,11 @@ class Server:
             max_tokens = context if cache_tokens >= context else cache_tokens - len(ids)
             if max_tokens < 1:
                 raise ApiError(400, f"the prompt's {len(ids)} tokens fill the KV cache", param=prompt_field)
+            if cap is not None:  # unasked, each of the n replies gets its share of the cap
+                if req.n > cap:
+                    raise ApiError(400, f"n is over this server's limit of {cap} tokens a request "
+                                   "(pagedchat serve --max-request-tokens)", param="n")
+                max_tokens = min(max_tokens, cap // req.n)
         req.check_token_ids(info.vocab_size)
         try:
             return req.sampling_params(max_tokens, grammar)
@@ -315,11 +329,12 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=500)
 
 
-def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api_key: str | None = None,
-               on_load_failure: Callable[[BaseException], None] | None = None,
-               max_body_size: int | None = None, grammar_seconds: float = COMPILE_SECONDS) -> Starlette:
+def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api_keys: tuple[str, ...] = (),
+               on_load_failure: Callable[[BaseException], None] | None = None, max_body_size: int | None = None,
+               grammar_seconds: float = COMPILE_SECONDS, max_requests_per_key: int | None = None,
+               max_request_tokens: int | None = None) -> Starlette:
     """The app; app.state.server is its Server (the CLI ends its replies on shutdown)."""
-    server = Server(load_backend, model_name, on_load_failure, max_body_size, grammar_seconds)
+    server = Server(load_backend, model_name, on_load_failure, max_body_size, grammar_seconds, max_request_tokens)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -330,7 +345,9 @@ def create_app(load_backend: Callable[[], TokenBackend], model_name: str, *, api
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
     # The key is checked before the body is counted: a client without it is refused before it sends much.
-    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    middleware = [Middleware(BearerAuth, api_keys=api_keys)] if api_keys else []
+    if max_requests_per_key is not None:
+        middleware.append(Middleware(PerClientLimit, most=max_requests_per_key))
     middleware.append(Middleware(BodyLimit, limit=server.body_limit))
     app = Starlette(routes=routes, middleware=middleware, lifespan=server.lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, 500: _server_error})

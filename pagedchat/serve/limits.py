@@ -1,5 +1,5 @@
 """What bounds a client's cost to the server before any route runs: the body size, the time to send a request's
-headers, and how often one repeated loop error is logged."""
+headers, the requests one client may have open at once, and how often one repeated loop error is logged."""
 
 from __future__ import annotations
 
@@ -64,6 +64,48 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+def client_of(scope) -> str:
+    """Who sent a request, for per-client limits: its API key where the server has keys (BearerAuth has checked
+    it by then), else its address."""
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return "key:" + token.strip().decode("latin-1")
+    client = scope.get("client")
+    return "address:" + (client[0] if client else "unknown")
+
+
+class PerClientLimit:
+    """ASGI middleware: each client (an API key, else an address) may have `most` generation requests open at
+    once; one more is answered 429 with Retry-After, before its body is read, and the others' replies go on.
+    A request counts until its whole response is sent, a stream's last event included."""
+
+    PATHS = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app, most: int):
+        self.app = app
+        self.most = most
+        self.open: dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        client = client_of(scope)
+        if self.open.get(client, 0) >= self.most:
+            error = ApiError(429, f"this client already has {self.most} requests open, the most this server allows "
+                                  "one client (pagedchat serve --max-requests-per-key); retry when one finishes",
+                             code="rate_limit_exceeded", kind="requests")
+            await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        self.open[client] = self.open.get(client, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self.open.pop(client) - 1
+            if left:
+                self.open[client] = left
 
 
 class DeadlineH11Protocol(H11Protocol):

@@ -76,7 +76,9 @@ class ServeOptions:
     engine: EngineOptions = field(default_factory=EngineOptions)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()        # any of them opens /v1; none: no key needed
+    max_requests_per_key: int | None = None   # generation requests one client may have open; None: no limit
+    max_request_tokens: int | None = None     # n x max_tokens one request may ask for; None: no limit
     max_body_size: int | None = None      # bytes; None: a few times the model's context (limits.py)
     limit_concurrency: int = 1024         # connections and requests at once; more are answered 503
     timeout_keep_alive: float = 5.0       # seconds a connection may wait without sending a whole request head
@@ -103,8 +105,8 @@ def serve(options: ServeOptions) -> int:
     """Run until SIGTERM or ctrl+c; a model that fails to load stops the server with its error."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     failure: list[BaseException] = []
-    api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
-    if api_key is None and exposed(options.host):
+    api_keys = options.api_keys or tuple(filter(None, [os.environ.get(API_KEY_ENV)]))
+    if not api_keys and exposed(options.host):
         log.warning("listening on %s with no API key: anyone who can reach this port can use the model "
                     "(set --api-key or %s)", options.host, API_KEY_ENV)
 
@@ -112,8 +114,10 @@ def serve(options: ServeOptions) -> int:
         failure.append(exc)
         server.should_exit = True
 
-    app = create_app(options.load_backend, options.model_name, api_key=api_key, on_load_failure=on_load_failure,
-                     max_body_size=options.max_body_size, grammar_seconds=options.grammar_seconds)
+    app = create_app(options.load_backend, options.model_name, api_keys=api_keys, on_load_failure=on_load_failure,
+                     max_body_size=options.max_body_size, grammar_seconds=options.grammar_seconds,
+                     max_requests_per_key=options.max_requests_per_key,
+                     max_request_tokens=options.max_request_tokens)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info", lifespan="on",
                             http=DeadlineH11Protocol, limit_concurrency=options.limit_concurrency,
                             timeout_keep_alive=options.timeout_keep_alive,

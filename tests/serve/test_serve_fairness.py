@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from serve_support import AUTH, start_server
+from serve_support import AUTH, KEY, start_server
 from tiny_models import make_tiny_model
 
 FLOODS = 4          # clients, each asking for N long replies
@@ -60,4 +60,56 @@ def test_requests_beside_floods_of_n_finish_within_a_bound(tmp_path):
             time.sleep(0.1)
     finally:
         stop.set()
+        server.stop()
+
+
+OTHER_KEY = "open-sesame"
+
+
+def _long_stream(url: str, key: str, opened: threading.Event, release: threading.Event, codes: list[int]) -> None:
+    body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            codes.append(response.status_code)
+            for _ in response.iter_lines():
+                opened.set()
+                if release.is_set():
+                    return
+
+
+def test_each_key_has_its_own_share_of_open_requests_and_tokens(tmp_path):
+    folder = make_tiny_model(tmp_path / "tiny", max_positions=2048)
+    server = start_server(folder, tmp_path / "server.log", "--api-key", KEY, "--api-key", OTHER_KEY,
+                          "--max-requests-per-key", "1", "--max-request-tokens", "2000", "--kv-cache-memory", "4MiB")
+    opened, release, codes = threading.Event(), threading.Event(), []
+    holder = threading.Thread(target=_long_stream, args=(server.url, KEY, opened, release, codes), daemon=True)
+    short = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8}
+    other = {"Authorization": f"Bearer {OTHER_KEY}"}
+    try:
+        holder.start()
+        assert opened.wait(60), codes
+        busy = server.http.post("/v1/chat/completions", json=short)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1", busy.text
+        assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+        assert server.http.post("/v1/chat/completions", json=short, headers=other).status_code == 200
+        assert server.http.get("/v1/models").status_code == 200   # only generation requests count
+        release.set()
+        holder.join(30)
+        assert codes == [200]
+        deadline = time.monotonic() + 10
+        while (again := server.http.post("/v1/chat/completions", json=short)).status_code == 429:
+            assert time.monotonic() < deadline   # the stream's slot is freed once its response ends
+            time.sleep(0.1)
+        assert again.status_code == 200, again.text
+
+        over = server.http.post("/v1/chat/completions", json={**short, "n": 4, "max_tokens": 501})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens", over.text
+        unasked = server.http.post("/v1/chat/completions", json={
+            "messages": short["messages"], "n": 16, "ignore_eos": True})
+        assert unasked.status_code == 200, unasked.text
+        assert [c["finish_reason"] for c in unasked.json()["choices"]] == ["length"] * 16
+        assert unasked.json()["usage"]["completion_tokens"] == 2000   # each of the 16 replies got 2000 // 16
+    finally:
+        release.set()
         server.stop()
