@@ -14,6 +14,7 @@ from pagedchat.errors import PagedChatError
 
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_WINDOW_TOKENS = 4096  # --windows: a reply long enough to leave the window many pages behind
+DEFAULT_FLOOD_TOKENS = 512   # --flood: each flooding reply, long enough to hold the batch for the whole round
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="instead: 8 streaming HTTP clients through `pagedchat serve` against the engine "
                              "in-process, on the same workload (the HTTP overhead in tokens/s)")
+    parser.add_argument("--flood", action="store_true",
+                        help="instead: short requests through `pagedchat serve`, alone and beside 4 clients each "
+                             "streaming n=16 replies of --max-tokens (default 512): their latency, p50 and p99")
     parser.add_argument("--windows", action="store_true",
                         help="instead: the KV memory one long chat (--system-tokens of prompt, --max-tokens of "
                              f"reply, default {DEFAULT_WINDOW_TOKENS}) takes on a model with sliding-window layers "
@@ -65,7 +69,7 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """The defaults that depend on the mode: --app measures one long reply, the rest short forced ones."""
     if args.max_tokens is None:
         args.max_tokens = DEFAULT_APP_TOKENS if args.app else DEFAULT_WINDOW_TOKENS if args.windows else \
-            DEFAULT_MAX_TOKENS
+            DEFAULT_FLOOD_TOKENS if args.flood else DEFAULT_MAX_TOKENS
     return args
 
 
@@ -78,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         from pagedchat.bench import http
 
         return http.run(args)
+    if args.flood:
+        from pagedchat.bench import flood
+
+        return flood.run(args)
     if args.windows:
         return run_windows(args)
     from rich.console import Console
