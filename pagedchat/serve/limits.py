@@ -94,8 +94,9 @@ class PerClientLimit:
             return
         client = client_of(scope)
         if self.open.get(client, 0) >= self.most:
-            error = ApiError(429, f"this client already has {self.most} requests open, the most this server allows "
-                                  "one client (pagedchat serve --max-requests-per-key); retry when one finishes",
+            held = f"{self.most} request{'s' if self.most > 1 else ''}"
+            error = ApiError(429, f"this client already has {held} open, the most this server allows one client "
+                                  "(pagedchat serve --max-requests-per-key); retry when one finishes",
                              code="rate_limit_exceeded", kind="requests")
             await JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})(scope, receive, send)
             return
