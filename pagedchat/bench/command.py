@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pagedchat.argtypes import positive_int
 from pagedchat.bench.app_probe import DEFAULT_MAX_TOKENS as DEFAULT_APP_TOKENS
-from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names
+from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths
 from pagedchat.errors import PagedChatError
 
 DEFAULT_MAX_TOKENS = 128
@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood", action="store_true",
                         help="instead: short requests through `pagedchat serve`, alone and beside 4 clients each "
                              "streaming n=16 replies of --max-tokens (default 512): their latency, p50 and p99")
+    parser.add_argument("--prefill", type=prompt_lengths, default=None, metavar="N,N,...",
+                        help="instead: one prompt of each length alone on a cold cache, timed to its first token "
+                             "(tokens/s, and over the shortest's); with --against llama.cpp, llama.cpp on the same "
+                             "ids, rounds alternating. E.g. 512,2048,8192")
     parser.add_argument("--windows", action="store_true",
                         help="instead: the KV memory one long chat (--system-tokens of prompt, --max-tokens of "
                              f"reply, default {DEFAULT_WINDOW_TOKENS}) takes on a model with sliding-window layers "
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         from pagedchat.bench import http
 
         return http.run(args)
+    if args.prefill:
+        from pagedchat.bench import prefill
+
+        return prefill.run(args)
     if args.flood:
         from pagedchat.bench import flood
 

@@ -16,15 +16,25 @@ class BenchError(PagedChatError):
     """The bench cannot run as asked: one line, non-zero exit."""
 
 
-def chat_counts(value: str) -> tuple[int, ...]:
-    """argparse type for --chats: distinct positive counts, sorted."""
+def _positive_ints(value: str, what: str, example: str) -> tuple[int, ...]:
+    """Distinct positive integers, comma-separated, sorted."""
     try:
         counts = sorted({int(v) for v in value.split(",") if v.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read {value!r}: give chat counts like 1,2,4,8") from None
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: give {what} like {example}") from None
     if not counts or counts[0] < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: chat counts must be positive integers, like 1,2,4,8")
+        raise argparse.ArgumentTypeError(f"{value!r}: {what} must be positive integers, like {example}")
     return tuple(counts)
+
+
+def chat_counts(value: str) -> tuple[int, ...]:
+    """argparse type for --chats: distinct positive counts, sorted."""
+    return _positive_ints(value, "chat counts", "1,2,4,8")
+
+
+def prompt_lengths(value: str) -> tuple[int, ...]:
+    """argparse type for --prefill: distinct prompt lengths in tokens, sorted."""
+    return _positive_ints(value, "prompt lengths", "512,2048,8192")
 
 
 def peer_names(value: str) -> tuple[str, ...]:
