@@ -23,7 +23,6 @@ from pagedchat.bench.report import (PAGEDCHAT, Level, Machine, ModelInfo, PeerFi
 from pagedchat.bench.startup import ENGINE_READY, time_to_ready
 from pagedchat.bench.stats import median, median_round, ratio
 from pagedchat.bench.workload import Workload, build_workload
-from pagedchat.model import attention
 
 # The engine's own cap on a default pool: never more than 16 sequences at full context would use
 # (pagedchat/engine/sizing.py, plan_cache).
@@ -55,13 +54,12 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         once = [r for p in peers for r in p.runners if not r.every_round]
         runs = cfg.repeat * (1 + len(every)) + len(once)
         progress.set_total(sum(n * cfg.max_tokens for n in levels) * runs + 2 * WARM_REPEATS)
-        paths = [qmm.describe()] if engine.model.runs_blocks else []
-        paths += ["int4 groups on torch's int4 kernel"] if engine.model.runs_int4 else []
-        kernels = "; ".join(paths)
+        paths = engine.model.run_paths()
+        kernels = "; ".join(paths.projections)
         base = dict(config=cfg, model=ModelInfo(str(engine.model_path), engine.config.architecture,
                                                 str(engine.dtype).removeprefix("torch."),
                                                 engine.model.weight_precision, kernels,
-                                                attention.describe(engine.model.attention)),
+                                                paths.attention),
                     peer_builds=tuple(f"{p.name}: {p.build}" for p in peers if p.build),
                     workload=WorkloadInfo(len(work.system_ids), tuple(len(p) - len(work.system_ids)
                                                                       for p in work.prompts),

@@ -49,7 +49,7 @@ def header_lines(report: Report) -> list[str]:
     if m.cpu_level:
         lines.append(f"this CPU's best level: {m.cpu_level}")
     if report.model.kernels:
-        lines.append(f"weights {report.model.weights}; quantized matmuls: {report.model.kernels}")
+        lines.append(f"weights {report.model.weights}; projections: {report.model.kernels}")
     if report.model.attention:
         lines.append(f"attention: {report.model.attention}")
     lines += report.peer_builds

@@ -32,7 +32,7 @@ class ModelInfo:
     architecture: str
     dtype: str
     weights: str = ""  # what the weights are and how they run: "Q4_1 packed + Q8_0 packed · AVX2"
-    kernels: str = ""  # what ran the packed weights' matmuls ("": nothing was packed)
+    kernels: str = ""  # what ran the projections, by kernel (DecoderModel.run_paths)
     attention: str = ""  # what ran attention (attention.describe)
 
 

@@ -138,6 +138,7 @@ class Engine:
             self._compute.close()
             raise
         self.weight_bytes = self.model.weight_bytes()  # fixed once loaded; F2 and the bench show it beside the pool
+        log.info("%s runs as:\n  %s", folder.name, "\n  ".join(self.model.run_paths().lines()))
         # An engine dropped without shutdown() frees its idle thread. Not at interpreter exit: the thread is a
         # daemon, and a live loop would make close() wait there.
         weakref.finalize(self, self._compute.close, 0).atexit = False

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pagedchat.model import qmm, quant
 from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat, runs_dense
+from pagedchat.model.forms import Dense, EmbedTable, Form, Int4Groups, Panels, Plain, Split
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
 QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
@@ -167,18 +168,18 @@ class Builder:
     (`cached`), it only copies tensors in: no decoding, no packing."""
 
     def __init__(self, placement: Placement, cached: dict[str, torch.Tensor] | None = None,
-                 forms: dict[str, str] | None = None):
+                 forms: dict[str, Form] | None = None, embed: EmbedTable | None = None):
         self.placement = placement
         self.cached = cached
-        # key -> "dense" | "linear" | "blocks <kind>" | "int4 <doubled> <source>" | "concat <n>"
-        self.forms: dict[str, str] = dict(forms or {})
+        self.forms: dict[str, Form] = dict(forms or {})
+        self.embed = embed  # the token table's source, once chosen (DecoderModel._embedding)
         self.tensors: dict[str, torch.Tensor] = {}
         self.labels: list[str] = []
 
     def dense(self, key: str, w) -> torch.Tensor:
         t = self.cached[key] if self.cached is not None else self.placement.dense(w)
         self.tensors[key] = t
-        self.forms[key] = "dense"
+        self.forms[key] = Dense()
         return t
 
     def norm(self, key: str, w, unit_offset: bool) -> torch.Tensor:
@@ -187,7 +188,7 @@ class Builder:
             return self.dense(key, w)
         t = self.cached[key] if self.cached is not None else self.placement.unit_offset(w)
         self.tensors[key] = t
-        self.forms[key] = "dense"
+        self.forms[key] = Dense()
         return t
 
     def projection(self, key: str, parts: list, bias: torch.Tensor | None = None):
@@ -206,7 +207,7 @@ class Builder:
                 runs.append((form, [w if p is None else p]))
         if len(runs) == 1:
             return self._single(key, *runs[0], bias)
-        self.forms[key] = f"concat {len(runs)}"
+        self.forms[key] = Split(len(runs))
         projections = [self._single(f"{key}.{i}", form, items, None) for i, (form, items) in enumerate(runs)]
         return Concat(projections, None if bias is None else self._bias(key, bias))
 
@@ -220,37 +221,37 @@ class Builder:
         if isinstance(form, str):
             p = BlockLinear.of(concat(items) if len(items) > 1 else items[0], bias)
             self.tensors[f"{key}.panels"] = p.panels
-            self.forms[key] = f"blocks {p.kind}"
+            self.forms[key] = Panels(p.kind)
             return p
         if form is not None:
             p = quant.Int4Linear(quant.concat(items) if len(items) > 1 else items[0], bias)
             self.tensors[f"{key}.packed"], self.tensors[f"{key}.scale_zeros"] = p.packed, p.scale_zeros
-            self.forms[key] = f"int4 {int(p.doubled)} {p.source}"
+            self.forms[key] = Int4Groups(p.doubled, p.source)
             return p
         weight = torch.cat([self.placement.dense(w) for w in items]) if len(items) > 1 else self.placement.dense(items[0])
         self.tensors[f"{key}.weight"] = weight
-        self.forms[key] = "linear"
+        self.forms[key] = Plain()
         return Linear(weight, bias, self.placement.onednn)
 
     def _restore(self, key: str):
-        form, *args = self.forms[key].split(" ")
         bias = self.cached.get(f"{key}.bias")
-        if form == "concat":
-            return Concat([self._restore(f"{key}.{i}") for i in range(int(args[0]))], bias)
-        if form == "blocks":
-            return BlockLinear(self.cached[f"{key}.panels"], args[0], bias)
-        if form == "int4":
-            return quant.Int4Linear.from_packed(self.cached[f"{key}.packed"], self.cached[f"{key}.scale_zeros"],
-                                                bias, doubled=args[0] == "1", source=args[1])
+        match self.forms[key]:
+            case Split(parts):
+                return Concat([self._restore(f"{key}.{i}") for i in range(parts)], bias)
+            case Panels(kind):
+                return BlockLinear(self.cached[f"{key}.panels"], kind, bias)
+            case Int4Groups(doubled, source):
+                return quant.Int4Linear.from_packed(self.cached[f"{key}.packed"], self.cached[f"{key}.scale_zeros"],
+                                                    bias, doubled=doubled, source=source)
         return Linear(self.cached[f"{key}.weight"], bias, self.placement.onednn)
 
     @property
     def runs_blocks(self) -> bool:
-        return any(f.startswith("blocks") for f in self.forms.values())
+        return any(isinstance(f, Panels) for f in self.forms.values())
 
     @property
     def runs_int4(self) -> bool:
-        return any(f.startswith("int4") for f in self.forms.values())
+        return any(isinstance(f, Int4Groups) for f in self.forms.values())
 
     @property
     def packs(self) -> bool:

@@ -10,18 +10,25 @@ embeddings, its rope scaling), so greedy tokens match it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pagedchat.model.attention import AttentionMetadata, backend, paged_attention, write_kv
+from pagedchat.model.attention import describe as describe_attention
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm
 from pagedchat.model.blocks import block_parts, runs_dense
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
+from pagedchat.model.forms import Dense, EmbedTable, Split, path
 from pagedchat.model.linear import Builder, Placement, nbytes
+
+if TYPE_CHECKING:  # the cache module imports this one
+    from pagedchat.model.packed_cache import PackedWeights
 
 
 def rope_table(rope: Rope, head_dim: int, positions: int, max_positions: int, device,
@@ -136,6 +143,19 @@ class Layer:
                 if t is not None]
 
 
+@dataclass(frozen=True)
+class RunPaths:
+    """Which kernels a model runs on here (DecoderModel.run_paths)."""
+
+    projections: tuple[str, ...]  # "64 × Q4_K panels on pagedchat's AVX2 kernels (...)", one per kernel
+    layers: str
+    attention: str
+
+    def lines(self) -> list[str]:
+        return [f"projections: {p}" for p in self.projections] + [f"layers: {self.layers}",
+                                                                   f"attention: {self.attention}"]
+
+
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict | None, device: torch.device, dtype: torch.dtype,
                  quantize: str | None = None, cached: "PackedWeights | None" = None):
@@ -147,7 +167,7 @@ class DecoderModel:
         self.dtype = dtype
         family = config.family
         placement = Placement.choose(dtype, device, quantize)
-        build = Builder(placement, *(cached.tensors, cached.forms) if cached else ())
+        build = Builder(placement, *(cached.tensors, cached.forms, cached.embed) if cached else ())
         get = (lambda name: None) if cached else weights.__getitem__  # noqa: E731
         try:
             tied = config.tie_word_embeddings
@@ -163,6 +183,8 @@ class DecoderModel:
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
         self.runs_int4 = build.runs_int4      # whether any of it runs as int4 groups
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save
+        self.forms = build.forms            # each tensor's form, by key (run_paths)
+        self.placement = placement
         self.norm_fn = NORMS[family.norm]
         self.act = ACTIVATIONS[family.activation]
         # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as transformers rounds it.
@@ -198,26 +220,39 @@ class DecoderModel:
     def _embedding(self, weight, tied: bool, build: Builder):
         """The token table: the packed head itself when tied and readable by rows, a packed copy of a
         quantized untied table, else dense in dtype (a plain dense head is the table itself)."""
-        form = build.forms.get("embed")
-        if form is None:  # building from the weights: pick, and record the pick for a cache
+        source = build.embed
+        if source is None:  # building from the weights: pick, and record the pick for a cache
             if tied:
-                form = "head" if getattr(self.lm_head, "gathers_rows", False) or \
-                    getattr(self.lm_head, "weight", None) is not None else "dense"
+                source = EmbedTable.HEAD if getattr(self.lm_head, "gathers_rows", False) or \
+                    getattr(self.lm_head, "weight", None) is not None else EmbedTable.DENSE
             else:
-                form = "packed" if build.placement.packed(weight) is not None else "dense"
-        if form == "head":
-            build.forms["embed"] = "head"
+                source = EmbedTable.PACKED if build.placement.packed(weight) is not None else EmbedTable.DENSE
+        if source is EmbedTable.HEAD:
+            build.embed = source
             return self.lm_head if getattr(self.lm_head, "gathers_rows", False) else self.lm_head.weight
-        if form == "packed":
+        if source is EmbedTable.PACKED:
             packed = build.projection("embed.table", [weight])
             if getattr(packed, "gathers_rows", False):
-                build.forms["embed"] = "packed"
+                build.embed = source
                 return packed
         table = build.dense("embed.table", weight)
         if build.cached is None:
             build.labels.append(build.placement.label(weight, None))
-        build.forms["embed"] = "dense"
+        build.embed = EmbedTable.DENSE
         return table
+
+    def run_paths(self) -> RunPaths:
+        """How this model runs here, in words: each projection kernel with the projections it takes, the layers'
+        ops, and attention's path. Logged at start; the bench's header shows it."""
+        dense = str(self.dtype).removeprefix("torch.") + (", oneDNN packed" if self.placement.onednn else "")
+        kernels = Counter(path(f, qmm.describe(), dense) for f in self.forms.values()
+                          if not isinstance(f, (Dense, Split)))
+        fused = sum(f is not None for f in self.fused)
+        ops = "pagedchat's kernels" if self.native_steps else "torch"
+        layers = f"norms, rotary and activation on {ops}" + \
+            (f"; a decode step runs {fused} of {len(self.fused)} layers as one call each" if fused else "")
+        return RunPaths(tuple(f"{n} × {name}" for name, n in kernels.most_common()),
+                        layers, describe_attention(self.attention))
 
     @property
     def weight_precision(self) -> str:

@@ -24,18 +24,20 @@ from pagedchat import paths
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm, quant
 from pagedchat.model.config import ModelConfig
+from pagedchat.model.forms import EmbedTable, Form, decode, encode
 from pagedchat.model.linear import Builder
 from pagedchat.model.llama import DecoderModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
-FORMAT = "3"  # 3: the 32-block types in the kernels' panels (qmm.pack)
+FORMAT = "4"  # 4: typed forms (model/forms.py) and the token table's source apart from them
 
 
 @dataclass(frozen=True)
 class PackedWeights:
     tensors: dict[str, torch.Tensor]
-    forms: dict[str, str]  # see linear.Builder
+    forms: dict[str, Form]  # see linear.Builder
+    embed: EmbedTable
     precision: str
 
 
@@ -58,7 +60,8 @@ def read(path: Path) -> PackedWeights | None:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-        return PackedWeights(tensors, json.loads(meta["forms"]), meta["precision"])
+        forms = {key: decode(text) for key, text in json.loads(meta["forms"]).items()}
+        return PackedWeights(tensors, forms, EmbedTable(meta["embed"]), meta["precision"])
     except Exception as exc:  # a cut-off or foreign file: safetensors raises its own error types
         log.warning("ignoring unreadable packed-weights cache %s: %s", path, exc)
         return None
@@ -73,7 +76,8 @@ def write(path: Path, model: DecoderModel, built: Builder) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"forms": json.dumps(built.forms), "precision": model.precision})
+        forms = json.dumps({key: encode(form) for key, form in built.forms.items()})
+        save_file(tensors, tmp, metadata={"forms": forms, "embed": built.embed.value, "precision": model.precision})
         os.replace(tmp, path)
     except OSError as exc:  # a full or read-only disk costs the next start its speed, nothing else
         log.warning("could not write the packed-weights cache %s: %s", path, exc)

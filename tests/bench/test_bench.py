@@ -359,7 +359,7 @@ def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     # the header says which level each side runs at: this CPU's, pagedchat's kernels', llama.cpp's build
     header = "\n".join(header_lines(rep))
     assert f"this CPU's best level: {qmm.best_label()}" in header
-    assert f"quantized matmuls: {qmm.describe()}" in header and "Q8_0 packed" in header
+    assert f"Q8_0 panels on {qmm.describe()}" in header and "Q8_0 packed" in header
     assert f"attention: {attention.describe('native')}" in header
     assert "llama.cpp: built for " in header and ("AVX2" in header or platform.machine() != "x86_64")
 

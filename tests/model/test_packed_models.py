@@ -139,6 +139,13 @@ def test_a_q4_k_m_file_runs_every_tensor_packed(tmp_path, monkeypatch):
     assert "as float32" not in model.weight_precision
     assert set(model.precision.replace(" packed", "").split(" + ")) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     assert isinstance(model.layers[0].gate_up, Concat)  # Q5_0 beside Q4_K: two matmuls, side by side
+    # One line per kernel, counting its projections: every GGUF type on pagedchat's kernels, none dense.
+    paths = model.run_paths()
+    kinds = {line.split(" × ")[1].split(" ")[0]: int(line.split(" × ")[0]) for line in paths.projections}
+    assert set(kinds) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert all(qmm.describe() in line for line in paths.projections)
+    assert kinds["Q6_K"] == len(model.layers) + 1   # every ffn_down, and the head
+    assert "as one call each" in paths.layers and paths.attention
     assert model.weight_bytes() == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     engine.shutdown()
     for prompt, out, want in zip(PROMPTS, outs, expected):
