@@ -162,6 +162,16 @@ class Placement:
         return f"{w.kind} as {runs}"
 
 
+@dataclass(frozen=True)
+class PackedWeights:
+    """A built model's record, as the packed-weights cache keeps it: Builder's tensors and forms by key."""
+
+    tensors: dict[str, torch.Tensor]
+    forms: dict[str, Form]
+    embed: EmbedTable
+    precision: str  # DecoderModel.precision
+
+
 class Builder:
     """Builds a model's projections and dense tensors under stable keys ("model.layers.3.qkv"), recording each
     one's final tensors and form: what the packed-weights cache saves. Built from such a record instead

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +24,7 @@ from pagedchat.model.blocks import block_parts, runs_dense
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
 from pagedchat.model.forms import Dense, EmbedTable, Split, path
-from pagedchat.model.linear import Builder, Placement, nbytes
-
-if TYPE_CHECKING:  # the cache module imports this one
-    from pagedchat.model.packed_cache import PackedWeights
+from pagedchat.model.linear import Builder, PackedWeights, Placement, nbytes
 
 
 def rope_table(rope: Rope, head_dim: int, positions: int, max_positions: int, device,
@@ -158,7 +154,7 @@ class RunPaths:
 
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict | None, device: torch.device, dtype: torch.dtype,
-                 quantize: str | None = None, cached: "PackedWeights | None" = None):
+                 quantize: str | None = None, cached: PackedWeights | None = None):
         """weights: torch tensors (a safetensors model) or loader.GGUFTensors; quantize: "int4"/"int8" packs
         dense weights group-wise too (changing their numbers), where packed weights run (the CPU). cached: the
         model as a packed-weights cache saved it (see pagedchat/model/packed_cache.py), in place of weights."""

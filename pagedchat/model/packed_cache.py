@@ -15,7 +15,6 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,21 +23,13 @@ from pagedchat import paths
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm, quant
 from pagedchat.model.config import ModelConfig
-from pagedchat.model.forms import EmbedTable, Form, decode, encode
-from pagedchat.model.linear import Builder
+from pagedchat.model.forms import EmbedTable, decode, encode
+from pagedchat.model.linear import Builder, PackedWeights
 from pagedchat.model.llama import DecoderModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)
 FORMAT = "4"  # 4: typed forms (model/forms.py) and the token table's source apart from them
-
-
-@dataclass(frozen=True)
-class PackedWeights:
-    tensors: dict[str, torch.Tensor]
-    forms: dict[str, Form]  # see linear.Builder
-    embed: EmbedTable
-    precision: str
 
 
 def cache_file(folder: Path, dtype: torch.dtype, quantize: str | None) -> Path:
