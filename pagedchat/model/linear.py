@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.model import qmm, quant
-from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat, runs_dense
+from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
 QUANTIZE_TYPES = {"int4": "Q4_1", "int8": "Q8_0"}
@@ -78,7 +78,7 @@ class Concat:
         return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and not runs_dense(x.shape[0]):
+        if self.blocks is not None:
             return qmm.matmul_cat(x, *self.blocks)
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
