@@ -86,3 +86,28 @@ def test_forked(tiny_q4, each_level):
     assert reply_of(child.result(timeout=0)) == run_alone(tiny_q4, [Request(tokens, params)],
                                                           kv_cache_memory="4MiB")[0]
     engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [None, "avx2"], ids=["best", "avx2"])
+def test_the_default_model(default_model, kernels, level):
+    """SmolLM2 on chats of one system prompt: together, again after the cache holds them, chunked, preempted."""
+    if level:
+        kernels(level)
+    engine = Engine(str(default_model), autostart=False)
+    system = "You are the support assistant of a bicycle shop. Answer briefly, quote prices in euros. " * 3
+    chats = [engine.encode_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+             for q in ("How much is a new chain?", "Can you fix a flat tyre today?", "Do you sell helmets?",
+                       "What does a full service include?")]
+    engine.shutdown()
+    reqs = [Request(chat, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0, temperature=0.8 * (i % 2),
+                                         seed=i)) for i, chat in enumerate(chats)]
+    alone = run_alone(default_model, reqs)
+    for kwargs in ({}, {"max_tokens_per_step": 64}, {"kv_cache_memory": "12MiB"}):
+        engine = Engine(str(default_model), autostart=False, **kwargs)
+        assert differing(run_together(engine, reqs), alone) == [], kwargs
+        if not kwargs:
+            assert differing([run_together(engine, [r])[0] for r in reqs], alone) == []
+        if "kv_cache_memory" in kwargs:
+            assert engine.memory().counters.recomputes > 0
+        engine.shutdown()
