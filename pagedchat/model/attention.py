@@ -4,7 +4,8 @@
 tables. Both pick their path here and nowhere else (`backend`):
 - "native": on the CPU, pagedchat's own kernel (csrc/layer_level.cpp, built with the quantized matmuls), which
   reads each sequence's pages where they lie. It runs a prompt's rows too, each as a decode at its position would
-  run (see _row_plan): a row's numbers then depend on nothing but its sequence (docs/architecture.md#same-request-same-tokens).
+  run (see _row_plan): a row's numbers then depend on nothing but its own sequence
+  (docs/architecture.md#same-request-same-tokens).
 - "torch": the CPU without that kernel, and anywhere Triton is missing.
 - "triton": CUDA.
 PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's

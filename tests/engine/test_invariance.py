@@ -6,10 +6,15 @@ or forked (docs/architecture.md#same-request-same-tokens)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from invariance import Request, differing, drain, reply_of, run_alone, run_together, tiny_packed_model
 
 from pagedchat import Engine, SamplingParams
+from pagedchat.model import qmm
 
 SYSTEM = list(range(40, 90))  # a shared system prompt of 50 tokens: three pages and a bit
 TAILS = [[7, 8, 9], list(range(290, 311)), [11] * 9, list(range(100, 147)), [3, 1, 4, 1, 5, 9, 2, 6],
@@ -71,6 +76,34 @@ def test_preempted(tiny_q4, alone, swap):
     assert (counters.swap_outs if swap else counters.recomputes) > 0
     assert differing(replies, alone[:-1]) == []
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def alone_at_best(tiny_q4):
+    """The references at the CPU's best level, where the property test runs."""
+    before = os.environ.get(qmm.ENV)
+    qmm.use(None)
+    try:
+        return run_alone(tiny_q4, requests(), kv_cache_memory="4MiB")
+    finally:
+        qmm.use(before)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chosen=st.lists(st.integers(0, len(TAILS) - 2), min_size=1, max_size=8),
+       step_tokens=st.integers(5, 200), pool_pages=st.integers(8, 60), swap=st.booleans())
+def test_any_mix_of_chats_chunks_and_pool(tiny_q4, kernels, alone_at_best, chosen, step_tokens, pool_pages, swap):
+    """Any chats (repeats too: a sibling's prefix in the cache), any step budget, any pool from one that preempts
+    at every turn to one that holds them all: each reply is its bits alone."""
+    kernels("portable")  # skips where the kernels are not built
+    qmm.use(None)
+    page = 3 * 2 * 2 * 64 * 4 * 16  # layers, K and V, kv heads, head_dim, float32, tokens a page
+    engine = Engine(str(tiny_q4), kv_cache_memory=pool_pages * page, swap_space=4 << 20 if swap else None,
+                    max_tokens_per_step=step_tokens, max_seqs=4, autostart=False)
+    every = requests()
+    replies = run_together(engine, [every[i] for i in chosen])
+    engine.shutdown()
+    assert differing(replies, [alone_at_best[i] for i in chosen]) == []
 
 
 def test_forked(tiny_q4, each_level):
