@@ -1,6 +1,7 @@
 """Same request, same tokens: helpers for the tests that hold a reply to its alone-in-a-fresh-engine bits, whatever
-ran beside it, however its prompt was chunked, wherever its prefix came from (docs/architecture.md#same-request-
-same-tokens). Reusable by any feature that must keep that promise (speculation's verify steps, say)."""
+ran beside it, however its prompt was chunked, wherever its prefix came from
+(docs/architecture.md#same-request-same-tokens). Reusable by any feature that must keep that promise
+(speculation's verify steps, say)."""
 
 from __future__ import annotations
 
