@@ -2,8 +2,10 @@
 
 `write_kv` puts a step's new K/V into their slots; `paged_attention` reads K/V back through the block
 tables. Both pick their path here and nowhere else (`backend`):
-- "native": on the CPU, decode steps run pagedchat's own kernel (csrc/layer_level.cpp, built with the quantized
-  matmuls), which reads each sequence's pages where they lie; prefill chunks take the torch path.
+- "native": on the CPU, pagedchat's own kernel (csrc/layer_level.cpp, built with the quantized matmuls), which
+  reads each sequence's pages where they lie. It runs a prompt's rows too, each as a decode at its position would
+  run (see _row_plan): a row's numbers then depend on nothing but its own sequence
+  (docs/architecture.md#same-request-same-tokens).
 - "torch": the CPU without that kernel, and anywhere Triton is missing.
 - "triton": CUDA.
 PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's
@@ -41,6 +43,7 @@ class AttentionMetadata:
     # Per-step values the torch decode path would otherwise rebuild in every layer (one per window size).
     _decode_plans: dict[int | None, _DecodePlan] = field(default_factory=dict, repr=False)
     _mixed_plan: _MixedPlan | None = field(default=None, repr=False)
+    _row_plan: _RowPlan | None = field(default=None, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -69,7 +72,7 @@ def backend(device: torch.device) -> str:
 
 def describe(path: str) -> str:
     """A path in words, for the bench's header."""
-    return {"native": "pagedchat's kernel for decodes, read straight from the pages; torch's SDPA for prompts",
+    return {"native": "pagedchat's kernel, read straight from the pages, each prompt row as a decode",
             "torch": "torch's SDPA over gathered pages",
             "triton": "pagedchat's Triton kernels"}[path]
 
@@ -98,7 +101,10 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     native = path == "native" and k_cache.dtype in NATIVE_DTYPES
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta, scale, window, native)
-    return _varlen_torch(q, k_cache, v_cache, meta, scale, window, native)
+    if native:
+        rows = _row_plan(meta)
+        return qmm.attend(q, k_cache, v_cache, rows.tables, rows.context_lens, scale, window or 0)
+    return _varlen_torch(q, k_cache, v_cache, meta, scale, window)
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
@@ -239,6 +245,31 @@ def _with_shared_prefix(queries, k, v, k_cache, v_cache, plan: _DecodePlan, scal
 
 
 @dataclass
+class _RowPlan:
+    """A step's token rows as the native kernel's one-query sequences (see _row_plan)."""
+
+    tables: torch.Tensor        # [T, pages] int32: each row's sequence's block table
+    context_lens: torch.Tensor  # [T] int32: the keys each row sees, its own position's included
+
+
+def _row_plan(meta: AttentionMetadata) -> _RowPlan:
+    """Every token row of a step with prompt chunks as a sequence of one query: its sequence's block table, and
+    its position + 1 keys. The kernel's arithmetic for a sequence depends on its query, its pages and its length
+    alone, so a prompt's row gets the bits a decode at that position gets, whatever the chunk it came in, the
+    rows beside it, or whether the keys before it were computed by this request, a cached one or a recompute."""
+    if meta._row_plan is None:
+        device = meta.block_tables.device
+        lens = torch.tensor(meta.query_lens, device=device)
+        seq = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), lens)
+        row = torch.arange(seq.numel(), device=device)
+        # A sequence's last row sees its whole context; each row before it one key less.
+        ends = meta.query_start_loc.to(device=device, dtype=torch.int64)[1:][seq]
+        context = meta.context_lens.to(torch.int64)[seq] - (ends - 1 - row)
+        meta._row_plan = _RowPlan(meta.block_tables.index_select(0, seq).contiguous(), context.to(torch.int32))
+    return meta._row_plan
+
+
+@dataclass
 class _Chunk:
     """A prefill chunk: `length` queries at rows start.. over `context` cached keys (its own included)."""
 
@@ -300,14 +331,12 @@ def _chunk(seq: int, start: int, qlen: int, ctx: int, device: torch.device) -> _
     return _Chunk(seq, start, qlen, ctx, torch.arange(ctx, device=device)[None, :] <= rows)
 
 
-def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                  native: bool) -> torch.Tensor:
+def _varlen_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """Chunk by chunk: causal inside the chunk, full over the cached prefix; decodes batched (see _MixedPlan)."""
     out = torch.empty_like(q)
     plan = _mixed_plan(meta, q.device)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale, window,
-                                        native)
+        out[plan.decode_rows] = _decode_torch(q[plan.decode_rows], k_cache, v_cache, plan.decode_meta, scale, window)
     block_size = k_cache.shape[1]
     dtype = _math_dtype(q)
     for chunk in plan.chunks:

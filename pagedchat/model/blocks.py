@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from pagedchat.model import qmm
-from pagedchat.model.quant import DENSE_MIN_ROWS, DENSE_SCRATCH_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -33,11 +32,6 @@ class Blocks:
 def concat(parts: list[Blocks]) -> Blocks:
     """Weights of one type stacked along N (q, k and v; gate and up), so that one matmul serves them all."""
     return Blocks(np.concatenate([p.data for p in parts]), parts[0].kind)
-
-
-def runs_dense(rows: int) -> bool:
-    """Whether a batch of rows is run dequantized through sgemm rather than by pagedchat's kernels."""
-    return rows >= DENSE_MIN_ROWS and not qmm.integer_batches()
 
 
 def block_parts(projection) -> tuple[list[torch.Tensor], list[str]] | None:
@@ -73,21 +67,10 @@ class BlockLinear:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._dense_matmul(x) if runs_dense(x.shape[0]) else qmm.matmul(x, self.panels, self.kind)
+        # Every row count on the integer kernels, the portable level's prompts too: a row's result must not
+        # depend on how many rows share its step (docs/architecture.md#same-request-same-tokens).
+        y = qmm.matmul(x, self.panels, self.kind)
         return y if self.bias is None else y + self.bias
-
-    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T, W dequantized a slice of rows at a time into float32, then sgemm (y.T's rows per slice): past a
-        few hundred rows sgemm beats the portable level's plain loops (qmm.integer_batches). Each slice is freed
-        at once: no second resident copy of the weights."""
-        xf = x.float()
-        k = xf.shape[1]
-        yt = torch.empty(self.out_features, x.shape[0])
-        step = max(1, DENSE_SCRATCH_WEIGHTS // k)
-        for start in range(0, self.out_features, step):
-            stop = min(start + step, self.out_features)
-            torch.mm(self.rows(torch.arange(start, stop)), xf.T, out=yt[start:stop])
-        return torch.empty(x.shape[0], self.out_features, dtype=x.dtype).copy_(yt.T)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W in float32, exactly gguf's dequantization of them."""

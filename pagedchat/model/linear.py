@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.model import qmm, quant
-from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat, runs_dense
+from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat
 from pagedchat.model.forms import Dense, EmbedTable, Form, Int4Groups, Panels, Plain, Split
 
 # `--quantize` on a safetensors model: gguf's group-wise quantizer of that width.
@@ -79,7 +79,7 @@ class Concat:
         return nbytes(self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and not runs_dense(x.shape[0]):
+        if self.blocks is not None:
             return qmm.matmul_cat(x, *self.blocks)
         y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias

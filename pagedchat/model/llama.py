@@ -20,7 +20,7 @@ from pagedchat.model.attention import AttentionMetadata, backend, paged_attentio
 from pagedchat.model.attention import describe as describe_attention
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm
-from pagedchat.model.blocks import block_parts, runs_dense
+from pagedchat.model.blocks import block_parts
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
 from pagedchat.model.forms import Dense, EmbedTable, Split, path
@@ -295,7 +295,7 @@ class DecoderModel:
                 turn = table.at(positions, meta.max_context_len)
                 turns[id(table)] = turn, tuple(c.view(t, -1) for c in turn)
             turn, flat = turns.get(id(table), (None, None))
-            if fused is not None and meta.decode_only and not runs_dense(t):
+            if fused is not None and meta.decode_only:
                 cos, sin = flat
                 qmm.decode_layer(x, fused.weights, fused.types, fused.parts, eps, cos, sin, meta.slot_mapping,
                                  k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, meta.block_tables,

@@ -105,14 +105,6 @@ def level() -> Level | None:
     return next(lv for lv in levels_to_build() if lv.name == _state.runnable[_state.index])
 
 
-def integer_batches() -> bool:
-    """Whether the level in use also runs a prompt's big chunks: every SIMD level's integer dot products beat
-    dequantizing the weight for sgemm at any row count (docs/bench.md#the-prompts-matmuls-and-attentions-sums);
-    the portable C++ loops do not, so there blocks.BlockLinear keeps the dense path for big chunks."""
-    lv = level()
-    return lv is not None and lv != PORTABLE
-
-
 def forced() -> str:
     """The level PAGEDCHAT_KERNEL names, "off", or "" where it leaves the choice to the CPU (unset or auto)."""
     value = os.environ.get(ENV, "").strip().lower()

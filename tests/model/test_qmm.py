@@ -167,40 +167,18 @@ def test_bf16_activations_and_a_bias(level):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
-def test_big_chunks_take_the_integer_kernels_except_on_the_portable_level(kind, each_level):
-    """A prompt's chunk of DENSE_MIN_ROWS rows runs the level's integer dot products on every SIMD level (the
-    same bits as the kernel's, whatever the row count), and on the portable level the dense path: the float
-    product on gguf's weights."""
-    from pagedchat.model import blocks as blocks_module
-
+def test_a_prompts_rows_take_the_integer_kernels_on_every_level(kind, each_level):
+    """A prompt's chunk of hundreds of rows runs the level's integer dot products, the portable level's too: the
+    same bits, row for row, as the same rows in a step of their own (a decode's)."""
     raw = quantized(kind, 48, 512, seed=3)
     linear = BlockLinear.of(Blocks(raw, kind))
-    x = torch.randn(blocks_module.DENSE_MIN_ROWS, 512)
+    x = torch.randn(300, 512)
     w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).reshape(48, -1).astype(np.float32))
     y = linear(x)
-    if each_level == "portable":
-        torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
-    else:
-        assert torch.equal(y, qmm.matmul(x, linear.panels, kind))
-        assert torch.equal(y[:3], qmm.matmul(x[:3], linear.panels, kind))
-        torch.testing.assert_close(y, x @ w.T, rtol=0.05, atol=0.3)
-
-
-@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
-def test_the_dense_path_gives_the_float_product(kind, monkeypatch):
-    """The dense path dequantizes a slice of rows at a time and runs sgemm: the float product on gguf's
-    weights, also when one slice holds a single row."""
-    if qmm.ensure() is not None:
-        pytest.skip(qmm.ensure())
-    from pagedchat.model import blocks as blocks_module
-
-    raw = quantized(kind, 48, 512, seed=3)
-    linear = BlockLinear.of(Blocks(raw, kind))
-    x = torch.randn(blocks_module.DENSE_MIN_ROWS, 512)
-    w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).reshape(48, -1).astype(np.float32))
-    for slice_weights in (1 << 21, 1):
-        monkeypatch.setattr(blocks_module, "DENSE_SCRATCH_WEIGHTS", slice_weights)
-        torch.testing.assert_close(linear._dense_matmul(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, qmm.matmul(x, linear.panels, kind))
+    assert torch.equal(y[:3], linear(x[:3]))
+    assert torch.equal(y[-1:], linear(x[-1:]))
+    torch.testing.assert_close(y, x @ w.T, rtol=0.05, atol=0.3)
 
 
 def test_blocks_from_a_float_weight_are_ggufs_quantizer():
