@@ -72,7 +72,8 @@ def bandwidth_lines(report: Report) -> list[str]:
         return []
     from pagedchat.bench.bandwidth import READ_MIB
 
-    line = f"memory read bandwidth {bw / 2**30:,.1f} GiB/s (a {READ_MIB} MiB torch.sum on every core, best of 5)"
+    line = (f"memory read bandwidth {bw / 2**30:,.1f} GiB/s (a {size(READ_MIB * 2**20)} torch.sum on every core, "
+            "best of 5)")
     shares = report.bandwidth_shares()
     if shares:
         line += (f"; one chat's decode reads the weights ({size(report.weights.weight_bytes)} a token) at "

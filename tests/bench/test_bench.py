@@ -328,7 +328,7 @@ def test_the_header_gives_each_runners_share_of_the_bandwidth_at_one_chat(tiny_l
     assert rep.bandwidth_shares() == [("pagedchat", pytest.approx(ours)),
                                       ("llama.cpp, shared prompt", pytest.approx(weights * 100 / (10 * 2**20)))]
     line = next(line for line in header_lines(rep) if line.startswith("memory read bandwidth"))
-    assert line.startswith("memory read bandwidth 0.0 GiB/s (a 256 MiB torch.sum on every core, best of 5); "
+    assert line.startswith("memory read bandwidth 0.0 GiB/s (a 1 GiB torch.sum on every core, best of 5); "
                            "one chat's decode reads the weights (")
     assert line.endswith(f"a token) at {100 * ours:.0f}% of it (pagedchat), "
                          f"{100 * weights * 100 / (10 * 2**20):.0f}% of it (llama.cpp, shared prompt)")
