@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: one long reply in the real app on a pseudo-terminal against the engine "
                              "alone on the same conversation (does the interface slow the engine?), --repeat "
                              "rounds alternating")
+    parser.add_argument("--write-shape", nargs=2, default=None, metavar=("SHAPE", "FILE"),
+                        help="instead: write a random-weight GGUF of a named model shape (llama-1b, llama-3b) "
+                             "with the default model's tokenizer to FILE, in Q4_K_M by llama.cpp's quantizer "
+                             "(needs llama-cpp-python), to bench with --model FILE")
 
 
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -80,6 +84,8 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     """Run the bench as the CLI asked; print the tables (and JSON). Returns the exit status."""
     args = with_defaults(args)
+    if args.write_shape:
+        return run_write_shape(*args.write_shape)
     if args.app:
         return run_app(args)
     if args.serve:
@@ -170,4 +176,17 @@ def run_app(args: argparse.Namespace) -> int:
         return 2
     print(f"{report.model}: the app's reply line at {report.ratio:.2f}x the engine alone (median of "
           f"{len(report.rounds)} rounds)")
+    return 0
+
+
+def run_write_shape(name: str, path: str) -> int:
+    """`--write-shape SHAPE FILE`: a model-shaped file of random weights (bench/shapes.py)."""
+    from pagedchat.bench.shapes import write_shape
+
+    try:
+        out = write_shape(name, Path(path), progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except PagedChatError as exc:
+        print(f"pagedchat bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: bench it with `pagedchat bench --model {out}`")
     return 0

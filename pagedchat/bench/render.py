@@ -53,6 +53,7 @@ def header_lines(report: Report) -> list[str]:
     if report.model.attention:
         lines.append(f"attention: {report.model.attention}")
     lines += report.peer_builds
+    lines += bandwidth_lines(report)
     alternating = [PAGEDCHAT] + [p.label for lv in report.levels[:1] for p in lv.peers if p.every_round]
     if cfg.repeat > 1:
         lines.append(f"{cfg.repeat} rounds per level of {', '.join(alternating)}, alternating; each runner's "
@@ -62,6 +63,22 @@ def header_lines(report: Report) -> list[str]:
         lines.append(f"load average {m.load_average_at_start[0]} at the start, {end} at the end "
                      "(other work on the machine slows every runner alike)")
     return lines
+
+
+def bandwidth_lines(report: Report) -> list[str]:
+    """The measured read bandwidth, and the share of it each runner's one-chat decode reaches."""
+    bw = report.machine.read_bandwidth
+    if not bw:
+        return []
+    from pagedchat.bench.bandwidth import READ_MIB
+
+    line = (f"memory read bandwidth {bw / 2**30:,.1f} GiB/s (a {size(READ_MIB * 2**20)} torch.sum on every core, "
+            "best of 5)")
+    shares = report.bandwidth_shares()
+    if shares:
+        line += (f"; one chat's decode reads the weights ({size(report.weights.weight_bytes)} a token) at "
+                 + ", ".join(f"{100 * s:.0f}% of it ({label})" for label, s in shares))
+    return [line]
 
 
 def _token_cost(report: Report) -> Section:

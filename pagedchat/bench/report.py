@@ -24,6 +24,7 @@ class Machine:
     load_average_at_end: tuple[float, ...] | None
     cpu_level: str = ""  # the best level of pagedchat's kernels this CPU runs ("": not built)
     torch_level: str = ""  # the level torch's own CPU kernels run at (SDPA, ...): ATEN_CPU_CAPABILITY lowers it
+    read_bandwidth: float | None = None  # bytes/s a big torch.sum reads on every core (bandwidth.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,19 @@ class Report:
     startup: tuple[Timed, ...]            # start to model ready, pagedchat first; empty when not measured
     levels: tuple[Level, ...]
     peer_builds: tuple[str, ...] = ()  # how each peer was built, where it says ("llama.cpp: AVX2 FMA ...")
+
+    def bandwidth_shares(self) -> list[tuple[str, float]]:
+        """(label, share) of each runner's one-chat decode in the measured read bandwidth: the weights' bytes
+        read per token times its tokens/s; none without a one-chat level or a measured bandwidth."""
+        from pagedchat.bench.bandwidth import share
+
+        one = next((lv for lv in self.levels if lv.chats == 1), None)
+        if one is None:
+            return []
+        runners = [(PAGEDCHAT, one.engine)] + [(p.label, p.stats) for p in one.peers]
+        shares = [(label, share(self.weights.weight_bytes, stats.decode_tokens_per_s, self.machine.read_bandwidth))
+                  for label, stats in runners]
+        return [(label, s) for label, s in shares if s is not None]
 
     @property
     def peer_labels(self) -> list[tuple[str, str]]:

@@ -8,8 +8,9 @@ library holds the rest of a decode step's kernels on the CPU (csrc/layer_level.c
 pages, and a float32 step's norms, rotary turn with the cache write, and silu(gate) * up.
 
 One library holds several instruction-set levels, the same sources compiled with each one's flags, and the
-level is picked at run time from what the CPU runs: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2, and
-portable C++ for any other CPU (ARM included). PAGEDCHAT_KERNEL names a level to force one (a lower one than the
+level is picked at run time from what the CPU runs: AMX (AVX-512 VNNI with AMX tiles for batches of 16 rows and
+more, the same bits as AVX-512 VNNI), AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2, and portable C++ for
+any other CPU (ARM included). PAGEDCHAT_KERNEL names a level to force one (a lower one than the
 CPU's, to test or measure it), "off" to run torch's paths instead, or "auto" (the default, as unset).
 
 The library is built with the machine's C++ compiler against the installed torch, into the cache folder, under
@@ -58,6 +59,7 @@ _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # Best first. Other architectures build the portable level only, for their own baseline.
 X86_LEVELS = (
+    Level("amx", "AMX + AVX-512 VNNI", (*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8")),
     Level("avx512-vnni", "AVX-512 VNNI", (*_AVX512, "-mavx512vnni")),
     Level("avx512", "AVX-512", _AVX512),
     Level("avx2-vnni", "AVX2 VNNI", (*_AVX2, "-mavxvnni")),

@@ -111,6 +111,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(level, kind, k):
         assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_amx_gives_the_avx512_vnni_levels_bits_at_every_row_count(kind, kernels):
+    """The amx level's tiles take over the integer unit dots only, exact in int32, and its float sums after them
+    are the VNNI level's in the same order: the same bits for every row count from 1 to 40 (the VNNI tiles below
+    16 rows, one AMX tile of 16 and more, with a ragged last one, above), over one and a half spans of blocks."""
+    k = 1536
+    linear = BlockLinear.of(Blocks(random_blocks(kind, 43, k, seed=2), kind))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(3))
+    kernels("avx512-vnni")
+    want = [linear(x[:rows]) for rows in range(1, 41)]
+    kernels("amx")
+    for rows in range(1, 41):
+        assert torch.equal(linear(x[:rows]), want[rows - 1]), f"{rows} rows"
+
+
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_weights_of_several_types_side_by_side_are_each_ones_matmul(level):
     """matmul_cat quantizes the activations once for every weight: each output bit for bit its weight's matmul

@@ -162,5 +162,6 @@ extern const Level avx2;
 extern const Level avx2_vnni;
 extern const Level avx512;
 extern const Level avx512_vnni;
+extern const Level amx;
 
 }  // namespace qmm

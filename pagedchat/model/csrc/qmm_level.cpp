@@ -866,10 +866,136 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
   }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+
+// AMX (the amx level: AVX-512 VNNI's code plus tiles). A panel's code vectors, as Buffered holds them, are the
+// rows of an AMX B tile as they lie: code vector d holds codes 4d..4d+3 of each of the 16 weight rows, row n's at
+// 4n. One TDPBSUD of a unit's activation codes (A: 16 activation rows of the unit's 32 or 16 bytes) against them
+// gives every (activation row, weight row) unit dot in int32, exactly the integer unit_dot's dpbusds sum. The
+// float part after it is panel_tile's, operation for operation, so every output is the VNNI level's to the bit
+// whatever the row count: AMX only takes over the integer products, which dominate a batch's step.
+constexpr int64_t AMX_MIN_ROWS = 16;  // fewer rows leave the tiles part empty: the VNNI tiles serve them
+constexpr int AMX_TILE_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tile 0: the dots (rows x 16 int32); 1: the activation codes (rows x unit bytes); 2: the weight codes.
+void configure_tiles(int rows, int unit_bytes) {
+  TileConfig c{};
+  c.palette = 1;
+  c.colsb[0] = 64;
+  c.rows[0] = uint8_t(rows);
+  c.colsb[1] = uint16_t(unit_bytes);
+  c.rows[1] = uint8_t(rows);
+  c.colsb[2] = 64;
+  c.rows[2] = uint8_t(unit_bytes / 4);
+  _tile_loadconfig(&c);
+}
+
+// R activation rows from i0 against one panel over blocks [j0, j1), as panel_tile: the dots of CHUNK blocks
+// from the tiles first, then their float sums, so the tile unit and the vector units overlap.
+template <int R, int T>
+void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0,
+              int64_t j1) {
+  using V = PanelIsa;
+  using S = Buffered<T>;
+  constexpr int64_t CHUNK = 8;
+  constexpr int UNIT_BYTES = 4 * S::N;
+  const int64_t k = x.k, m = x.m;
+  alignas(64) int32_t dots[CHUNK * S::UNITS][AMX_TILE_ROWS][16];
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
+  for (int64_t c0 = j0; c0 < j1; c0 += CHUNK) {
+    const int64_t c1 = c0 + CHUNK < j1 ? c0 + CHUNK : j1;
+    for (int64_t j = c0; j < c1; ++j)
+      for (int h = 0; h < S::UNITS; ++h) {
+        _tile_zero(0);
+        _tile_loadd(1, x.q + i0 * k + 32 * j + UNIT_BYTES * h, k);
+        _tile_loadd(2, s.at(j, S::N * h), 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, dots[(j - c0) * S::UNITS + h], 64);
+      }
+    for (int64_t j = c0; j < c1; ++j)
+      for (int h = 0; h < S::UNITS; ++h) {
+        const auto terms = s.terms(j, h);
+        const int32_t(*dot)[16] = dots[(j - c0) * S::UNITS + h];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+          acc[r] = V::fmadd(V::cvt(V::loadu(reinterpret_cast<const uint8_t*>(dot[r]))),
+                            V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
+        if constexpr (S::OFFSET) {
+          const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
+        }
+      }
+  }
+  for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
+}
+
+template <int R, int T>
+void amx_tile_of(const Buffered<T>& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy,
+                 int64_t j0, int64_t j1) {
+  if constexpr (R > 0) {
+    if (m == R) {
+      amx_tile<R>(s, x, i0, y, ldy, j0, j1);
+    } else {
+      amx_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1);
+    }
+  }
+}
+
+// packed_rows' buffered loop with AMX tiles: each panel's codes decoded once a span into the buffer the tiles
+// load, then every 16 activation rows against them.
+template <int T>
+void amx_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
+              float* y, int64_t ldy) {
+  static_assert(PanelIsa::ROWS == PANEL_ROWS, "a panel is one lane group on AVX-512");
+  constexpr int64_t SPAN = 32;
+  const int64_t nb = x.k / 32;
+  alignas(64) uint8_t buffer[SPAN * Buffered<T>::BYTES];
+  int configured = 0;
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
+      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
+      const Buffered<T> s{Packed<T>{w + n * row_bytes, 0}, buffer, j0};
+      s.fill(j1, true);
+      for (int64_t i = 0; i < m; i += AMX_TILE_ROWS) {
+        const int rows = int(m - i < AMX_TILE_ROWS ? m - i : AMX_TILE_ROWS);
+        if (rows != configured) {
+          configure_tiles(rows, 4 * Buffered<T>::N);
+          configured = rows;
+        }
+        amx_tile_of<AMX_TILE_ROWS>(s, x, i, rows, y + n, ldy, j0, j1);
+      }
+    }
+  }
+  _tile_release();
+}
+
+void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
+                   int64_t m, float* y, int64_t ldy) {
+  by_type(type, [&](auto t) {
+    if (m >= AMX_MIN_ROWS) {
+      amx_rows<decltype(t)::type>(w, row_bytes, n0, n1, x, m, y, ldy);
+    } else {
+      packed_rows<decltype(t)::type>(w, row_bytes, n0, n1, x, m, y, ldy);
+    }
+  });
+}
+
+#else
+
 void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
                    int64_t m, float* y, int64_t ldy) {
   by_type(type, [&](auto t) { packed_rows<decltype(t)::type>(w, row_bytes, n0, n1, x, m, y, ldy); });
 }
+
+#endif
 
 // The last m < ROWS rows: the tile of exactly that height.
 template <int T, int R>

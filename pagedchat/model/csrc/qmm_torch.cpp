@@ -6,7 +6,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -131,12 +136,36 @@ bool runs_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 bool runs_avx512_vnni() { return runs_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
+// A flag of /proc/cpuinfo's: what Linux says this CPU has and it supports.
+bool cpuinfo_has(const char* flag) {
+  std::ifstream info("/proc/cpuinfo");
+  for (std::string line; std::getline(info, line);) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line);
+    for (std::string word; words >> word;)
+      if (word == flag) return true;
+    return false;
+  }
+  return false;
+}
+
+// AMX: the CPU's flags, and Linux's leave to use the tiles' state, which a process must ask for once
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) before its first tile instruction.
+bool runs_amx() {
+  static const bool ok = runs_avx512_vnni() && cpuinfo_has("amx_tile") && cpuinfo_has("amx_int8") &&
+                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
 #endif
 bool always() { return true; }
 
 // Best first. A level is listed only where the build compiled it (QMM_LEVEL_* from qmm.py).
 const std::vector<Entry>& built() {
   static const std::vector<Entry> entries = {
+#if defined(QMM_LEVEL_AMX)
+      {&qmm::amx, runs_amx},
+#endif
 #if defined(QMM_LEVEL_AVX512_VNNI)
       {&qmm::avx512_vnni, runs_avx512_vnni},
 #endif
