@@ -64,5 +64,5 @@ def non_negative_float(value: str) -> float:
     return _seconds(value, 0.0, strictly=False)
 
 
-# The KV pages' dtypes (`--kv-cache-dtype`, vLLM's name; model/kv_pages.py), here for the CLI, which loads no torch.
+# The KV pages' dtypes (`--kv-cache-dtype`, vLLM's name; kernels/kv_pages.py), here for the CLI, which loads no torch.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")

@@ -30,7 +30,7 @@ def _float32_by_default():
 def _float32_pages_by_default():
     """Likewise engines built without a kv_cache_dtype keep float32 pages here (auto's are bf16): the parity
     tests compare bit for bit, and page budgets are counted in float32 pages. The others are tested by name."""
-    from pagedchat.model import kv_pages
+    from pagedchat.kernels import kv_pages
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kv_pages, "AUTO", torch.float32)

@@ -17,7 +17,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None, path="torch", head_dim=64, kv_dtype=None):
     """The path's output, the reference's, and the step's plan (decode or mixed; the torch path's); window: a
-    sliding window layer's; kv_dtype: the pages' (model/kv_pages.py), dtype's by default."""
+    sliding window layer's; kv_dtype: the pages' (kernels/kv_pages.py), dtype's by default."""
     batch = make_batch(seqs, heads, kv_heads, head_dim, 16, dtype, share_pages=share_pages, kv_dtype=kv_dtype)
     if path == "torch":
         # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the
@@ -118,7 +118,7 @@ PAGE_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], 
 @pytest.mark.parametrize("window", [None, 20])
 def test_torch_path_reads_pages_of_another_dtype(monkeypatch, kv_dtype, window):
     """float32 queries over bf16 or int8 pages: decodes (the shared prefix read once among them) and prefill chunks
-    gather the pages and decode them (model/kv_pages.py) as the reference does."""
+    gather the pages and decode them (kernels/kv_pages.py) as the reference does."""
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
     for seqs in ([(100, 1), (70, 1), (90, 1), (50, 1)], [(90, 23), (70, 1), (40, 40), (16, 1), (5, 5)]):
         got, want, plan = _run(seqs, torch.float32, share_pages=3, window=window, kv_dtype=kv_dtype)

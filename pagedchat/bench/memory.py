@@ -31,7 +31,7 @@ class TokenCost:
 def token_cost(config, kv_dtype, info: BackendInfo) -> TokenCost:
     """KV bytes per token: from the model's shape in pages of kv_dtype, and from the pool as the backend declares
     it (its pages' bytes over their tokens)."""
-    from pagedchat.model import kv_pages
+    from pagedchat.kernels import kv_pages
 
     slots = info.num_pages * info.block_size
     pool_bytes = info.pool_bytes or info.num_pages * info.page_bytes
@@ -91,7 +91,7 @@ def dtype_capacity(config, pool_bytes: int, block_size: int, chat_tokens: int = 
         -> tuple[DtypeCapacity, ...]:
     """Every page dtype's pool in pool_bytes (as plan_cache cuts a budget into pages, one group), and the chats of
     chat_tokens tokens, nothing shared, that fit in it."""
-    from pagedchat.model import kv_pages
+    from pagedchat.kernels import kv_pages
 
     rows = []
     for name in kv_pages.KV_CACHE_DTYPES[1:]:

@@ -37,7 +37,8 @@ from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, Gramma
 from pagedchat.engine.threads import ThreadGovernor, cpu_seconds
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
-from pagedchat.model import kv_pages, packed_cache, qmm
+from pagedchat.kernels import kv_pages
+from pagedchat.model import packed_cache, qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.gguf import gguf_weights
 from pagedchat.model.llama import DecoderModel

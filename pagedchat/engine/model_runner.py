@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import torch
 
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
@@ -39,7 +39,7 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, groups: tuple[GroupPlan, ...], block_size: int,
                  kv_dtype: torch.dtype | None = None):
         """groups: each layer group's pool (engine/sizing.py); its KV pages live in a tensor of their own.
-        kv_dtype: the pages' (model/kv_pages.py); None: the model's activations' dtype."""
+        kv_dtype: the pages' (kernels/kv_pages.py); None: the model's activations' dtype."""
         cfg = model.config
         self.model = model
         self.device = model.device

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedchat.argtypes import parse_bytes  # noqa: F401 (the engine reads sizes from here)
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import LayerGroup, layer_groups
 
@@ -111,7 +111,7 @@ def _available_host_memory() -> int:
 def plan_cache(config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, block_size: int,
                kv_bytes: int | None, swap_bytes: int | None, *, max_seqs: int = 64, max_tokens_per_step: int = 512,
                release_windows: bool = True) -> CachePlan:
-    """kv_dtype: the pages' (model/kv_pages.py), whose bytes a token decide how many pages the budget buys."""
+    """kv_dtype: the pages' (kernels/kv_pages.py), whose bytes a token decide how many pages the budget buys."""
     page_bytes = kv_pages.token_bytes(config, kv_dtype) * block_size
     reason = ""
     if kv_bytes is None:

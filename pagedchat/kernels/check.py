@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedchat.kernels import reference
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 
 
 @dataclass
@@ -48,7 +48,7 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=tor
     hold NaN, and block tables are padded with a NaN page, so a kernel that reads past a sequence's
     context (or its table) produces NaN instead of silently passing. With share_pages=n > 0, every
     later sequence shares sequence 0's first n full pages (same prefix tokens; as many as its own context
-    fills), as prefix caching does with a common system prompt. kv_dtype: the pages' (model/kv_pages.py;
+    fills), as prefix caching does with a common system prompt. kv_dtype: the pages' (kernels/kv_pages.py;
     default dtype's), whose keys and values are then the truth (an int8 page's unwritten rows get a NaN scale).
     """
     gen = torch.Generator().manual_seed(seed)

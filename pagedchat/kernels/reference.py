@@ -4,14 +4,14 @@ Slow on purpose (a Python loop per token / sequence) so that each line can be ch
 The Triton kernels are tested against these, and these against dense SDPA on contiguous K/V.
 
 Layout: a cache is `[num_pages, block_size, num_kv_heads, row]`; slot = page * block_size + offset; a row is
-head_dim elements of the pages' dtype, or an int8 page's codes and scale (model/kv_pages.py).
+head_dim elements of the pages' dtype, or an int8 page's codes and scale (kernels/kv_pages.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 
 
 def write_kv(

@@ -147,7 +147,7 @@ def _reduce_splits_kernel(
 
 def _scales(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """An int8 cache's scales, [pages, block_size, kv_heads, 1] float32, read in place: each row's last 4 bytes
-    (model/kv_pages.py)."""
+    (kernels/kv_pages.py)."""
     return cache[..., head_dim:].view(torch.float32)
 
 
@@ -225,7 +225,7 @@ def paged_attention(
         dst, stride_os = out, 0
 
     # The interpreter keeps bf16 as raw uint16 and its dot would multiply the bits: upcast there; and pages of
-    # another dtype than q's (model/kv_pages.py) meet q in float32.
+    # another dtype than q's (kernels/kv_pages.py) meet q in float32.
     scaled = k_cache.dtype == torch.int8
     dot_f32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16) or k_cache.dtype != q.dtype
     k_scale, v_scale = (_scales(c, head_dim) for c in (k_cache, v_cache)) if scaled else (k_cache, v_cache)

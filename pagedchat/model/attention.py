@@ -9,7 +9,7 @@ tables. Both pick their path here and nowhere else (`backend`):
 PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's
 kernels are loaded: PAGEDCHAT_KERNEL=off turns it off with them).
 
-The pages hold the pool's page dtype, not necessarily the activations' (model/kv_pages.py): `write_kv` converts or
+The pages hold the pool's page dtype, not necessarily the activations' (kernels/kv_pages.py): `write_kv` converts or
 quantizes as it stores, the kernels read each dtype where it lies, and the torch path decodes what it gathers.
 
 The torch path gathers each sequence's pages into a padded batch and runs SDPA; in decode steps it reads the
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import kv_pages, qmm
+from pagedchat.kernels import kv_pages
+from pagedchat.model import qmm
 
 
 @dataclass
@@ -51,7 +52,7 @@ class AttentionMetadata:
 
 
 PATHS = ("torch", "triton", "native")
-# The page dtypes the native kernel reads (model/kv_pages.py); others (float16) take the torch path.
+# The page dtypes the native kernel reads (kernels/kv_pages.py); others (float16) take the torch path.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 

@@ -359,7 +359,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """One decode step's attention read straight from the pages (attention.py's native path): q [B, heads, D],
     the caches [pages, block_size, kv_heads, row] (float32 or bfloat16 rows of D, or int8 rows of D codes and
-    their scale: model/kv_pages.py), int32 block tables [B, pages] and context lengths [B]; window 0 for none.
+    their scale: kernels/kv_pages.py), int32 block tables [B, pages] and context lengths [B]; window 0 for none.
     The result in q's dtype."""
     return torch.ops.pagedchat_qmm.attend(q, k_cache, v_cache, block_tables, context_lens, scale, window,
                                           _state.index)

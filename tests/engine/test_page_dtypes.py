@@ -1,4 +1,4 @@
-"""Every page dtype (model/kv_pages.py, `kv_cache_dtype`) through the engine on a tiny random model: pages sized in
+"""Every page dtype (kernels/kv_pages.py, `kv_cache_dtype`) through the engine on a tiny random model: pages sized in
 their dtype's bytes, copies that move every byte (an int8 row's scale included), and greedy tokens equal to
 transformers' up to near-ties under forks, preemption, swapping and a shared system prompt.
 
@@ -15,7 +15,7 @@ import torch
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
 from pagedchat.engine.pages import CopyPlan
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 from pagedchat.model.config import ModelConfig
 from parity import NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy

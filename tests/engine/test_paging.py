@@ -18,7 +18,7 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
 from pagedchat.engine.core import Phase
 from pagedchat.errors import RequestError
-from pagedchat.model import kv_pages
+from pagedchat.kernels import kv_pages
 from pagedchat.model.config import ModelConfig
 from parity import NEAR_TIE, NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model

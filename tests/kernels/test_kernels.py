@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from pagedchat import kernels
 from pagedchat.kernels import reference
 from pagedchat.kernels.check import make_batch
-from pagedchat.model import attention, kv_pages
+from pagedchat.kernels import kv_pages
+from pagedchat.model import attention
 from pagedchat.model.attention import AttentionMetadata
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,7 +195,7 @@ def test_blocks_a_window_released_may_point_at_a_zero_null_page(tk, seqs, splits
 @pytest.mark.parametrize("seqs,splits", [(DECODE, 1), (DECODE, 3), (PREFILL, 1)],
                          ids=["decode", "decode-split-k", "prefill"])
 def test_pages_of_another_dtype_than_q(tk, kv_dtype, seqs, splits):
-    """float32 queries over bf16 pages, and over int8 pages read with their scales in place (model/kv_pages.py):
+    """float32 queries over bf16 pages, and over int8 pages read with their scales in place (kernels/kv_pages.py):
     the reference decodes the same pages, so only the sums' order differs."""
     block_size, head_dim, heads, kv_heads, _ = CONFIGS[3]
     batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, torch.float32, DEVICE, share_pages=1,

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import kv_pages, qmm
+from pagedchat.kernels import kv_pages
+from pagedchat.model import qmm
 from pagedchat.model.family import Rope, RopeKind
 from pagedchat.model.llama import apply_rope, rope_table, rms_norm
 

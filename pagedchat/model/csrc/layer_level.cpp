@@ -57,7 +57,7 @@ inline float value(const float* p, int64_t i) { return p[i]; }
 inline float value(const uint16_t* p, int64_t i) { return __builtin_bit_cast(float, uint32_t(p[i]) << 16); }
 inline float value(const int8_t* p, int64_t i) { return float(p[i]); }
 
-// A page element type's rows (model/kv_pages.py): an int8 row's codes are followed by the scale they are
+// A page element type's rows (kernels/kv_pages.py): an int8 row's codes are followed by the scale they are
 // multiplied by; float32 and bfloat16 rows are the values themselves.
 template <typename E>
 constexpr bool scaled = false;
@@ -397,7 +397,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // n == 0
 }
 
-// A row of d floats as pages of E hold it, at out (model/kv_pages.py's encode, bit for bit): bfloat16 rounded to
+// A row of d floats as pages of E hold it, at out (kernels/kv_pages.py's encode, bit for bit): bfloat16 rounded to
 // nearest even (a NaN kept a NaN), as torch converts; int8 symmetric, codes round(x / scale) with scale = max |x|
 // / 127 (any positive divisor for a row of zeros, whose codes are 0), then the scale.
 inline void put(const float* x, int64_t d, float* out) { __builtin_memcpy(out, x, d * sizeof(float)); }

@@ -72,7 +72,7 @@ struct Activations {
   int64_t k, m;
 };
 
-// The KV pages' element types (model/kv_pages.py). An int8 row of a token's KV head is head_dim codes, then its
+// The KV pages' element types (kernels/kv_pages.py). An int8 row of a token's KV head is head_dim codes, then its
 // float32 scale's 4 bytes.
 enum PageType : int { PAGE_F32 = 0, PAGE_BF16 = 1, PAGE_INT8 = 2 };
 constexpr int64_t PAGE_SCALE_BYTES = 4;

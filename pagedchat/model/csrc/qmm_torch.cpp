@@ -367,7 +367,7 @@ int64_t check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pa
 }
 
 // The PageType of caches [..., kv_heads, row] for heads of d: float32 or bfloat16 rows of d, or int8 rows of d codes
-// and their scale (model/kv_pages.py), both caches alike and contiguous.
+// and their scale (kernels/kv_pages.py), both caches alike and contiguous.
 qmm::PageType page_type(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d) {
   const auto type = k_cache.scalar_type();
   TORCH_CHECK(type == v_cache.scalar_type() && (type == at::kFloat || type == at::kBFloat16 || type == at::kChar) &&
