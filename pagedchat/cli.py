@@ -52,7 +52,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
     p.add_argument("--device", default=default, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=default,
                    help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
-                   "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
+                   "native bf16 (AVX-512 BF16, AMX), else float32; float32 with --kv-cache-dtype float32 matches "
+                   "transformers bit for bit)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default,
                    help="the KV pages' dtype, whatever the activations' (default auto: bfloat16, half float32's "
                    "bytes; int8: about a quarter, one scale per token and KV head). See docs/memory.md")

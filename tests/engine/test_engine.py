@@ -233,7 +233,8 @@ DEFAULT_MODEL_PATHS = {"float32-exact": ("float32", "off", NEAR_TIE, "float32"),
                        "float32-packed": ("float32", None, NEAR_TIE_PACKED, "float32"),
                        "float32-packed-avx2": ("float32", "avx2", NEAR_TIE_PACKED, "float32"),
                        "bfloat16-packed": ("bfloat16", None, NEAR_TIE_BF16, "float32"),
-                       "float32-packed-bf16-pages": ("float32", None, NEAR_TIE_PACKED, "bfloat16")}
+                       "float32-packed-bf16-pages": ("float32", None, NEAR_TIE_PACKED, "bfloat16"),
+                       "float32-packed-int8-pages": ("float32", None, NEAR_TIE_PACKED, "int8")}
 paths_of_the_default_model = pytest.mark.parametrize("dtype,level,near_tie,kv", DEFAULT_MODEL_PATHS.values(),
                                                      ids=DEFAULT_MODEL_PATHS.keys())
 
