@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedchat.argtypes import KV_CACHE_DTYPES
+
 _NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8}
 AUTO = torch.bfloat16  # what auto means: half float32's bytes, at the packed weights' parity (docs/memory.md)
