@@ -62,3 +62,7 @@ def positive_float(value: str) -> float:
 def non_negative_float(value: str) -> float:
     """argparse type for waits that may be none: seconds, at least 0."""
     return _seconds(value, 0.0, strictly=False)
+
+
+# The KV pages' dtypes (`--kv-cache-dtype`, vLLM's name; kernels/kv_pages.py), here for the CLI, which loads no torch.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")

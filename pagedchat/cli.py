@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedchat.argtypes import non_negative_float, positive_float, positive_int, size_bytes
+from pagedchat.argtypes import KV_CACHE_DTYPES, non_negative_float, positive_float, positive_int, size_bytes
 from pagedchat.engine.records import FinishReason
 from pagedchat.errors import PagedChatError
 from pagedchat.text import visible_controls
@@ -35,7 +35,8 @@ settings: config.toml in the user config dir (see README); flags override it.
 
 
 ASK_MAX_TOKENS = 512
-ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "threads", "quantize", "max_seqs")
+ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "kv_cache_dtype", "threads", "quantize",
+                "max_seqs")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
@@ -51,7 +52,11 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
     p.add_argument("--device", default=default, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=default,
                    help="auto, float32, bfloat16 or float16 (default auto: bf16 on GPUs and on CPUs with "
-                   "native bf16 (AVX-512 BF16, AMX), else float32; float32 matches transformers bit for bit)")
+                   "native bf16 (AVX-512 BF16, AMX), else float32; float32 with --kv-cache-dtype float32 matches "
+                   "transformers bit for bit)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default,
+                   help="the KV pages' dtype, whatever the activations' (default auto: bfloat16, half float32's "
+                   "bytes; int8: about a quarter, one scale per token and KV head). See docs/memory.md")
     p.add_argument("--threads", type=positive_int, metavar="N", default=default,
                    help="torch threads on the CPU (default: one per core, fewer while other programs take cores)")
     p.add_argument("--max-num-seqs", dest="max_seqs", type=positive_int, metavar="N", default=default,

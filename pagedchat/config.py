@@ -8,6 +8,7 @@ Example `config.toml` (every key optional):
     block_size = 16                                  # tokens per page
     device = "cuda"
     dtype = "float32"                                # default auto: bf16 where computed natively, else float32
+    kv_cache_dtype = "int8"                          # the KV pages': auto (bfloat16), float32, bfloat16, int8
     threads = 2                                      # torch threads on the CPU; default: adapts to the load
     max_seqs = 64                                    # sequences in one batch (--max-num-seqs)
     system_prompt = "You are a helpful assistant."   # for new chats
@@ -45,6 +46,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from pagedchat.argtypes import KV_CACHE_DTYPES
 from pagedchat.engine.params import CHAT_FIELDS, SamplingSettings, fields_problem
 from pagedchat.errors import PagedChatError
 from pagedchat.paths import config_dir, data_dir
@@ -73,6 +75,7 @@ class EngineOptions:
     block_size: int = 16
     device: str | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None        # the KV pages': auto (bf16), float32, bfloat16, int8 (docs/memory.md)
     threads: int | None = None               # torch threads on the CPU; None: the engine's governor
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
     max_seqs: int = 64                       # sequences in one batch (serve's --max-num-seqs, vLLM's name)
@@ -129,7 +132,8 @@ class AppConfig:
 
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
-        "device": (str,), "dtype": (str,), "threads": (int,), "quantize": (str,), "max_seqs": (int,),
+        "device": (str,), "dtype": (str,), "kv_cache_dtype": (str,), "threads": (int,), "quantize": (str,),
+        "max_seqs": (int,),
         "system_prompt": (str,), "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
 # [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is left out).
@@ -170,6 +174,9 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     for key in ("block_size", "threads", "max_seqs"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")
+    if out.get("kv_cache_dtype", "auto").lower() not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{source}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
+                          f"{out['kv_cache_dtype']!r}")
     if keys:
         out["keys"] = dict(keys)
     return out

@@ -8,6 +8,7 @@ if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 from pagedchat.model import qmm  # after TRITON_INTERPRET: it imports torch
 from tiny_models import load_reference, make_tiny_model
@@ -23,6 +24,17 @@ def _float32_by_default():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sizing, "cpu_has_native_bf16", lambda: False)
         yield real  # for the test of the real one
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _float32_pages_by_default():
+    """Likewise engines built without a kv_cache_dtype keep float32 pages here (auto's are bf16): the parity
+    tests compare bit for bit, and page budgets are counted in float32 pages. The others are tested by name."""
+    from pagedchat.kernels import kv_pages
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv_pages, "AUTO", torch.float32)
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -15,15 +15,17 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # atol = rtol
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None, path="torch", head_dim=64):
+def _run(seqs, dtype, share_pages=0, heads=6, kv_heads=2, window=None, path="torch", head_dim=64, kv_dtype=None):
     """The path's output, the reference's, and the step's plan (decode or mixed; the torch path's); window: a
-    sliding window layer's."""
-    batch = make_batch(seqs, heads, kv_heads, head_dim, 16, dtype, share_pages=share_pages)
+    sliding window layer's; kv_dtype: the pages' (kernels/kv_pages.py), dtype's by default."""
+    batch = make_batch(seqs, heads, kv_heads, head_dim, 16, dtype, share_pages=share_pages, kv_dtype=kv_dtype)
     if path == "torch":
         # The torch path reads padding slots and masks them out; the engine's cache starts zeroed, so do the
-        # same with the NaN that make_batch leaves there. The native kernel must never read them.
-        batch.k_cache.nan_to_num_(0.0)
-        batch.v_cache.nan_to_num_(0.0)
+        # same with the NaN that make_batch leaves there (an int8 row's in its scale). The native kernel must
+        # never read them.
+        for cache in (batch.k_cache, batch.v_cache):
+            floats = cache[..., head_dim:].view(torch.float32) if cache.dtype == torch.int8 else cache
+            floats.nan_to_num_(0.0)
     qlens = [q for _, q in seqs]
     ctx = [c for c, _ in seqs]
     tables = batch.block_tables.tolist()
@@ -107,6 +109,39 @@ def test_native_decode(each_level, dtype, window):
     for seqs in ([(100, 1), (70, 1), (1, 1), (33, 1), (16, 1), (48, 1)], [(90, 23), (70, 1), (40, 40), (16, 1)]):
         got, want, _ = _run(seqs, dtype, share_pages=1, window=window, path="native")
         _assert_close(got, want)
+
+
+PAGE_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-pages", "int8-pages"])
+
+
+@PAGE_DTYPES
+@pytest.mark.parametrize("window", [None, 20])
+def test_torch_path_reads_pages_of_another_dtype(monkeypatch, kv_dtype, window):
+    """float32 queries over bf16 or int8 pages: decodes (the shared prefix read once among them) and prefill chunks
+    gather the pages and decode them (kernels/kv_pages.py) as the reference does."""
+    monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
+    for seqs in ([(100, 1), (70, 1), (90, 1), (50, 1)], [(90, 23), (70, 1), (40, 40), (16, 1), (5, 5)]):
+        got, want, plan = _run(seqs, torch.float32, share_pages=3, window=window, kv_dtype=kv_dtype)
+        _assert_close(got, want)
+    assert plan.chunks
+
+
+@PAGE_DTYPES
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_of_pages_of_another_dtype(each_level, kv_dtype, window):
+    """The kernel reads bf16 pages, and int8 pages' codes with their scales (scores dot(q, codes) * scale, values
+    weight * scale * codes), straight from the pages; an int8 slot past a context has a NaN scale here."""
+    for seqs in ([(100, 1), (70, 1), (1, 1), (33, 1), (16, 1), (48, 1)], [(90, 23), (70, 1), (40, 40), (16, 1)]):
+        got, want, _ = _run(seqs, torch.float32, share_pages=1, window=window, path="native", kv_dtype=kv_dtype)
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])
+def test_native_int8_decode_shapes(each_level, heads, kv_heads, head_dim):
+    """int8 rows of head_dim + 4 bytes: heads that are not whole vectors, and the rows' scales, at every width."""
+    got, want, _ = _run([(37, 1), (200, 1), (5, 1)], torch.float32, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, path="native", kv_dtype=torch.int8)
+    _assert_close(got, want)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])

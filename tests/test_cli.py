@@ -325,8 +325,9 @@ def test_ask_reads_config_toml_and_its_flags_win(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
     (tmp_path / "config.toml").write_text('model = "from-file"\nthreads = 2\nkv_cache_memory = "8MiB"\n')
     seen = engine_options(monkeypatch)
-    assert main(["ask", "q", "--kv-cache-memory", "4MiB"]) == 0
+    assert main(["ask", "q", "--kv-cache-memory", "4MiB", "--kv-cache-dtype", "bfloat16"]) == 0
     assert (seen[-1]["model"], seen[-1]["threads"], seen[-1]["kv_cache_memory"]) == ("from-file", 2, "4MiB")
+    assert seen[-1]["kv_cache_dtype"] == "bfloat16"
     assert main(["--config", str(tmp_path / "missing.toml"), "ask", "q"]) == 1
     assert "missing.toml" in capsys.readouterr().err
 
@@ -338,7 +339,8 @@ def test_serve_builds_its_engine_from_config_toml_and_its_flags(monkeypatch, tmp
     (tmp_path / "config.toml").write_text('model = "from-file"\ndtype = "float32"\n')
     served = []
     monkeypatch.setattr(server, "serve", lambda options: served.append(options) or 0)
-    assert main(["serve", "--quantize", "int4", "--port", "8001"]) == 0
+    assert main(["serve", "--quantize", "int4", "--kv-cache-dtype", "int8", "--port", "8001"]) == 0
     [options] = served
     assert options.port == 8001 and options.model_name == "from-file"
     assert (options.engine.model, options.engine.dtype, options.engine.quantize) == ("from-file", "float32", "int4")
+    assert options.engine.kv_cache_dtype == "int8"

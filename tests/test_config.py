@@ -20,12 +20,12 @@ def test_file_then_cli_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_CONFIG_DIR", str(tmp_path))
     (tmp_path / "config.toml").write_text(
         'model = "some/model"\nkv_cache_memory = "2GiB"\ntheme = "pagedchat-light"\nthreads = 3\nmax_seqs = 16\n'
-        'system_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
+        'kv_cache_dtype = "int8"\nsystem_prompt = "Be terse."\n[sampling]\ntemperature = 0\nmax_tokens = 64\n'
         '[keys]\nnew_chat = "ctrl+t"\n')
     config = load_config(model="other/model", temperature=0.5, kv_cache_memory=None)
     assert config.engine.model == "other/model"          # the flag wins
     assert config.engine.kv_cache_memory == "2GiB"        # None flags change nothing
-    assert config.engine.threads == 3 and config.engine.max_seqs == 16
+    assert config.engine.threads == 3 and config.engine.max_seqs == 16 and config.engine.kv_cache_dtype == "int8"
     assert config.theme == "pagedchat-light" and config.system_prompt == "Be terse."
     assert config.sampling.temperature == 0.5 and config.sampling.max_tokens == 64
     assert isinstance(config.sampling.temperature, float)
@@ -46,6 +46,7 @@ def test_explicit_path_must_exist(tmp_path):
     ("threads = 0", "threads must be at least 1"),
     ("threads = 'all'", "threads must be a whole number"),
     ("max_seqs = 0", "max_seqs must be at least 1"),
+    ("kv_cache_dtype = 'fp4'", "kv_cache_dtype must be one of auto, float32, bfloat16, int8, not 'fp4'"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from pagedchat.argtypes import positive_int
+from pagedchat.argtypes import KV_CACHE_DTYPES, positive_int
 from pagedchat.bench.app_probe import DEFAULT_MAX_TOKENS as DEFAULT_APP_TOKENS
 from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths
 from pagedchat.errors import PagedChatError
@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget, like 512MiB or 2GB (default: the engine's own sizing)")
     parser.add_argument("--dtype", default=None,
                         help="auto, float32, bfloat16 or float16 (default: the engine's, auto)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="the KV pages' dtype: auto (bfloat16), float32, bfloat16 or int8 (default: auto)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="torch threads on the CPU, and llama.cpp's (default: the engine's, one per core "
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, chats=tuple(args.chats), max_tokens=args.max_tokens,
                       system_tokens=args.system_tokens, seed=args.seed, repeat=args.repeat,
                       against=tuple(args.against), kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                      device=args.device, threads=args.threads)
+                      kv_cache_dtype=args.kv_cache_dtype, device=args.device, threads=args.threads)
     try:
         with ProgressBar(err) as progress:
             report = run_bench(cfg, progress)
@@ -142,8 +144,8 @@ def run_windows(args: argparse.Namespace) -> int:
     from pagedchat.bench.windows import render_windows, run_windows as measure
 
     cfg = BenchConfig(model=args.model, max_tokens=args.max_tokens, system_tokens=args.system_tokens,
-                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, device=args.device,
-                      threads=args.threads)
+                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      device=args.device, threads=args.threads)
     try:
         report = measure(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (PagedChatError, ValueError) as exc:
@@ -166,7 +168,7 @@ def run_app(args: argparse.Namespace) -> int:
     from pagedchat.bench.app_probe import run_app_probe
 
     # The app and the engine alone get the same settings: the engine's names, the app's flags.
-    options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "device", "threads")
+    options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "kv_cache_dtype", "device", "threads")
                if getattr(args, name)}
     try:
         report = run_app_probe(args.model, args.repeat, args.max_tokens, options,

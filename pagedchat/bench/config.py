@@ -57,6 +57,7 @@ class BenchConfig:
     against: tuple[str, ...] = ()
     kv_cache_memory: str | int | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None
     device: str | None = None
     threads: int | None = None
     startup: bool = True  # time "start to model ready" in fresh processes
@@ -66,4 +67,4 @@ class BenchConfig:
         """The engine measured, from the same record the app, ask and serve build theirs from; without a CPU tier,
         so the pool measured is the KV cache alone."""
         return EngineOptions(model=self.model, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
-                             device=self.device, threads=self.threads, swap_space=0)
+                             kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads, swap_space=0)

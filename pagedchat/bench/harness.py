@@ -14,8 +14,8 @@ from pagedchat.bench.bandwidth import read_bandwidth
 from pagedchat.bench.config import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
                                            run_engine_level, ttft_cold_warm, warm_up)
-from pagedchat.bench.memory import (TokenCost, capacity, pages_needed, parameter_count, token_cost,
-                                    weight_capacity)
+from pagedchat.bench.memory import (TokenCost, capacity, dtype_capacity, pages_needed, parameter_count,
+                                    token_cost, weight_capacity)
 from pagedchat.bench.loaders import LOADERS
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.progress import NoProgress
@@ -45,7 +45,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
     peers: list[Peer] = []
     try:
         work = build_workload(engine.tokenizer, cfg.system_tokens, top, cfg.seed)
-        cost = token_cost(engine.config, engine.dtype, LocalBackend(engine).info)
+        cost = token_cost(engine.config, engine.kv_dtype, LocalBackend(engine).info)
         longest = max(len(p) for p in work.prompts) + cfg.max_tokens
         _check_fits(work, cfg, cost, top, longest)
         weights = _weights(engine, cost)
@@ -66,7 +66,8 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
                     workload=WorkloadInfo(len(work.system_ids), tuple(len(p) - len(work.system_ids)
                                                                       for p in work.prompts),
                                           cfg.max_tokens, tuple(work.questions)),
-                    token_cost=cost, capacity=capacity(cost, cfg.system_tokens, longest), weights=weights)
+                    token_cost=cost, capacity=capacity(cost, cfg.system_tokens, longest), weights=weights,
+                    page_dtypes=dtype_capacity(engine.config, cost.pool_bytes, cost.block_size))
         device = str(engine.device)
         out_levels, cold_warm = [], None
         for n in levels:

@@ -146,6 +146,7 @@ def run(args) -> int:
     from pagedchat.engine.engine import Engine
 
     options = EngineOptions(model=args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+                            kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                             device=getattr(args, "device", None), threads=getattr(args, "threads", None))
     engine = Engine(**options.kwargs())
     # The workload is cut from the model's own tokenizer, as `pagedchat bench` cuts it (bench/workload.py).

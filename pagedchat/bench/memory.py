@@ -16,9 +16,9 @@ class TokenCost:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str                    # the pages' (kv_cache_dtype)
     dtype_bytes: int
-    bytes_per_token_model: int    # 2 x layers x kv heads x head dim x bytes
+    bytes_per_token_model: int    # 2 x layers x kv heads x row bytes (head dim x bytes; int8: + its scale)
     bytes_per_token_pool: float   # read back: pool bytes / token slots
     pool_bytes: int
     num_pages: int
@@ -28,18 +28,17 @@ class TokenCost:
     max_context: int
 
 
-def token_cost(config, dtype, info: BackendInfo) -> TokenCost:
-    """KV bytes per token: from the model's shape in this dtype, and from the pool as the backend declares it
-    (its pages' bytes over their tokens)."""
-    import torch
+def token_cost(config, kv_dtype, info: BackendInfo) -> TokenCost:
+    """KV bytes per token: from the model's shape in pages of kv_dtype, and from the pool as the backend declares
+    it (its pages' bytes over their tokens)."""
+    from pagedchat.kernels import kv_pages
 
-    elem = torch.tensor([], dtype=dtype).element_size()
     slots = info.num_pages * info.block_size
     pool_bytes = info.pool_bytes or info.num_pages * info.page_bytes
     return TokenCost(
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        dtype=str(dtype).removeprefix("torch."), dtype_bytes=elem,
-        bytes_per_token_model=config.kv_bytes_per_token(elem), bytes_per_token_pool=pool_bytes / slots,
+        dtype=kv_pages.name(kv_dtype), dtype_bytes=kv_dtype.itemsize,
+        bytes_per_token_model=kv_pages.token_bytes(config, kv_dtype), bytes_per_token_pool=pool_bytes / slots,
         pool_bytes=pool_bytes, num_pages=info.num_pages, block_size=info.block_size, page_bytes=info.page_bytes,
         token_slots=slots, max_context=config.max_position_embeddings)
 
@@ -73,6 +72,33 @@ def capacity(cost: TokenCost, system_tokens: int, chat_tokens: int) -> Capacity:
                             waste, shared * bs),
         paged=Scheme(per_chat * bs, pages // per_chat, waste),
         contiguous=Scheme(ctx, cost.token_slots // ctx, ctx - chat_tokens))
+
+
+CHAT_TOKENS = 2048  # the page-dtype table's chat: vLLM's and the write-up's "concurrent request ceiling" unit
+
+
+@dataclass(frozen=True)
+class DtypeCapacity:
+    """One page dtype in the same KV budget: its bytes a token and the CHAT_TOKENS-token chats its pages hold."""
+
+    dtype: str
+    bytes_per_token: int
+    num_pages: int
+    chats: int
+
+
+def dtype_capacity(config, pool_bytes: int, block_size: int, chat_tokens: int = CHAT_TOKENS) \
+        -> tuple[DtypeCapacity, ...]:
+    """Every page dtype's pool in pool_bytes (as plan_cache cuts a budget into pages, one group), and the chats of
+    chat_tokens tokens, nothing shared, that fit in it."""
+    from pagedchat.kernels import kv_pages
+
+    rows = []
+    for name in kv_pages.KV_CACHE_DTYPES[1:]:
+        per_token = kv_pages.token_bytes(config, kv_pages.parse_kv_cache_dtype(name))
+        pages = pool_bytes // (per_token * block_size)
+        rows.append(DtypeCapacity(name, per_token, pages, pages // -(-chat_tokens // block_size)))
+    return tuple(rows)
 
 
 def pages_needed(prompts: list[list[int]], max_tokens: int, system_tokens: int, block_size: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedchat.bench.memory import CHAT_TOKENS
 from pagedchat.bench.report import PAGEDCHAT, Report
 from pagedchat.bench.stats import RunStats, ratio
 
@@ -84,11 +85,31 @@ def bandwidth_lines(report: Report) -> list[str]:
 def _token_cost(report: Report) -> Section:
     c = report.token_cost
     return Section("1. What one token costs", ["source", "KV bytes per token"], [
-        [f"model shape: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} head dim x "
-         f"{c.dtype_bytes} B ({c.dtype})", f"{c.bytes_per_token_model:,}"],
+        [f"model shape: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {_row(c)} ({c.dtype} pages)",
+         f"{c.bytes_per_token_model:,}"],
         [f"allocated pool: {c.pool_bytes:,} B / ({c.num_pages:,} pages x {c.block_size} slots)",
          f"{c.bytes_per_token_pool:,.0f}"],
     ])
+
+
+def _row(c) -> str:
+    """One (token, KV head) row in words: an int8 row's scale follows its codes."""
+    if c.dtype == "int8":
+        return f"({c.head_dim} head dim x 1 B + a 4 B scale)"
+    return f"{c.head_dim} head dim x {c.dtype_bytes} B"
+
+
+def _page_dtypes(report: Report) -> list[Section]:
+    if not report.page_dtypes:
+        return []
+    cost, base = report.token_cost, report.page_dtypes[0]
+    rows = [[f"{d.dtype}{' (this run)' if d.dtype == cost.dtype else ''}", f"{d.bytes_per_token:,}",
+             f"{d.num_pages:,}", f"{d.chats:,}", f"{d.chats / base.chats:.2f}x" if base.chats else "-"]
+            for d in report.page_dtypes]
+    return [Section(f"   Page dtypes (--kv-cache-dtype): chats of {CHAT_TOKENS:,} tokens, nothing shared, in the "
+                    f"same {size(cost.pool_bytes)} KV budget", ["pages' dtype", "KV bytes per token", "pages",
+                                                                f"{CHAT_TOKENS:,}-token chats", "vs float32"],
+                    rows)]
 
 
 def _capacity(report: Report) -> list[Section]:
@@ -118,7 +139,7 @@ def _capacity(report: Report) -> list[Section]:
             [f"GPU rule: 60% of ({size(w.gpu_free_bytes)}, {free}, minus the weights)",
              f"{w.gpu_loaded.tokens:,}", f"{w.gpu_bf16.tokens:,}", extra[1]],
         ])
-    return [schemes, weights]
+    return [schemes, *_page_dtypes(report), weights]
 
 
 def _waste(report: Report) -> Section:

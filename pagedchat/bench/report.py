@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagedchat.bench.config import BenchConfig
 from pagedchat.bench.engine_runner import ColdWarm
-from pagedchat.bench.memory import Capacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
+from pagedchat.bench.memory import Capacity, DtypeCapacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
 from pagedchat.bench.stats import RunStats
 
 PAGEDCHAT = "pagedchat"  # the runner key of pagedchat's own rounds
@@ -101,6 +101,7 @@ class Report:
     startup: tuple[Timed, ...]            # start to model ready, pagedchat first; empty when not measured
     levels: tuple[Level, ...]
     peer_builds: tuple[str, ...] = ()  # how each peer was built, where it says ("llama.cpp: AVX2 FMA ...")
+    page_dtypes: tuple[DtypeCapacity, ...] = ()  # every kv_cache_dtype in this run's KV budget
 
     def bandwidth_shares(self) -> list[tuple[str, float]]:
         """(label, share) of each runner's one-chat decode in the measured read bandwidth: the weights' bytes

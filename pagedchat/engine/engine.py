@@ -37,6 +37,7 @@ from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, Gramma
 from pagedchat.engine.threads import ThreadGovernor, cpu_seconds
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
+from pagedchat.kernels import kv_pages
 from pagedchat.model import packed_cache, qmm
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.gguf import gguf_weights
@@ -113,7 +114,7 @@ class Engine:
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
                  autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None,
-                 release_windows: bool = True):
+                 release_windows: bool = True, kv_cache_dtype: str | torch.dtype | None = None):
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -124,16 +125,18 @@ class Engine:
         if progress and self.device.type == "cpu" and qmm.needs_build():
             progress("compiling pagedchat's kernels for this machine (once)", None)
         self.dtype = parse_dtype(dtype, self.device, self.quantize is not None or gguf_weights(folder) is not None)
+        self.kv_dtype = kv_pages.parse_kv_cache_dtype(kv_cache_dtype)  # the pages' own, not the activations'
         if progress:
             progress("loading weights", None)
         self._compute = ComputeThread("pagedchat-engine", threads)
         try:
             self.model = self._compute.call(self._load_model, folder)
             self.block_size = block_size
-            self.cache_plan = plan_cache(self.config, self.dtype, self.device, block_size,
+            self.cache_plan = plan_cache(self.config, self.kv_dtype, self.device, block_size,
                                          parse_bytes(kv_cache_memory), parse_bytes(swap_space), max_seqs=max_seqs,
                                          max_tokens_per_step=max_tokens_per_step, release_windows=release_windows)
-            self.runner = self._compute.call(ModelRunner, self.model, self.cache_plan.groups, block_size)
+            self.runner = self._compute.call(ModelRunner, self.model, self.cache_plan.groups, block_size,
+                                             self.kv_dtype)
         except BaseException:
             self._compute.close()
             raise
@@ -260,7 +263,7 @@ class Engine:
         """A consistent picture of the page pool; safe to call from any thread while the engine runs."""
         with self._lock:
             return snapshot(self.pages, self.scheduler, self.config.max_position_embeddings, self.cache_plan,
-                            self.weight_bytes, self.model.weight_precision)
+                            self.weight_bytes, self.model.weight_precision, kv_pages.name(self.kv_dtype))
 
     def usage(self) -> PoolUsage:
         """Steps run and pages in use: cheap, for a caller that watches every update (the bench's peak)."""

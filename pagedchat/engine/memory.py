@@ -80,6 +80,8 @@ class MemorySnapshot:
     contiguous_bytes: int     # what reserving the model's full context per live sequence would take
     weight_bytes: int = 0     # the model's resident weights, which share the memory with the pool (0: unknown)
     weight_precision: str = ""  # how they run, e.g. "Q4_1 as int4 + Q8_0 as 2×int4" ("": unknown)
+    kv_dtype: str = ""        # the pages' dtype, kv_cache_dtype's choice ("": unknown)
+    kv_token_bytes: int = 0   # K and V of one token in every layer, in that dtype (0: unknown)
     # Every layer group's pool, the first one's being the pages above (one group: a model without windows, or
     # a server that does not say).
     groups: tuple[GroupMemory, ...] = ()
@@ -147,7 +149,7 @@ def _rate(queried: int, hit: int) -> float:
 
 
 def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: CachePlan,
-             weight_bytes: int = 0, weight_precision: str = "") -> MemorySnapshot:
+             weight_bytes: int = 0, weight_precision: str = "", kv_dtype: str = "") -> MemorySnapshot:
     block_manager = pages.first
     seqs = scheduler.all_seqs()
     owners: dict[int, list[str]] = {}
@@ -178,6 +180,8 @@ def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: Ca
         contiguous_bytes=len(seqs) * max_context * plan.page_bytes // block_manager.block_size,
         weight_bytes=weight_bytes,
         weight_precision=weight_precision,
+        kv_dtype=kv_dtype,
+        kv_token_bytes=plan.page_bytes // block_manager.block_size,
         groups=tuple(_group(manager, layout, seqs) for manager, layout in zip(pages.groups, plan.groups)),
     )
 

@@ -8,6 +8,7 @@ import mmap
 import numpy as np
 import torch
 
+from pagedchat.kernels import kv_pages
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
@@ -35,22 +36,25 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, groups: tuple[GroupPlan, ...], block_size: int):
-        """groups: each layer group's pool (engine/sizing.py); its KV pages live in a tensor of their own."""
+    def __init__(self, model: DecoderModel, groups: tuple[GroupPlan, ...], block_size: int,
+                 kv_dtype: torch.dtype | None = None):
+        """groups: each layer group's pool (engine/sizing.py); its KV pages live in a tensor of their own.
+        kv_dtype: the pages' (kernels/kv_pages.py); None: the model's activations' dtype."""
         cfg = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        page = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_dtype = kv_dtype or model.dtype
+        page = (block_size, cfg.num_kv_heads, kv_pages.row_width(cfg.head_dim, self.kv_dtype))
         # A window group's pool has one page more, its null page: never written, so all zeros, and what a
         # released entry (NULL_PAGE) points the kernels at. A kernel reads it only where the window masks it out
         # (the torch prefill path and the reference gather a chunk's pages from the first), and zeros keep the
         # masked products finite.
         self.null_pages = [g.num_pages if g.window is not None else None for g in groups]
         # Zeros, not empty: masked-out slots are still multiplied by a zero weight, and NaN * 0 is NaN.
-        self.kv_caches = [zeros((len(g.layers), 2, g.num_pages + (g.window is not None), *page), model.dtype,
+        self.kv_caches = [zeros((len(g.layers), 2, g.num_pages + (g.window is not None), *page), self.kv_dtype,
                                 self.device) for g in groups]
-        self.cpu_caches = [self._host((len(g.layers), 2, g.num_cpu_pages, *page), model.dtype) for g in groups]
+        self.cpu_caches = [self._host((len(g.layers), 2, g.num_cpu_pages, *page), self.kv_dtype) for g in groups]
         self.layer_groups = [0] * cfg.num_layers
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [None] * cfg.num_layers  # type: ignore[list-item]
         for gi, (g, kv) in enumerate(zip(groups, self.kv_caches)):

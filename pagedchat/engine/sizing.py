@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedchat.argtypes import parse_bytes  # noqa: F401 (the engine reads sizes from here)
+from pagedchat.kernels import kv_pages
 from pagedchat.model.config import ModelConfig
 from pagedchat.model.family import LayerGroup, layer_groups
 
@@ -107,10 +108,11 @@ def _available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+def plan_cache(config: ModelConfig, kv_dtype: torch.dtype, device: torch.device, block_size: int,
                kv_bytes: int | None, swap_bytes: int | None, *, max_seqs: int = 64, max_tokens_per_step: int = 512,
                release_windows: bool = True) -> CachePlan:
-    page_bytes = config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+    """kv_dtype: the pages' (kernels/kv_pages.py), whose bytes a token decide how many pages the budget buys."""
+    page_bytes = kv_pages.token_bytes(config, kv_dtype) * block_size
     reason = ""
     if kv_bytes is None:
         # Never more than 16 sequences at full context would use.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedchat.kernels import reference
+from pagedchat.kernels import kv_pages
 
 
 @dataclass
@@ -40,14 +41,15 @@ class Batch:
 
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32,
-               device="cpu", share_pages=0, seed=0) -> Batch:
+               device="cpu", share_pages=0, seed=0, kv_dtype: torch.dtype | None = None) -> Batch:
     """A paged batch for `seqs` = [(context_len, query_len), ...].
 
     Pages come from a shuffled pool with spare pages, so tables are scattered. Slots never written
     hold NaN, and block tables are padded with a NaN page, so a kernel that reads past a sequence's
     context (or its table) produces NaN instead of silently passing. With share_pages=n > 0, every
     later sequence shares sequence 0's first n full pages (same prefix tokens; as many as its own context
-    fills), as prefix caching does with a common system prompt.
+    fills), as prefix caching does with a common system prompt. kv_dtype: the pages' (kernels/kv_pages.py;
+    default dtype's), whose keys and values are then the truth (an int8 page's unwritten rows get a NaN scale).
     """
     gen = torch.Generator().manual_seed(seed)
     pages_needed = [math.ceil(ctx / block_size) for ctx, _ in seqs]
@@ -76,6 +78,10 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size=16, dtype=tor
         k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
         v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
 
+    if kv_dtype is not None and kv_dtype != dtype:
+        k_cache, v_cache = kv_pages.encode(k_cache, kv_dtype), kv_pages.encode(v_cache, kv_dtype)
+        keys = [kv_pages.decode(kv_pages.encode(k, kv_dtype), dtype) for k in keys]
+        values = [kv_pages.decode(kv_pages.encode(v, kv_dtype), dtype) for v in values]
     max_blocks = max(pages_needed) + 1  # one extra column of padding even for the longest
     block_tables = torch.full((len(seqs), max_blocks), nan_page, dtype=torch.int32)
     for b, pages in enumerate(tables):

@@ -3,12 +3,15 @@
 Slow on purpose (a Python loop per token / sequence) so that each line can be checked by eye.
 The Triton kernels are tested against these, and these against dense SDPA on contiguous K/V.
 
-Layout: a cache is `[num_pages, block_size, num_kv_heads, head_dim]`; slot = page * block_size + offset.
+Layout: a cache is `[num_pages, block_size, num_kv_heads, row]`; slot = page * block_size + offset; a row is
+head_dim elements of the pages' dtype, or an int8 page's codes and scale (kernels/kv_pages.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedchat.kernels import kv_pages
 
 
 def write_kv(
@@ -24,8 +27,8 @@ def write_kv(
         if slot < 0:
             continue
         page, offset = divmod(slot, block_size)
-        k_cache[page, offset] = k[t]
-        v_cache[page, offset] = v[t]
+        k_cache[page, offset] = kv_pages.encode(k[t], k_cache.dtype)
+        v_cache[page, offset] = kv_pages.encode(v[t], v_cache.dtype)
 
 
 def paged_attention(
@@ -49,7 +52,7 @@ def paged_attention(
     launch hints for the kernels; the reference ignores them.
     """
     del max_query_len, max_context_len
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape  # the caches' rows: head_dim, or int8 codes and their scale
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -61,8 +64,8 @@ def paged_attention(
             continue
         pages = block_tables[b, : (ctx + block_size - 1) // block_size].long()
         # Gather this sequence's pages into contiguous [ctx, kv_heads, head_dim], then expand GQA.
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = kv_pages.decode(k_cache[pages], torch.float32).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = kv_pages.decode(v_cache[pages], torch.float32).reshape(-1, num_kv_heads, head_dim)[:ctx]
         k = k.repeat_interleave(group, dim=1)  # query head h -> kv head h // group
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale

@@ -28,18 +28,19 @@ INTERPRETED = interpret_env()
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     scale_log2e, pages_per_split, num_splits, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_ot, stride_oh, stride_os,
     stride_mt, stride_mh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,7 +90,11 @@ def _attn_kernel(
                       + d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + page * stride_vb + n[:, None] * stride_vs + kv_head * stride_vh
                     + d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_F32:
+        if SCALED:  # int8 pages: each (token, KV head) row's codes times its scale
+            scale_off = page * stride_sb + n * stride_ss + kv_head * stride_sh
+            k_t = k_t.to(tl.float32) * tl.load(k_scale_ptr + scale_off, mask=kv_ok, other=0.0)[None, :]
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_off, mask=kv_ok, other=0.0)[:, None]
+        elif DOT_F32:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e  # log2 units for exp2
@@ -138,6 +143,12 @@ def _reduce_splits_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _scales(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An int8 cache's scales, [pages, block_size, kv_heads, 1] float32, read in place: each row's last 4 bytes
+    (kernels/kv_pages.py)."""
+    return cache[..., head_dim:].view(torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,22 +224,27 @@ def paged_attention(
         m = l = out  # unused
         dst, stride_os = out, 0
 
-    # The interpreter keeps bf16 as raw uint16 and its dot would multiply the bits: upcast there.
-    dot_f32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
+    # The interpreter keeps bf16 as raw uint16 and its dot would multiply the bits: upcast there; and pages of
+    # another dtype than q's (kernels/kv_pages.py) meet q in float32.
+    scaled = k_cache.dtype == torch.int8
+    dot_f32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16) or k_cache.dtype != q.dtype
+    k_scale, v_scale = (_scales(c, head_dim) for c in (k_cache, v_cache)) if scaled else (k_cache, v_cache)
     head_dim_pad = max(MIN_DOT, triton.next_power_of_2(head_dim))
     _attn_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
-        q, k_cache, v_cache, dst, m, l,
+        q, k_cache, v_cache, k_scale, v_scale, dst, m, l,
         block_tables, context_lens, query_start_loc,
         scale * LOG2E, pages_per_split, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         dst.stride(0), dst.stride(1), stride_os,
         m.stride(0), m.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SCALED=scaled,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -11,6 +11,9 @@ tables. Both pick their path here and nowhere else (`backend`):
 PAGEDCHAT_ATTENTION=torch|triton|native forces one, for tests and comparison (native only where pagedchat's
 kernels are loaded: PAGEDCHAT_KERNEL=off turns it off with them).
 
+The pages hold the pool's page dtype, not necessarily the activations' (kernels/kv_pages.py): `write_kv` converts or
+quantizes as it stores, the kernels read each dtype where it lies, and the torch path decodes what it gathers.
+
 The torch path gathers each sequence's pages into a padded batch and runs SDPA; in decode steps it reads the
 pages that every sequence shares (a common system prompt) once for the whole batch and merges the two partial
 results, since on the CPU the cost of attention grows with the keys each sequence reads.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedchat.kernels import kv_pages
 from pagedchat.model import qmm
 
 
@@ -51,8 +55,8 @@ class AttentionMetadata:
 
 
 PATHS = ("torch", "triton", "native")
-# The cache dtypes the native kernel reads; others (float16) take the torch path.
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# The page dtypes the native kernel reads (kernels/kv_pages.py); others (float16) take the torch path.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def backend(device: torch.device) -> str:
@@ -81,11 +85,12 @@ def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata, path: str) -> None
     if path == "triton":
         from pagedchat.kernels import write_kv as triton_write_kv
 
-        triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        triton_write_kv(k_cache, v_cache, kv_pages.encode(k, k_cache.dtype), kv_pages.encode(v, v_cache.dtype),
+                        meta.slot_mapping)
         return
     # The cache is [pages, block_size, kv_heads, head_dim]: flattening the first two makes slots direct rows.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, kv_pages.encode(k, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, kv_pages.encode(v, v_cache.dtype))
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, path: str,
@@ -121,12 +126,12 @@ def _gather(cache: torch.Tensor, flat_tables: torch.Tensor, b: int, length: int,
     `out` is (raw, upcast) buffers to gather into, reused across layers so each step allocates them once."""
     # index_select on the flattened table is several times faster than advanced indexing on the CPU.
     if out is None:
-        pages = cache.index_select(0, flat_tables).to(dtype)
+        pages = kv_pages.decode(cache.index_select(0, flat_tables), dtype)
     else:
         raw, upcast = out
         pages = torch.index_select(cache, 0, flat_tables, out=raw)
         if upcast is not raw:
-            pages = upcast.copy_(raw)
+            pages = upcast.copy_(kv_pages.decode(raw, dtype) if raw.dtype == torch.int8 else raw)
     _, bs, h, d = pages.shape
     return pages.view(b, -1, h, d)[:, :length].transpose(1, 2)
 
@@ -177,7 +182,10 @@ def _shared_pages(meta: AttentionMetadata, block_size: int) -> int:
 def _buffers(pages: int, cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (pages, *cache.shape[1:])
     raw = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    return raw, raw if dtype == cache.dtype else torch.empty(shape, dtype=dtype, device=cache.device)
+    if dtype == cache.dtype:
+        return raw, raw
+    head_dim = shape[-1] - kv_pages.SCALE_BYTES if cache.dtype == torch.int8 else shape[-1]
+    return raw, torch.empty((*shape[:-1], head_dim), dtype=dtype, device=cache.device)
 
 
 def _decode_plan(meta: AttentionMetadata, cache: torch.Tensor, dtype: torch.dtype, window: int | None) -> _DecodePlan:

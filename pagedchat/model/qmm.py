@@ -352,8 +352,9 @@ def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """One decode step's attention read straight from the pages (attention.py's native path): q [B, heads, D],
-    the caches [pages, block_size, kv_heads, D] (float32 or bfloat16), int32 block tables [B, pages] and context
-    lengths [B]; window 0 for none. The result in q's dtype."""
+    the caches [pages, block_size, kv_heads, row] (float32 or bfloat16 rows of D, or int8 rows of D codes and
+    their scale: kernels/kv_pages.py), int32 block tables [B, pages] and context lengths [B]; window 0 for none.
+    The result in q's dtype."""
     return torch.ops.pagedchat_qmm.attend(q, k_cache, v_cache, block_tables, context_lens, scale, window,
                                           _state.index)
 
@@ -380,6 +381,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """q and k of float32 qkv [T, (heads + 2 kv_heads) * D] turned by cos and sin [T, rotary dims] (sin's first
-    half negated, as llama.rope_table makes them), k and v written into the float32 caches at slots; returns q
-    [T, heads, D]."""
+    half negated, as llama.rope_table makes them), k and v written into the caches at slots as their page dtype
+    holds them (attend's; kv_pages.encode's bits); returns q [T, heads, D]."""
     return torch.ops.pagedchat_qmm.rope_write(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads, _state.index)

@@ -57,6 +57,7 @@ def render_summary(snap, width: int = 80) -> Content:
             f"{snap.cached_pages} cached", width),
         bar,
         _kv("page", f"{snap.block_size} tokens", fmt_bytes(snap.page_bytes), width),
+        *([_kv("holds", snap.kv_dtype, f"{snap.kv_token_bytes:,} B a token", width)] if snap.kv_dtype else []),
         _kv("in use", f"{used} pages", fmt_bytes(snap.paged_bytes), width),
         *render_groups(snap, width),
     ]

@@ -114,6 +114,20 @@ def test_token_cost(report):
     assert cost["max_context"] == MAX_CONTEXT
 
 
+def test_page_dtypes_in_the_same_budget(report):
+    """The concurrent-request ceiling by page dtype: 2,048-token chats in this run's 1 MiB, each dtype's pages cut
+    from the same bytes (int8 rows: 16 codes and a 4-byte scale)."""
+    rows = {row["dtype"]: row for row in report["page_dtypes"]}
+    assert list(rows) == ["float32", "bfloat16", "int8"]
+    pool = report["token_cost"]["pool_bytes"]
+    for name, per_token in (("float32", BYTES_PER_TOKEN), ("bfloat16", BYTES_PER_TOKEN // 2),
+                            ("int8", 2 * 3 * 2 * (16 + 4))):
+        assert rows[name]["bytes_per_token"] == per_token
+        assert rows[name]["num_pages"] == pool // (per_token * BLOCK)
+        assert rows[name]["chats"] == rows[name]["num_pages"] // (2048 // BLOCK)
+    assert [rows[n]["chats"] for n in rows] == [0, 1, 2]
+
+
 def test_weights_beside_the_pool(report, tiny_llama):
     """The tiny model loads unpacked in float32 here: its resident bytes are its parameters x 4, so bf16 weights
     (x 2) would leave the difference to KV in a fixed budget, and 60% of it under the GPU rule."""
@@ -306,7 +320,8 @@ def test_tables_render(tiny_llama, monkeypatch):
     render(rep, Console(file=buf, width=200))
     text = buf.getvalue()
     for title in ("What one token costs", "Capacity", "Weights beside the KV pool", "Waste measured", "Sharing",
-                  "Speed", "First token", "llama.cpp, shared prompt", "GPU rule"):
+                  "Speed", "First token", "llama.cpp, shared prompt", "GPU rule", "Page dtypes (--kv-cache-dtype)",
+                  "float32 (this run)", "int8"):
         assert title in text
     assert f"{BYTES_PER_TOKEN:,}" in text
     md = to_markdown(rep)

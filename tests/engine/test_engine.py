@@ -168,9 +168,11 @@ def test_bad_model_folders(tmp_path, tiny_llama):
         Engine(str(broken))
 
 
-def test_dtype_names(tiny_llama):
-    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16")
-    assert engine.runner.kv_cache.dtype == torch.bfloat16
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+def test_dtype_names(tiny_llama, kv):
+    """bf16 activations over pages of any dtype: the pages' dtype is the pool's own."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", dtype="bfloat16", kv_cache_dtype=kv)
+    assert engine.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == getattr(torch, kv)
     [out] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out.token_ids) == 5
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -224,26 +226,29 @@ DEFAULT_CHATS = [
 
 # The paths a CPU takes: torch's with the weights dequantized (float32: transformers' tokens bit for bit),
 # pagedchat's kernels on float32 activations (a CPU without native bf16) at its best level and at AVX2, and on
-# bf16 ones (the default where the hardware has bf16). Near-ties may flip, then the continuations part and the
+# bf16 ones (the default where the hardware has bf16); and the pages' dtypes (the last: float32 where transformers'
+# tokens come bit for bit, bf16 pages what auto holds). Near-ties may flip, then the continuations part and the
 # comparison stops.
-DEFAULT_MODEL_PATHS = {"float32-exact": ("float32", "off", NEAR_TIE),
-                       "float32-packed": ("float32", None, NEAR_TIE_PACKED),
-                       "float32-packed-avx2": ("float32", "avx2", NEAR_TIE_PACKED),
-                       "bfloat16-packed": ("bfloat16", None, NEAR_TIE_BF16)}
-paths_of_the_default_model = pytest.mark.parametrize("dtype,level,near_tie", DEFAULT_MODEL_PATHS.values(),
+DEFAULT_MODEL_PATHS = {"float32-exact": ("float32", "off", NEAR_TIE, "float32"),
+                       "float32-packed": ("float32", None, NEAR_TIE_PACKED, "float32"),
+                       "float32-packed-avx2": ("float32", "avx2", NEAR_TIE_PACKED, "float32"),
+                       "bfloat16-packed": ("bfloat16", None, NEAR_TIE_BF16, "float32"),
+                       "float32-packed-bf16-pages": ("float32", None, NEAR_TIE_PACKED, "bfloat16"),
+                       "float32-packed-int8-pages": ("float32", None, NEAR_TIE_PACKED, "int8")}
+paths_of_the_default_model = pytest.mark.parametrize("dtype,level,near_tie,kv", DEFAULT_MODEL_PATHS.values(),
                                                      ids=DEFAULT_MODEL_PATHS.keys())
 
 
 @pytest.mark.slow
 @paths_of_the_default_model
-def test_default_model_matches_transformers(default_model, kernels, dtype, level, near_tie):
+def test_default_model_matches_transformers(default_model, kernels, dtype, level, near_tie, kv):
     """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
     from gguf_reference import transformers_from_gguf
 
     if level:
         kernels(level)
     max_tokens = 40 if dtype == "float32" else 24
-    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype, kv_cache_dtype=kv)
     ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
@@ -257,7 +262,7 @@ def test_default_model_matches_transformers(default_model, kernels, dtype, level
 @pytest.mark.slow
 @paths_of_the_default_model
 def test_default_model_chats_on_one_system_prompt_match_transformers(default_model, monkeypatch, shared_prefix_reads,
-                                                                     kernels, dtype, level, near_tie):
+                                                                     kernels, dtype, level, near_tie, kv):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
     from gguf_reference import transformers_from_gguf
@@ -267,7 +272,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
     if level:
         kernels(level)
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
-    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype)
+    engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype, kv_cache_dtype=kv)
     ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
               "euros, and never promise delivery dates. Repairs take two to five working days. ") * 2

@@ -18,7 +18,9 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.engine.chat import chat_prompt_ids
 from pagedchat.engine.core import Phase
 from pagedchat.errors import RequestError
-from parity import assert_same_greedy
+from pagedchat.kernels import kv_pages
+from pagedchat.model.config import ModelConfig
+from parity import NEAR_TIE, NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 PAGE = 12288  # bytes of one 16-token page of the default tiny model (3 layers)
@@ -359,22 +361,25 @@ def test_a_request_larger_than_the_cache_is_refused_at_submit(tiny_llama, tiny_l
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-2l"), layers=2, seed=3)
-    alone = manual(folder, kv_cache_memory="2MiB")
+    alone: dict[str, Engine] = {}
     runs: dict[tuple, list[int]] = {}
 
-    def isolated(prompt: list[int], max_tokens: int) -> list[int]:
-        """The request run alone in an engine of its own (cached: examples repeat prompts)."""
-        key = (tuple(prompt), max_tokens)
+    def isolated(prompt: list[int], max_tokens: int, kv: str) -> list[int]:
+        """The request run alone in an engine of its own with pages of kv (cached: examples repeat prompts)."""
+        key = (kv, tuple(prompt), max_tokens)
         if key not in runs:
-            handle = alone.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            drain(alone)
+            engine = alone.setdefault(kv, manual(folder, kv_cache_memory="2MiB", kv_cache_dtype=kv))
+            handle = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            drain(engine)
             runs[key] = handle.result(timeout=0).token_ids
         return runs[key]
 
     return folder, load_reference(folder), isolated
 
 
-SMALL_PAGE = 8192  # 2 layers: 512 bytes a token
+def small_page(folder, kv: str) -> int:
+    """One page of the 2-layer model in pages of kv: 8192 bytes in float32 (512 a token)."""
+    return kv_pages.token_bytes(ModelConfig.from_folder(folder), kv_pages.parse_kv_cache_dtype(kv)) * 16
 
 
 ADD = st.tuples(st.just("add"), st.integers(0, 2), st.sampled_from([3, 16, 17, 30, 41, 50]), st.integers(1, 20))
@@ -403,12 +408,16 @@ class OneFault:
 
 @settings(max_examples=30 * int(os.environ.get("PAGEDCHAT_FUZZ", "1")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(OPS, min_size=10, max_size=30), swap_pages=st.sampled_from([0, 3, 20]))
-def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, ops, swap_pages):
+@given(ops=st.lists(OPS, min_size=10, max_size=30), swap_pages=st.sampled_from([0, 3, 20]),
+       kv=st.sampled_from(["float32", "bfloat16", "int8"]))
+def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, ops, swap_pages, kv):
+    """At every page dtype: a request's tokens are its run alone in an engine of the same pages (copies move every
+    byte, an int8 row's scale included), or transformers' up to near-ties (the page dtype's tolerance)."""
     folder, ref, isolated = small_model
     fault = OneFault()
-    eng = manual(folder, kv_cache_memory=5 * SMALL_PAGE, swap_space=swap_pages * SMALL_PAGE,
-                 max_tokens_per_step=24, max_seqs=4, fault_hook=fault)
+    page = small_page(folder, kv)
+    eng = manual(folder, kv_cache_memory=5 * page, swap_space=swap_pages * page,
+                 max_tokens_per_step=24, max_seqs=4, fault_hook=fault, kv_cache_dtype=kv)
     bases = [ids_of(eng.tokenizer, 60, salt) for salt in range(3)]
     handles, wanted = [], {}  # wanted: request id -> max_tokens
 
@@ -475,9 +484,10 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
         done = handle.result(timeout=0)
         if done.finish_reason == "length":
             assert len(done.token_ids) == wanted[handle.request_id]
-            if done.token_ids != isolated(done.prompt_token_ids, len(done.token_ids)):  # a float near-tie at most
+            if done.token_ids != isolated(done.prompt_token_ids, len(done.token_ids), kv):  # a near-tie at most
                 expected = reference(ref, done.prompt_token_ids, len(done.token_ids))
-                assert_same_greedy(ref, done.prompt_token_ids, done.token_ids, expected)
+                assert_same_greedy(ref, done.prompt_token_ids, done.token_ids, expected,
+                                   near_tie=NEAR_TIE if kv == "float32" else NEAR_TIE_PACKED)
         elif done.finish_reason == "error":
             assert "RuntimeError: injected into" in done.error, done.error
         else:

@@ -76,6 +76,15 @@ def test_a_given_size_is_cut_into_whole_pages_with_a_quarter_for_the_cpu_tier():
     assert half.page_bytes == FP32_PAGE // 2 and half.num_pages == 20 and half.num_cpu_pages == 6
 
 
+def test_pages_are_sized_in_their_own_dtypes_bytes():
+    """The page dtype, not the activations', sets the bytes a token: int8 rows are 16 codes and a 4-byte scale."""
+    budget = 12 * FP32_PAGE
+    plans = {dtype: plan_cache(config(), dtype, CPU, 16, budget, 0)
+             for dtype in (torch.float32, torch.bfloat16, torch.int8)}
+    assert [p.page_bytes for p in plans.values()] == [FP32_PAGE, FP32_PAGE // 2, 2 * 3 * 2 * (16 + 4) * 16]
+    assert [p.num_pages for p in plans.values()] == [12, 24, budget // (2 * 3 * 2 * 20 * 16)] == [12, 24, 38]
+
+
 def test_a_size_below_one_page_is_refused_with_the_page_size():
     with pytest.raises(ValueError, match=rf"holds no page: one page of 16 tokens takes {FP32_PAGE} bytes"):
         plan_cache(config(), torch.float32, CPU, 16, FP32_PAGE - 1, None)

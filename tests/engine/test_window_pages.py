@@ -166,5 +166,5 @@ def test_the_backend_declares_the_pool_in_bytes_over_every_group(windowed_model)
     assert info.pool_bytes == snap.pool_bytes == sum(g.num_pages * g.page_bytes for g in snap.groups)
     # Gemma 3's window group has fewer pages than its global one; Mistral's one group is the whole pool.
     assert (info.pool_bytes < info.num_pages * info.page_bytes) == (len(snap.groups) > 1)
-    assert token_cost(engine.config, engine.dtype, info).pool_bytes == info.pool_bytes
+    assert token_cost(engine.config, engine.kv_dtype, info).pool_bytes == info.pool_bytes
     engine.shutdown()

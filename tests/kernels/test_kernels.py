@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from pagedchat import kernels
 from pagedchat.kernels import reference
 from pagedchat.kernels.check import make_batch
+from pagedchat.kernels import kv_pages
+from pagedchat.model import attention
+from pagedchat.model.attention import AttentionMetadata
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -188,6 +191,21 @@ def test_blocks_a_window_released_may_point_at_a_zero_null_page(tk, seqs, splits
     assert_close(tk.attn.paged_attention(*released.args(), window, num_splits=splits), want)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-pages", "int8-pages"])
+@pytest.mark.parametrize("seqs,splits", [(DECODE, 1), (DECODE, 3), (PREFILL, 1)],
+                         ids=["decode", "decode-split-k", "prefill"])
+def test_pages_of_another_dtype_than_q(tk, kv_dtype, seqs, splits):
+    """float32 queries over bf16 pages, and over int8 pages read with their scales in place (kernels/kv_pages.py):
+    the reference decodes the same pages, so only the sums' order differs."""
+    block_size, head_dim, heads, kv_heads, _ = CONFIGS[3]
+    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, torch.float32, DEVICE, share_pages=1,
+                       kv_dtype=kv_dtype)
+    assert batch.k_cache.dtype == kv_dtype
+    got = tk.attn.paged_attention(*batch.args(), 24, num_splits=splits)
+    assert got.dtype == torch.float32
+    assert_close(got, reference.paged_attention(*batch.args(), 24))
+
+
 def test_prefill_split_k(tk):
     # The split path is generic over query tiles; the reduce runs per (token, head), so keep T small.
     _check_attention(tk, CONFIGS[0], [(100, 9), (40, 5), (16, 1)], num_splits=2)
@@ -237,6 +255,26 @@ def test_write_kv(tk, block_size, kv_heads, head_dim, dtype):
     tk.ops.write_kv(*got, k, v, slots)
     for g, w in zip(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-pages", "int8-pages"])
+def test_write_kv_into_pages_of_another_dtype(tk, kv_dtype):
+    """The engine's write (model/attention.py) converts or quantizes float32 K/V, then the kernel moves the rows'
+    bits: the same bytes as the reference's write, an int8 row's scale included."""
+    num_pages, block_size, kv_heads, head_dim, t = 4, 16, 3, 64, 20
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(t, kv_heads, head_dim, generator=gen).to(DEVICE) for _ in range(2))
+    slots = torch.randperm(num_pages * block_size, generator=gen)[:t].to(DEVICE)
+    shape = (num_pages, block_size, kv_heads, kv_pages.row_width(head_dim, kv_dtype))
+    want = [torch.zeros(shape, dtype=kv_dtype, device=DEVICE) for _ in range(2)]
+    got = [c.clone() for c in want]
+    reference.write_kv(*want, k, v, slots)
+    meta = AttentionMetadata(slots, *[None] * 3, [], [], 1, 1)
+    attention.write_kv(*got, k, v, meta, "triton")
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert torch.equal(kv_pages.decode(want[0].view(-1, kv_heads, shape[-1])[slots], torch.float32),
+                       kv_pages.decode(kv_pages.encode(k, kv_dtype), torch.float32))
 
 
 # ---------------------------------------------------------------------------- packaging and device

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedchat.kernels import kv_pages
 from pagedchat.model import qmm
 from pagedchat.model.family import Rope, RopeKind
 from pagedchat.model.llama import apply_rope, rope_table, rms_norm
@@ -75,6 +76,28 @@ def test_rope_write_turns_q_and_k_and_writes_the_cache_as_torch_does(each_level,
     untouched = torch.ones(pages * block, dtype=torch.bool)
     untouched[slots] = False
     assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-pages", "int8-pages"])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_rope_write_into_pages_of_another_dtype_is_kv_pages_encode(each_level, kv_dtype, head_dim):
+    """Into bf16 or int8 pages the kernel writes what the torch path's write does (kv_pages.encode: bf16 rounded to
+    nearest even, int8 codes and scale), bit for bit, so both paths hold the same pages; q is the same."""
+    heads, kv_heads, tokens = 6, 2, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=_gen()) * 3
+    qkv[0, (heads + kv_heads) * head_dim :] = 0.0  # a value row of zeros: scale 0, codes 0
+    cos_all, sin_all = rope_table(Rope(RopeKind.DEFAULT, 10000.0), head_dim, 64, 64, "cpu", torch.float32)
+    positions = torch.tensor([3, 17, 0, 40, 63])
+    cos, sin = cos_all[positions], sin_all[positions]
+    slots = torch.tensor([5, 60, 17, 33, 2])
+    k32, v32 = torch.zeros(2, 4, 16, kv_heads, head_dim)
+    q32 = qmm.rope_write(qkv, cos, sin, slots, k32, v32, heads, kv_heads)
+    shape = (4, 16, kv_heads, kv_pages.row_width(head_dim, kv_dtype))
+    k_pages, v_pages = torch.zeros(2, *shape, dtype=kv_dtype)
+    q = qmm.rope_write(qkv, cos, sin, slots, k_pages, v_pages, heads, kv_heads)
+    assert torch.equal(q, q32)
+    for pages, floats in ((k_pages, k32), (v_pages, v32)):
+        assert torch.equal(pages, kv_pages.encode(floats, kv_dtype))
 
 
 def test_the_ops_refuse_what_they_cannot_read(kernels):

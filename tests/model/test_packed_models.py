@@ -77,6 +77,27 @@ def test_every_type_on_every_level_matches_transformers(tiny_of_type, level, ker
         assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=NEAR_TIE_PACKED)
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_0(tmp_path_factory):
+    return tiny_gguf_model(tmp_path_factory.mktemp("tiny-pages"), "Q4_0")
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_pages_of_every_dtype_under_the_fused_float32_step(tiny_q4_0, kv, level, kernels, monkeypatch, tmp_path):
+    """float32 activations on packed weights write the pages in the rotary kernel and read them in the decode
+    kernel (one fused call a layer): bf16 and int8 pages there too, on every level; transformers' tokens up to the
+    packed weights' near-ties."""
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
+    kernels(level)
+    folder, _, ref, expected = tiny_q4_0
+    engine, outs = generate(folder, dtype="float32", kv_cache_dtype=kv)
+    assert engine.model.native_steps and engine.runner.kv_cache.dtype == getattr(torch, kv)
+    engine.shutdown()
+    for prompt, out, want in zip(PROMPTS, outs, expected):
+        assert_same_greedy(ref, prompt, out.token_ids, want, near_tie=NEAR_TIE_PACKED)
+
+
 def test_bf16_activations_on_packed_weights(tiny_of_type, monkeypatch, tmp_path):
     """bf16 (a CPU with native bf16: half the KV cache): every type on the blocks where pagedchat's kernels are
     built (faster there than torch's int4 kernel, docs/bench.md#one-kernel-library), else the types torch's int4

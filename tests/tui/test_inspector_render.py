@@ -54,6 +54,12 @@ def test_summary_shows_weights_and_the_cpu_tier_when_known():
     assert "CPU tier    3 / 8  2 swapped · 1 cached" in text
 
 
+def test_summary_shows_the_pages_dtype_and_bytes_a_token_when_known():
+    text = render_summary(snap(kv_dtype="int8", kv_token_bytes=12_240)).plain
+    assert "holds       int8  12,240 B a token" in text
+    assert "holds" not in render_summary(snap()).plain  # an older server's snapshot says nothing of it
+
+
 def test_map_has_one_glyph_per_page_and_colours_owners():
     content = render_map(snap(), [A, B, IDLE], width=40)
     lines = content.plain.splitlines()

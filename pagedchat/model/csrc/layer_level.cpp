@@ -45,10 +45,33 @@ inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
   __builtin_memcpy(&h, p, sizeof h);
   return reinterpret_cast<f8>(__builtin_convertvector(h, u8) << 16);
 }
+typedef int8_t c8 __attribute__((vector_size(8)));
+inline f8 load(const int8_t* p) {  // int8 codes, as floats (exactly)
+  c8 c;
+  __builtin_memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, f8);
+}
 inline void store(float* p, f8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 inline float value(const float* p, int64_t i) { return p[i]; }
 inline float value(const uint16_t* p, int64_t i) { return __builtin_bit_cast(float, uint32_t(p[i]) << 16); }
+inline float value(const int8_t* p, int64_t i) { return float(p[i]); }
+
+// A page element type's rows (kernels/kv_pages.py): an int8 row's codes are followed by the scale they are
+// multiplied by; float32 and bfloat16 rows are the values themselves.
+template <typename E>
+constexpr bool scaled = false;
+template <>
+constexpr bool scaled<int8_t> = true;
+template <typename E>
+constexpr int64_t width(int64_t d) {  // elements from one row to the next
+  return scaled<E> ? d + PAGE_SCALE_BYTES : d;
+}
+inline float row_scale(const int8_t* row, int64_t d) {
+  float s;
+  __builtin_memcpy(&s, row + d, sizeof s);
+  return s;
+}
 
 // The lanes' sum, always in this order.
 inline float sum(f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
@@ -65,6 +88,7 @@ inline float dot(const float* q, const E* k, int64_t d) {
   for (; i + LANES <= d; i += LANES) acc = fma8(load(q + i), load(k + i), acc);
   float s = sum(acc);
   for (; i < d; ++i) s += q[i] * value(k, i);
+  if constexpr (scaled<E>) s *= row_scale(k, d);
   return s;
 }
 
@@ -101,6 +125,8 @@ __attribute__((always_inline)) inline void dot8(const float* q, const E* k, int6
   store(r, sums8(acc));
   for (; i < d; ++i)
     for (int j = 0; j < 8; ++j) r[j] += q[i] * value(k + j * row, i);
+  if constexpr (scaled<E>)
+    for (int j = 0; j < 8; ++j) r[j] *= row_scale(k + j * row, d);
   for (int j = 0; j < 8; ++j) s[j] = r[j] * scale;
 }
 
@@ -140,8 +166,8 @@ struct Chunk {
 // pages lie anywhere in the pool, where the hardware's prefetchers cannot guess them.
 template <typename E, typename Fn>
 inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn) {
-  const int64_t bs = a.block_size, row = a.kv_heads * a.head_dim;
-  const int64_t lines = (a.head_dim * int64_t(sizeof(E)) + 63) / 64;
+  const int64_t bs = a.block_size, w = width<E>(a.head_dim), row = a.kv_heads * w;
+  const int64_t lines = (w * int64_t(sizeof(E)) + 63) / 64;
   int64_t pages = 0;
   for (int64_t b = c.b0; b < c.b1; ++b) {
     const int64_t n = (a.context_lens[b] + bs - 1) / bs;
@@ -155,7 +181,7 @@ inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn
       const int64_t page = a.block_tables[b * a.table_stride + p + 1];
       if (page == fetched) continue;
       fetched = page;
-      const char* next = reinterpret_cast<const char*>(ahead + (page * bs * row + c.h * a.head_dim));
+      const char* next = reinterpret_cast<const char*>(ahead + (page * bs * row + c.h * w));
       for (int64_t t = 0; t < bs; ++t)
         for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + t * row * int64_t(sizeof(E)) + 64 * l);
     }
@@ -163,7 +189,7 @@ inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn
       const int64_t len = a.context_lens[b], first = first_key(len, a.window);
       if (p < first / bs || p * bs >= len) continue;
       const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
-      fn(b, int64_t(a.block_tables[b * a.table_stride + p]) * bs * row + c.h * a.head_dim, t0, t1,
+      fn(b, int64_t(a.block_tables[b * a.table_stride + p]) * bs * row + c.h * w, t0, t1,
          p * bs + t0 - first);
     }
   }
@@ -189,7 +215,7 @@ inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scr
 template <int V, typename E>
 __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
                                                         const E* v, int64_t i) {
-  const int64_t row = a.kv_heads * a.head_dim;
+  const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
   for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
     for (int64_t e = 0; e < g.size; ++e) {
@@ -199,7 +225,9 @@ __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, co
       for (int j = 0; j < V; ++j) o[j] = load(oe + j * LANES);
       for (int64_t t = t0; t < t1; ++t) {
         const E* vt = v + base + i + t * row;
-        const f8 wt = splat(we[t]);
+        float weight = we[t];
+        if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
+        const f8 wt = splat(weight);
         for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
       }
       for (int j = 0; j < V; ++j) store(oe + j * LANES, o[j]);
@@ -209,7 +237,7 @@ __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, co
 
 template <typename E>
 inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, const E* v) {
-  const int64_t d = a.head_dim, row = a.kv_heads * d;
+  const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
   for (int64_t b = c.b0; b < c.b1; ++b) {  // the sums start at 0, and are held in out between the pages
     const Group g = group_of(a, c, b, scratch);
     for (int64_t l = 0; l < g.size * d; ++l) a.out[g.first * d + l] = 0.f;
@@ -222,7 +250,11 @@ inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, cons
       const Group g = group_of(a, c, b, scratch);
       for (int64_t e = 0; e < g.size; ++e) {
         float o = a.out[(g.first + e) * d + i];
-        for (int64_t t = t0; t < t1; ++t) o += g.scratch[e * g.stride + at + t - t0] * value(v + base + t * row, i);
+        for (int64_t t = t0; t < t1; ++t) {
+          float weight = g.scratch[e * g.stride + at + t - t0];
+          if constexpr (scaled<E>) weight *= row_scale(v + base + t * row, d);
+          o += weight * value(v + base + t * row, i);
+        }
         a.out[(g.first + e) * d + i] = o;
       }
     });
@@ -235,7 +267,7 @@ inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, cons
 // scratch: attend_scratch(a) floats per sequence of the chunk.
 template <typename E>
 void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
-  const int64_t d = a.head_dim, row = a.kv_heads * d;
+  const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
   const E* keys = static_cast<const E*>(a.k);
   const E* values = static_cast<const E*>(a.v);
   for_pages(a, c, keys, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
@@ -365,6 +397,51 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // n == 0
 }
 
+// A row of d floats as pages of E hold it, at out (kernels/kv_pages.py's encode, bit for bit): bfloat16 rounded to
+// nearest even (a NaN kept a NaN), as torch converts; int8 symmetric, codes round(x / scale) with scale = max |x|
+// / 127 (any positive divisor for a row of zeros, whose codes are 0), then the scale.
+inline void put(const float* x, int64_t d, float* out) { __builtin_memcpy(out, x, d * sizeof(float)); }
+inline void put(const float* x, int64_t d, uint16_t* out) {
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, x[i]);
+    out[i] = x[i] != x[i] ? uint16_t(0x7fc0) : uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+  }
+}
+inline void put(const float* x, int64_t d, int8_t* out) {
+  float most = 0.f;
+  for (int64_t i = 0; i < d; ++i) most = __builtin_fabsf(x[i]) > most ? __builtin_fabsf(x[i]) : most;
+  const float scale = most / 127.f, divisor = scale > __FLT_MIN__ ? scale : __FLT_MIN__;
+  for (int64_t i = 0; i < d; ++i) {
+    const float code = __builtin_rintf(x[i] / divisor);
+    out[i] = int8_t(code > 127.f ? 127.f : code < -127.f ? -127.f : code);
+  }
+  __builtin_memcpy(out + d, &scale, sizeof scale);
+}
+
+// Float32 pages take the turned key and the value in place; the others through a row of floats, then put.
+template <typename E>
+void rope_write_rows(const RopeArgs& a, int64_t t0, int64_t t1) {
+  const int64_t d = a.head_dim, heads = a.heads, kv = a.kv_heads, width_qkv = (heads + 2 * kv) * d;
+  const int64_t w = width<E>(d);
+  float turned[MAX_ENCODED_DIM];
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* row = a.qkv + t * width_qkv;
+    const float *cos = a.cos + t * a.rot, *sin = a.sin + t * a.rot;
+    E* k = static_cast<E*>(a.k_cache) + a.slots[t] * kv * w;
+    E* v = static_cast<E*>(a.v_cache) + a.slots[t] * kv * w;
+    for (int64_t h = 0; h < heads; ++h) turn(row + h * d, cos, sin, a.rot, d, a.q + (t * heads + h) * d);
+    for (int64_t h = 0; h < kv; ++h) {
+      if constexpr (sizeof(E) == sizeof(float)) {
+        turn(row + (heads + h) * d, cos, sin, a.rot, d, k + h * w);
+      } else {
+        turn(row + (heads + h) * d, cos, sin, a.rot, d, turned);
+        put(turned, d, k + h * w);
+      }
+    }
+    for (int64_t h = 0; h < kv; ++h) put(row + (heads + kv + h) * d, d, v + h * w);
+  }
+}
+
 }  // namespace
 
 void QMM_LOCAL(argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out) {
@@ -380,24 +457,22 @@ void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1
 }
 
 void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
-  const int64_t d = a.head_dim, heads = a.heads, kv = a.kv_heads, width = (heads + 2 * kv) * d;
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* row = a.qkv + t * width;
-    const float *cos = a.cos + t * a.rot, *sin = a.sin + t * a.rot;
-    float* k = a.k_cache + a.slots[t] * kv * d;
-    float* v = a.v_cache + a.slots[t] * kv * d;
-    for (int64_t h = 0; h < heads; ++h) turn(row + h * d, cos, sin, a.rot, d, a.q + (t * heads + h) * d);
-    for (int64_t h = 0; h < kv; ++h) turn(row + (heads + h) * d, cos, sin, a.rot, d, k + h * d);
-    for (int64_t i = 0; i < kv * d; ++i) v[i] = row[(heads + kv) * d + i];
-  }
+  if (a.page == PAGE_BF16)
+    rope_write_rows<uint16_t>(a, t0, t1);
+  else if (a.page == PAGE_INT8)
+    rope_write_rows<int8_t>(a, t0, t1);
+  else
+    rope_write_rows<float>(a, t0, t1);
 }
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   for (int64_t u = unit0; u < unit1; ++u) {
     const int64_t b0 = u / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
     const Chunk c{b0, b1, u % a.kv_heads};
-    if (a.bf16)
+    if (a.page == PAGE_BF16)
       attend_unit<uint16_t>(a, c, scratch);
+    else if (a.page == PAGE_INT8)
+      attend_unit<int8_t>(a, c, scratch);
     else
       attend_unit<float>(a, c, scratch);
   }

@@ -72,13 +72,20 @@ struct Activations {
   int64_t k, m;
 };
 
+// The KV pages' element types (kernels/kv_pages.py). An int8 row of a token's KV head is head_dim codes, then its
+// float32 scale's 4 bytes.
+enum PageType : int { PAGE_F32 = 0, PAGE_BF16 = 1, PAGE_INT8 = 2 };
+constexpr int64_t PAGE_SCALE_BYTES = 4;
+// The widest head whose keys rope_write turns into pages other than float32's (through a row on the stack).
+constexpr int64_t MAX_ENCODED_DIM = 1024;
+
 // One decode step's attention over paged K/V (layer_level.cpp): q [batch][heads][head_dim] float32, the caches
-// [pages][block_size][kv_heads][head_dim] float32 or bfloat16, out like q.
+// [pages][block_size][kv_heads][row] of PageType page (row: head_dim, and an int8 row's scale), out like q.
 struct AttendArgs {
   const float* q;
   const void* k;
   const void* v;
-  bool bf16;
+  int page;  // PageType
   const int32_t* block_tables;  // [batch][table_stride]
   int64_t table_stride;
   const int32_t* context_lens;  // [batch]: the keys each sequence attends to, its new one included
@@ -98,8 +105,9 @@ struct RopeArgs {
   const float* sin;
   int64_t rot;          // the rotary dims: the leading rot of each head turn, the rest are copied
   const int64_t* slots; // [tokens]: page * block_size + offset
-  float* k_cache;       // [slots][kv_heads][head_dim]
-  float* v_cache;
+  void* k_cache;        // [slots][kv_heads][row] of PageType page, as AttendArgs' caches
+  void* v_cache;
+  int page;             // PageType
   int64_t heads, kv_heads, head_dim;
   float* q;             // [tokens][heads][head_dim], turned
 };

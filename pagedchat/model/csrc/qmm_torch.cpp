@@ -395,19 +395,29 @@ int64_t check_pages(const at::Tensor& tables, const at::Tensor& lens, int64_t pa
   return most;
 }
 
+// The PageType of caches [..., kv_heads, row] for heads of d: float32 or bfloat16 rows of d, or int8 rows of d codes
+// and their scale (kernels/kv_pages.py), both caches alike and contiguous.
+qmm::PageType page_type(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d) {
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(type == v_cache.scalar_type() && (type == at::kFloat || type == at::kBFloat16 || type == at::kChar) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous float32, bfloat16 or int8, both alike");
+  const auto page = type == at::kChar ? qmm::PAGE_INT8 : type == at::kBFloat16 ? qmm::PAGE_BF16 : qmm::PAGE_F32;
+  TORCH_CHECK(k_cache.size(-1) == d + (page == qmm::PAGE_INT8 ? qmm::PAGE_SCALE_BYTES : 0),
+              "the caches' rows do not match q's heads of ", d);
+  return page;
+}
+
 // One decode step's attention straight from the pages (layer_level.cpp): q [batch, heads, head_dim], the caches
-// [pages, block_size, kv_heads, head_dim] in float32 or bfloat16, each sequence's block table and context length.
+// [pages, block_size, kv_heads, row] (page_type), each sequence's block table and context length.
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
                   int64_t level) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q must be [batch, heads, head_dim] and the caches [pages, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "the caches must be contiguous float32 or bfloat16, both alike");
   const int64_t batch = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && kv_heads > 0 && heads % kv_heads == 0, "q's heads do not match the caches'");
+  const qmm::PageType page = page_type(k_cache, v_cache, d);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "q's heads do not match the caches'");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == batch &&
                   context_lens.scalar_type() == at::kInt && context_lens.numel() == batch,
               "block_tables must be int32 [batch, pages] and context_lens int32 [batch]");
@@ -423,7 +433,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const int64_t chunks = std::min<int64_t>(batch, (2 * threads + kv_heads - 1) / kv_heads);
   const int64_t chunk = std::min<int64_t>(16, (batch + chunks - 1) / chunks);
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.scalar_type() == at::kBFloat16, tables.data_ptr<int32_t>(), tables.size(1),
+                             page, tables.data_ptr<int32_t>(), tables.size(1),
                              lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
                              out.data_ptr<float>(), max_keys, batch, chunk};
   const qmm::Level& lv = level_at(level);
@@ -492,21 +502,25 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  const int64_t t = qkv.size(0), d = k_cache.size(-1);
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv must be [tokens, (heads + 2 kv_heads) * head_dim]");
+  const int64_t t = qkv.size(0);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "qkv must be [tokens, (heads + 2 kv_heads) * head_dim]");
+  const int64_t d = qkv.size(1) / (heads + 2 * kv_heads);
+  const qmm::PageType page = page_type(k_cache, v_cache, d);
+  TORCH_CHECK(page == qmm::PAGE_F32 || d <= qmm::MAX_ENCODED_DIM, "heads of ", d, " dims are wider than ",
+              qmm::MAX_ENCODED_DIM, ", the widest written into bfloat16 or int8 pages");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == t && cos.size(1) <= d && cos.size(1) % 2 == 0,
               "cos and sin must be [tokens, rotary dims]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t,
               "slots must be int64 [tokens]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.size(-2) == kv_heads,
-              "the caches must be contiguous float32 [..., kv_heads, head_dim]");
-  const int64_t capacity = k_cache.numel() / (kv_heads * d), *slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(-2) == kv_heads,
+              "the caches must be [..., kv_heads, row], both alike");
+  const int64_t capacity = k_cache.numel() / (kv_heads * k_cache.size(-1)), *slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "slot ", slot[i], " lies outside a cache of ", capacity);
   auto q = at::empty({t, heads, d}, qkv.options());
   const qmm::RopeArgs args{qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(1),
-                           slots.data_ptr<int64_t>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                           slots.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(), page,
                            heads, kv_heads, d, q.data_ptr<float>()};
   const qmm::Level& lv = level_at(level);
   // A few rows a task: a row's key and value go to a page anywhere in the pool, and those stores, not the
