@@ -35,6 +35,7 @@ class Row:
     token_ids: Sequence[int] = ()   # prompt then output: the repetition penalty reads both
     num_prompt_tokens: int = 0
     matcher: object | None = None   # llguidance.LLMatcher when the reply is constrained
+    draft: int | None = None        # the draft token proposed at this position, which the row verifies
 
     @property
     def output_ids(self) -> Sequence[int]:
@@ -79,7 +80,7 @@ class Sampler:
             try:
                 if i in failed:
                     raise failed[i]
-                token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator)
+                token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator, row.draft)
                 sampled = self._result(logits[i], row, token)
                 if after_row is not None:
                     after_row(i)
@@ -154,7 +155,21 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draft: int | None) -> int:
+    """A token from the row's distribution. With a draft token d (a point mass), speculative sampling's rule: keep
+    d with probability p(d), else sample from p without d; the token is then distributed as p exactly."""
+    probs = _probs(logits, p)
+    if gen is not None and gen.device != probs.device:
+        probs = probs.cpu()
+    if draft is not None:
+        if torch.rand((), generator=gen, device=probs.device) < probs[draft]:
+            return draft
+        probs = probs.clone()
+        probs[draft] = 0.0
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -167,7 +182,4 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         drop[0] = False
         logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
-    if gen is not None and gen.device != probs.device:
-        probs = probs.cpu()
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return logits.softmax(-1)
