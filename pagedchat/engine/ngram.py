@@ -10,6 +10,10 @@ No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedchat.engine.sequence import Sequence
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Speculation:
     def active(self, running: int) -> bool:
         return self.mode == "ngram" or (self.mode == "auto" and running <= AUTO_MAX_RUNNING)
 
-    def room(self, seq) -> int:
+    def room(self, seq: Sequence) -> int:
         """The most draft tokens seq takes now: its adaptive length, and no token past max_tokens or the
         context; 0 for a row whose logits depend on more than the model (processors, a grammar) or that
         reports log-probabilities, for which the sampler verifies nothing."""
@@ -77,14 +81,14 @@ class Speculation:
         left = min(p.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens), self.max_context - len(seq.token_ids))
         return max(0, min(self.k if seq.draft_len is None else seq.draft_len, left - 1))
 
-    def draft(self, seq, k: int) -> list[int]:
+    def draft(self, seq: Sequence, k: int) -> list[int]:
         if k <= 0:
             return []
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.n_min, self.n_max)
         return seq.ngrams.propose(seq.token_ids, k)
 
-    def settle(self, seq, drafted: int, accepted: int) -> None:
+    def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verification: the next draft as long as this one's accepted run and one more (twice as long
         when all of it was taken), so a sequence whose text stops matching wastes little."""
         seq.draft_len = min(self.k, 2 * drafted if accepted == drafted else accepted + 1)

@@ -60,7 +60,7 @@ class Sequence:
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
     # Speculative decoding (engine/ngram.py): the drafter's index of its tokens, its next draft's length, and
     # the draft tokens it verified and kept.
-    ngrams: object | None = None
+    ngrams: object | None = None         # an engine/ngram.py NgramIndex, made at its first draft
     draft_len: int | None = None
     drafted: int = 0
     accepted: int = 0
