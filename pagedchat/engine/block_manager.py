@@ -215,9 +215,10 @@ class BlockManager:
         shared_tail = offset != 0 and self.pool.pages[table[idx]].ref > 1
         return max(0, self.pages_for(seq.num_computed + n) - len(table)), shared_tail
 
-    def can_write(self, seq: Sequence, n: int) -> bool:
+    def can_write(self, seq: Sequence, n: int, spare: int = 0) -> bool:
+        """Whether the pool has the pages seq's next n tokens take, and spare pages more."""
         grow, shared_tail = self._write_needs(seq, n)
-        return grow + shared_tail <= self.pool.num_available()
+        return grow + shared_tail + spare <= self.pool.num_available()
 
     def prepare_write(self, seq: Sequence, n: int) -> bool:
         """Make room for seq's next n tokens: new pages past its end, and a private copy of a shared page

@@ -60,9 +60,9 @@ class PageGroups:
             group.prepare_write(seq, n)
         return True
 
-    def can_write(self, seq: Sequence, n: int) -> bool:
-        """Whether every group has room for seq's next n tokens without preempting anything."""
-        return all(group.can_write(seq, n) for group in self.groups)
+    def can_write(self, seq: Sequence, n: int, spare: int = 0) -> bool:
+        """Whether every group has room for seq's next n tokens, and spare pages more, without preempting."""
+        return all(group.can_write(seq, n, spare) for group in self.groups)
 
     def roll_back(self, seq: Sequence) -> None:
         """Every group gives back the pages past seq's computed tokens (rejected draft tokens')."""

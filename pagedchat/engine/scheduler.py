@@ -16,7 +16,7 @@ A preempted sequence is swapped to the CPU tier, or dropped for recompute when t
 Speculative decoding (engine/ngram.py): a decoding sequence whose own text proposes a draft computes its next
 token and the draft's k in one chunk, each position sampled; the core keeps the draft's prefix the model agrees
 with and rolls back the pages of the rest. Drafts come out of the prefill budget, and never preempt: a draft
-that finds no free page is dropped for that step.
+is dropped for that step unless the pool keeps two free pages for every running sequence beside it.
 
 The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
 queues and sets the status with the move, the end included (finish). Everything else only reads it.
@@ -135,7 +135,9 @@ class Scheduler:
         or () where it has none or the pool has no free page for it."""
         spec = self.speculation
         draft = spec.draft(seq, min(budget, spec.room(seq)))
-        if not draft or not self.block_manager.can_write(seq, 1 + len(draft)):
+        # Two pages kept free for each running sequence (a new page and a copy-on-write): a draft never takes
+        # the pages that another's own token needs, which would preempt it.
+        if not draft or not self.block_manager.can_write(seq, 1 + len(draft), 2 * len(self.running)):
             return ()
         self.block_manager.prepare_write(seq, 1 + len(draft))
         return tuple(draft)

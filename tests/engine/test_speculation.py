@@ -55,10 +55,6 @@ def test_a_kept_draft_advances_several_tokens_in_one_step():
 
 
 def test_rejected_drafts_pages_return_and_no_hash_covers_them():
-    class Wrong(Speculation):  # always a draft, always wrong: a page past the sequence's end each step
-        def draft(self, seq, k):
-            return [999] * k
-
     eng = FakeEngine(num_pages=12, cpu_pages=0, budget=16, block_size=4, speculation=Wrong("ngram", k=8))
     rid = eng.add(toks(8), 20)  # two full pages; the first draft of 8 reaches two pages past the third
     for _ in range(4):
@@ -72,6 +68,23 @@ def test_rejected_drafts_pages_return_and_no_hash_covers_them():
     assert counters.drafted == 8 + 1 + 1, "after a rejection the next draft is one token"
     eng.drain()
     assert eng.ended[rid].token_ids == isolated(toks(8), 20)
+
+
+class Wrong(Speculation):
+    """Always a draft, always wrong: pages past the sequence's end every step, all rolled back."""
+
+    def draft(self, seq, k):
+        return [999] * k
+
+
+def test_a_draft_never_takes_the_page_another_sequences_token_needs():
+    # 4 + 1 pages at the two replies' ends: the whole pool, which a draft of 8 past the first would take.
+    eng = FakeEngine(num_pages=5, cpu_pages=0, budget=16, block_size=4, speculation=Wrong("ngram", k=8))
+    a, b = eng.add(toks(4), 10), eng.add(toks(4, 1), 2)
+    eng.drain()
+    counters = eng.bm.counters
+    assert counters.swap_outs == counters.recomputes == 0, "a draft's pages preempted a sequence"
+    assert eng.ended[a].token_ids == isolated(toks(4), 10) and eng.ended[b].token_ids == isolated(toks(4, 1), 2)
 
 
 def test_a_draft_never_runs_past_max_tokens_or_the_context():
