@@ -24,6 +24,7 @@ __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 log = logging.getLogger("pagedchat.engine")
 
 BIAS_CACHE = 256   # requests' logit_bias tensors kept: more than a batch runs at once
+NOT_SAMPLED = -1   # the token of a row after a refused draft token, which the engine discards
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Row:
 @dataclass
 class Sampler:
     """Picks one token per row of logits. Greedy rows take argmax; others sample with their own generator.
+    A row verifying a draft token d samples as any row, and d is kept if it is the token drawn: kept with
+    probability p(d), and else the token is drawn from p without d, speculative sampling's rule for a draft that
+    proposes d with certainty. The sequence's rows after a refused one draw nothing, so a seeded request draws
+    the same numbers, and picks the same tokens, with speculation as without.
     A row whose processing or sampling raises gets its exception in place of a token, so that it fails its own
     request alone; after_row (the engine's fault hook) runs as each row ends, inside that row's guard.
     end_ids: the model's end-of-sequence ids, which min_tokens holds back."""
@@ -75,13 +80,19 @@ class Sampler:
                     failed.update(dict.fromkeys(constrained, exc))
         picks = qmm.argmax_rows(logits).tolist()
         out: list[Sampled | Exception] = []
+        refused = None  # the generator of the sequence whose draft the last row refused
         for i, row in enumerate(rows):
             sampled: Sampled | Exception
+            if row.generator is not None and row.generator is refused:
+                out.append(Sampled(NOT_SAMPLED))  # after a refused draft token: discarded, so nothing is drawn
+                continue
             try:
                 if i in failed:
                     raise failed[i]
-                token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator, row.draft)
+                token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator)
                 sampled = self._result(logits[i], row, token)
+                if row.draft is not None and token != row.draft:
+                    refused = row.generator
                 if after_row is not None:
                     after_row(i)
             except Exception as exc:
@@ -155,21 +166,7 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, draft: int | None) -> int:
-    """A token from the row's distribution. With a draft token d (a point mass), speculative sampling's rule: keep
-    d with probability p(d), else sample from p without d; the token is then distributed as p exactly."""
-    probs = _probs(logits, p)
-    if gen is not None and gen.device != probs.device:
-        probs = probs.cpu()
-    if draft is not None:
-        if torch.rand((), generator=gen, device=probs.device) < probs[draft]:
-            return draft
-        probs = probs.clone()
-        probs[draft] = 0.0
-    return int(torch.multinomial(probs, 1, generator=gen).item())
-
-
-def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -182,4 +179,7 @@ def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         drop[0] = False
         logits = logits.scatter(0, order[drop], float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if gen is not None and gen.device != probs.device:
+        probs = probs.cpu()
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -20,7 +20,7 @@ from fake_engine import FakeEngine, isolated, toks
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.ngram import Speculation
 from pagedchat.engine.records import NULL_PAGE
-from pagedchat.engine.sampling import Row, Sampler
+from pagedchat.engine.sampling import NOT_SAMPLED, Row, Sampler
 from pagedchat.engine.sequence import Sequence
 from test_engine_core import OPS, Faults, run_random_operations
 
@@ -167,14 +167,20 @@ def test_greedy_tokens_with_speculation_equal_those_without_and_transformers(tin
         assert_same_greedy(tiny_llama_ref, prompt, out, hf_greedy(tiny_llama_ref, prompt, 80, NO_EOS))
 
 
-def test_seeded_sampling_with_speculation_repeats(tiny_llama):
-    engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", speculative="ngram")
+def test_seeded_sampling_gives_the_same_tokens_with_speculation_as_without(tiny_llama, monkeypatch):
+    """A sampled row keeps its draft token when it is the token drawn, and the rows after a refusal draw nothing:
+    the generator's numbers, and so the tokens, are those of one token a step (where the logits are)."""
+    monkeypatch.setenv("PAGEDCHAT_ATTENTION", "torch")
     prompt = [5, 6, 7, 8] * 10
     params = SamplingParams(max_tokens=40, temperature=0.05, seed=7, ignore_eos=True)  # repeats itself: drafts
-    first, second = (engine.generate([prompt], params)[0].token_ids for _ in range(2))
-    assert first == second and len(first) == 40
-    assert engine.memory().counters.drafted > 0
-    engine.shutdown()
+    outs = {}
+    for mode in ("off", "ngram"):
+        engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", speculative=mode)
+        outs[mode] = [engine.generate([prompt], params)[0].token_ids for _ in range(2)]
+        drafted = engine.memory().counters.drafted
+        engine.shutdown()
+    assert outs["ngram"][0] == outs["ngram"][1] == outs["off"][0] and len(outs["off"][0]) == 40
+    assert drafted > 0
 
 
 def test_rows_with_logprobs_or_processors_are_not_drafted(tiny_llama):
@@ -209,3 +215,16 @@ def test_a_sampled_rows_verification_keeps_its_distribution(draft):
         counts[picked.token] += 1
     want = logits[0].softmax(-1)
     assert torch.allclose(counts / n, want, atol=0.02), (counts / n, want)
+
+
+def test_the_rows_after_a_refused_draft_token_draw_nothing():
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0]])  # the rows all but certainly pick 1, then 2
+    params = SamplingParams(temperature=1.0)
+    gen, alone = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    kept = Sampler()(logits, [Row(params, gen, draft=1), Row(params, gen)])
+    assert [s.token for s in kept] == [1, 2]
+    refused = Sampler()(logits, [Row(params, gen, draft=0), Row(params, gen)])
+    assert refused[0].token == 1 and refused[1].token == NOT_SAMPLED
+    Sampler()(logits[:1], [Row(params, alone)])
+    Sampler()(logits, [Row(params, alone), Row(params, alone)])
+    assert torch.equal(gen.get_state(), alone.get_state()), "three draws, as one token a step would make"
