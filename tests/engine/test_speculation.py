@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from fake_engine import FakeEngine, isolated, toks
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.ngram import Speculation
-from pagedchat.engine.records import NULL_PAGE
 from pagedchat.engine.sampling import NOT_SAMPLED, Row, Sampler
 from pagedchat.engine.sequence import Sequence
 from test_engine_core import OPS, Faults, run_random_operations
