@@ -36,7 +36,7 @@ settings: config.toml in the user config dir (see README); flags override it.
 
 ASK_MAX_TOKENS = 512
 ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "kv_cache_dtype", "threads", "quantize",
-                "max_seqs")
+                "max_seqs", "speculative")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
@@ -62,6 +62,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
     p.add_argument("--max-num-seqs", dest="max_seqs", type=positive_int, metavar="N", default=default,
                    help="sequences in one batch at most; a request's n replies count as n, and each request keeps "
                    "a fair share (default: 64)")
+    p.add_argument("--speculative", choices=("auto", "ngram", "off"), default=default,
+                   help="draft tokens from the chat's own text and verify them in one step (docs/speculative.md); "
+                   "auto: while few chats run (default), ngram: always, off: never")
     p.add_argument("--quantize", choices=("int4", "int8"), default=default,
                    help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
                    "files keep their own quantization without it")

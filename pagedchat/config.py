@@ -11,6 +11,7 @@ Example `config.toml` (every key optional):
     kv_cache_dtype = "int8"                          # the KV pages': auto (bfloat16), float32, bfloat16, int8
     threads = 2                                      # torch threads on the CPU; default: adapts to the load
     max_seqs = 64                                    # sequences in one batch (--max-num-seqs)
+    speculative = "auto"                             # drafts from the chat's own text: auto, ngram or off
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
     server = "http://127.0.0.1:8000/v1"              # an OpenAI-compatible server instead of the local engine
@@ -47,6 +48,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from pagedchat.argtypes import KV_CACHE_DTYPES
+from pagedchat.engine.ngram import parse_speculative
 from pagedchat.engine.params import CHAT_FIELDS, SamplingSettings, fields_problem
 from pagedchat.errors import PagedChatError
 from pagedchat.paths import config_dir, data_dir
@@ -79,6 +81,7 @@ class EngineOptions:
     threads: int | None = None               # torch threads on the CPU; None: the engine's governor
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
     max_seqs: int = 64                       # sequences in one batch (serve's --max-num-seqs, vLLM's name)
+    speculative: str = "auto"                # n-gram drafts from the chat's own text: auto, ngram or off
 
     def kwargs(self) -> dict:
         """Engine's keyword arguments (plain values: they also cross to the engine process)."""
@@ -133,7 +136,7 @@ class AppConfig:
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
         "device": (str,), "dtype": (str,), "kv_cache_dtype": (str,), "threads": (int,), "quantize": (str,),
-        "max_seqs": (int,),
+        "max_seqs": (int,), "speculative": (str,),
         "system_prompt": (str,), "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
 # [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is left out).
@@ -177,6 +180,11 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     if out.get("kv_cache_dtype", "auto").lower() not in KV_CACHE_DTYPES:
         raise ConfigError(f"{source}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
                           f"{out['kv_cache_dtype']!r}")
+    if "speculative" in out:
+        try:
+            out["speculative"] = parse_speculative(out["speculative"])
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     if keys:
         out["keys"] = dict(keys)
     return out

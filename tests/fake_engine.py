@@ -12,6 +12,7 @@ from __future__ import annotations
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
+from pagedchat.engine.ngram import Speculation
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.sampling import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
@@ -59,18 +60,19 @@ class PageContents:
             for s in range(bs):
                 self.gpu[dst, s] = self.gpu.get((src, s))
 
-    def write(self, seq: Sequence, start: int, end: int) -> None:
+    def write(self, seq: Sequence, start: int, end: int, history: list[int] | None = None) -> None:
+        """history: the tokens up to end, where they run past seq's own (a draft's)."""
         bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
+        keys = self.keys((history or seq.token_ids)[:end])
         table = seq.table(self.bm.group).block_table
         for pos in range(start, end):
             self.gpu[table[pos // bs], pos % bs] = keys[pos]
 
-    def check(self, seq: Sequence, end: int, start: int = 0) -> None:
+    def check(self, seq: Sequence, end: int, start: int = 0, history: list[int] | None = None) -> None:
         """Attention of positions [start, end) of seq reads exactly seq's history: all of it before end, or in
         a window group, what the first query's window reaches."""
         bs = self.bm.block_size
-        keys = self.keys(seq.token_ids[:end])
+        keys = self.keys((history or seq.token_ids)[:end])
         table = seq.table(self.bm.group).block_table
         window = self.bm.window
         for pos in range(0 if window is None else max(0, start - window + 1), end):
@@ -147,7 +149,7 @@ class FakeModel:
         for item in plan.scheduled:  # every layer writes its K/V before attention reads them
             s = item.seq
             for sim in self.sims:
-                sim.write(s, s.num_computed, s.num_computed + item.num_tokens)
+                sim.write(s, s.num_computed, s.num_computed + item.num_tokens, history(item))
         for sim in self.sims:
             bs, group = sim.bm.block_size, sim.bm.group
             pages_written = [p for item in plan.scheduled
@@ -158,10 +160,20 @@ class FakeModel:
         for item in plan.scheduled:
             s = item.seq
             for sim in self.sims:
-                sim.check(s, s.num_computed + item.num_tokens, s.num_computed)
+                sim.check(s, s.num_computed + item.num_tokens, s.num_computed, history(item))
 
     def sample(self, plan, logits) -> list[int]:
-        return [next_token(self.sims[0].keys(i.seq.token_ids)[-1]) for i in plan.scheduled if i.samples]
+        """The next token after each sampled position: a draft's chunk samples each of its last 1 + k."""
+        out = []
+        for item in plan.scheduled:
+            keys = self.sims[0].keys(history(item))
+            out += [next_token(key) for key in keys[len(keys) - item.rows:]]
+        return out
+
+
+def history(item) -> list[int]:
+    """The tokens a scheduled chunk's positions see: the sequence's computed ones, then the chunk's."""
+    return item.seq.token_ids[:item.seq.num_computed] + item.token_ids
 
 
 class FakeEngine:
@@ -169,7 +181,7 @@ class FakeEngine:
 
     def __init__(self, num_pages: int, cpu_pages: int, budget: int, max_seqs: int = 8, block_size: int = 4,
                  fault_hook: FaultHook | None = None, max_context: int = 10**6, window: int | None = None,
-                 window_pages: int | None = None):
+                 window_pages: int | None = None, speculation: Speculation | None = None):
         """window: a second layer group of that sliding window beside the global one (window_pages pages, as
         many as the global group's by default), as a Gemma-3-shaped model has."""
         self.bm = BlockManager(num_pages, block_size, cpu_pages)
@@ -178,7 +190,7 @@ class FakeEngine:
             self.managers.append(BlockManager(window_pages or num_pages, block_size, cpu_pages, group=1,
                                               window=window))
         self.pages = PageGroups(tuple(self.managers), budget)
-        self.sched = Scheduler(self.pages, budget, max_seqs)
+        self.sched = Scheduler(self.pages, budget, max_seqs, speculation)
         self.sched.max_tokens_per_step = budget  # allow budgets below max_seqs here
         self.core = EngineCore(self.pages, self.sched, Detokenizer(DigitTokenizer()), frozenset(), max_context,
                                fault_hook)

@@ -47,6 +47,7 @@ def test_explicit_path_must_exist(tmp_path):
     ("threads = 'all'", "threads must be a whole number"),
     ("max_seqs = 0", "max_seqs must be at least 1"),
     ("kv_cache_dtype = 'fp4'", "kv_cache_dtype must be one of auto, float32, bfloat16, int8, not 'fp4'"),
+    ("speculative = 'sometimes'", "speculative must be one of auto, ngram, off"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
@@ -147,3 +148,13 @@ def test_keys_textual_reports_are_bindings(keys):
 def test_keys_textual_never_reports_are_refused_with_the_reason(keys, problem):
     """Accepted silently before, such a binding never fired and the action lost its key."""
     assert (binding_problem(keys) or "").startswith(problem)
+
+
+def test_speculative_is_an_engine_setting_and_a_flag(tmp_path):
+    """config.toml's speculative reaches the engine's options, and --speculative overrides it."""
+    from pagedchat.cli import build_parser
+
+    (tmp_path / "config.toml").write_text('speculative = "OFF"\n')
+    assert load_config(tmp_path / "config.toml").engine.kwargs()["speculative"] == "off"
+    args = build_parser().parse_args(["--speculative", "ngram", "ask", "hi"])
+    assert load_config(tmp_path / "config.toml", speculative=args.speculative).engine.speculative == "ngram"

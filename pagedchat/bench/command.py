@@ -65,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: the KV memory one long chat (--system-tokens of prompt, --max-tokens of "
                              f"reply, default {DEFAULT_WINDOW_TOKENS}) takes on a model with sliding-window layers "
                              "(Gemma 3, Mistral), with the pages its windows passed released and kept")
+    parser.add_argument("--speculation", action="store_true",
+                        help="instead: decode tok/s with speculative decoding (--speculative) against off, "
+                             "alternating rounds on --workload's prompts, with the greedy tokens of both compared")
+    parser.add_argument("--workload", choices=("chat", "copy"), default="chat",
+                        help="with --speculation: the bench's support chats, or requests that copy text from "
+                             "the conversation (code to edit, passages to quote) (default: chat)")
+    parser.add_argument("--speculative", choices=("auto", "ngram", "off"), default=None,
+                        help="the engine's speculative decoding (default: auto, as the app's)")
     parser.add_argument("--app", action="store_true",
                         help="instead: one long reply in the real app on a pseudo-terminal against the engine "
                              "alone on the same conversation (does the interface slow the engine?), --repeat "
@@ -104,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         return flood.run(args)
     if args.windows:
         return run_windows(args)
+    if args.speculation:
+        return run_speculation(args)
     from rich.console import Console
     from rich.markup import escape
 
@@ -119,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, chats=tuple(args.chats), max_tokens=args.max_tokens,
                       system_tokens=args.system_tokens, seed=args.seed, repeat=args.repeat,
                       against=tuple(args.against), kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-                      kv_cache_dtype=args.kv_cache_dtype, device=args.device, threads=args.threads)
+                      kv_cache_dtype=args.kv_cache_dtype, device=args.device, threads=args.threads,
+                      speculative=args.speculative)
     try:
         with ProgressBar(err) as progress:
             report = run_bench(cfg, progress)
@@ -160,6 +171,24 @@ def run_windows(args: argparse.Namespace) -> int:
             print(figures)
         else:
             Path(args.json_path).write_text(figures + "\n")
+    return 0
+
+
+def run_speculation(args: argparse.Namespace) -> int:
+    """`--speculation`: decode tok/s with speculation against off, per level of --chats, alternating rounds."""
+    from pagedchat.bench.speculative import render_speculation, run_speculation as measure
+
+    cfg = BenchConfig(model=args.model, chats=tuple(args.chats), max_tokens=args.max_tokens,
+                      system_tokens=args.system_tokens, seed=args.seed, repeat=max(2, args.repeat),
+                      kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, device=args.device,
+                      threads=args.threads)
+    try:
+        report = measure(cfg, args.workload, args.speculative or "auto",
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (PagedChatError, ValueError) as exc:
+        print(f"pagedchat bench: {exc}", file=sys.stderr)
+        return 2
+    print(render_speculation(report))
     return 0
 
 

@@ -61,10 +61,12 @@ class BenchConfig:
     device: str | None = None
     threads: int | None = None
     startup: bool = True  # time "start to model ready" in fresh processes
+    speculative: str | None = None  # the engine's speculative decoding (None: its default)
 
     @property
     def engine(self) -> EngineOptions:
         """The engine measured, from the same record the app, ask and serve build theirs from; without a CPU tier,
         so the pool measured is the KV cache alone."""
         return EngineOptions(model=self.model, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
-                             kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads, swap_space=0)
+                             kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads,
+                             swap_space=0, speculative=self.speculative or "auto")

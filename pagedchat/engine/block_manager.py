@@ -215,9 +215,10 @@ class BlockManager:
         shared_tail = offset != 0 and self.pool.pages[table[idx]].ref > 1
         return max(0, self.pages_for(seq.num_computed + n) - len(table)), shared_tail
 
-    def can_write(self, seq: Sequence, n: int) -> bool:
+    def can_write(self, seq: Sequence, n: int, spare: int = 0) -> bool:
+        """Whether the pool has the pages seq's next n tokens take, and spare pages more."""
         grow, shared_tail = self._write_needs(seq, n)
-        return grow + shared_tail <= self.pool.num_available()
+        return grow + shared_tail + spare <= self.pool.num_available()
 
     def prepare_write(self, seq: Sequence, n: int) -> bool:
         """Make room for seq's next n tokens: new pages past its end, and a private copy of a shared page
@@ -236,6 +237,18 @@ class BlockManager:
             self.counters.cow_copies += 1
         self._grow(seq, seq.num_computed + n)
         return True
+
+    def roll_back(self, seq: Sequence) -> None:
+        """Give back the pages past seq's computed tokens: taken for draft tokens that were rejected. They were
+        grown this step (prepare_write copies a shared page before a write), so seq alone maps them and none is
+        hashed: each returns to the free list. Slots of rejected tokens in the last kept page are written over
+        by the next tokens, and no hash covers them before."""
+        table = self._table(seq).block_table
+        keep = self.pages_for(seq.num_computed)
+        for page in reversed(table[keep:]):
+            self.pool.unref(page)
+            self.counters.rolled_back += 1
+        del table[keep:]
 
     def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Hash the pages that will be full once seq's first num_tokens are computed, and offer them for reuse.

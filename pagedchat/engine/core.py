@@ -23,7 +23,7 @@ from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Sampled, Update
-from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from pagedchat.engine.sequence import SeqStatus, Sequence
 from pagedchat.errors import RequestError
 
@@ -202,20 +202,21 @@ class EngineCore:
             self.fault_hook(phase, request_id)
 
     def postprocess(self, plan: StepPlan, tokens: list[Sampled | int | Exception], now: float) -> list[Output]:
-        """After the forward pass: count what each chunk computed, append the sampled tokens, and stream,
-        stop or finish each request. A fault here, or in sampling a row (its exception in place of its token),
-        fails only the request it concerns."""
+        """After the forward pass: count what each chunk computed, append the sampled tokens (a draft's kept
+        prefix and the model's next), and stream, stop or finish each request. A fault here, or in sampling a
+        row (its exception in place of its token), fails only the request it concerns."""
         self.phase = Phase.BOOKKEEPING
         self._outputs = out = []
         token_iter = (t if isinstance(t, (Sampled, Exception)) else Sampled(t) for t in tokens)
         for item in plan.scheduled:
             seq = item.seq
-            token = next(token_iter) if item.samples else None
-            if isinstance(token, Exception):
-                out.append(self.fail(seq, f"{Phase.SAMPLE.value} failed: {type(token).__name__}: {token}"))
+            rows = [next(token_iter) for _ in range(item.rows)]
+            error = next((t for t in rows if isinstance(t, Exception)), None)
+            if error is not None:
+                out.append(self.fail(seq, f"{Phase.SAMPLE.value} failed: {type(error).__name__}: {error}"))
                 continue
             try:
-                output = self._advance(seq, item.num_tokens, token, now)
+                output = self._advance(seq, item, rows, now)
             except Exception as exc:
                 log.exception("bookkeeping failed for %s", seq.request_id)
                 output = self.fail(seq, f"{type(exc).__name__}: {exc}")
@@ -228,32 +229,61 @@ class EngineCore:
         self._outputs = []
         return out
 
-    def _advance(self, seq: Sequence, n: int, sampled: Sampled | None, now: float) -> Output | None:
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], rows: list[Sampled]) -> list[Sampled]:
+        """The rows kept: while the model's token equals the draft's (the sampler's rejection rule makes that
+        the test for sampled rows too), then the model's own. The K/V of the rejected draft tokens are dropped:
+        their pages go back to the pool."""
+        accepted = 0
+        while accepted < len(draft) and rows[accepted].token == draft[accepted]:
+            accepted += 1
+        seq.num_computed -= len(draft) - accepted
+        self.block_manager.roll_back(seq)
+        seq.drafted += len(draft)
+        seq.accepted += accepted
+        counters = self.block_manager.counters
+        counters.drafted += len(draft)
+        counters.accepted += accepted
+        if self.scheduler.speculation is not None:
+            self.scheduler.speculation.settle(seq, len(draft), accepted)
+        return rows[:accepted + 1]
+
+    def _advance(self, seq: Sequence, item: ScheduledSeq, rows: list[Sampled], now: float) -> Output | None:
+        n = item.num_tokens
         if seq.num_computed < seq.num_prompt_tokens:
             seq.prefilled_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
         seq.num_computed += n
-        if sampled is None:  # a prefill chunk short of the prompt's end
+        if not rows:  # a prefill chunk short of the prompt's end
             self.fault(Phase.BOOKKEEPING, seq.request_id)
             return None
+        if item.draft:
+            rows = self._verify(seq, item.draft, rows)
         if seq.request_id in self._pending:
             self._release_siblings(seq)
-        token = sampled.token
-        seq.token_ids.append(token)
-        if sampled.logprob is not None:
-            seq.sampled.append(sampled)
+        text, tokens, logprobs, reason, error = "", [], [], None, None
+        for sampled in rows:  # stops apply per token: a stop inside a kept draft drops the rest
+            token = sampled.token
+            seq.token_ids.append(token)
+            tokens.append(token)
+            if sampled.logprob is not None:
+                seq.sampled.append(sampled)
+                logprobs.append(sampled)
+            piece, stopped = self.detokenizer.step(seq)
+            text += piece
+            reason, error = self._finish_reason(seq, token, stopped), sampled.error
+            if reason is not None or error is not None:
+                break
+        if item.draft:  # the kept tokens' full pages are published now, as a decode's are when scheduled
+            self.block_manager.register_full_pages(seq, seq.num_computed)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        text, stopped = self.detokenizer.step(seq)
         self.fault(Phase.DETOKENIZE, seq.request_id)
-        reason = self._finish_reason(seq, token, stopped)
         self.fault(Phase.BOOKKEEPING, seq.request_id)
-        if sampled.error is not None:
-            return self._finish(seq, FinishReason.ERROR, sampled.error, new_token=token, text=text)
-        logprobs = [sampled] if sampled.logprob is not None else []
+        if error is not None:
+            return self._finish(seq, FinishReason.ERROR, error, new_tokens=tokens, text=text)
         if reason is not None:
-            return self._finish(seq, reason, new_token=token, text=text, logprobs=logprobs)
-        return seq, seq.update(text, [token], logprobs)
+            return self._finish(seq, reason, new_tokens=tokens, text=text, logprobs=logprobs)
+        return seq, seq.update(text, tokens, logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> FinishReason | None:
         p = seq.params
@@ -282,7 +312,7 @@ class EngineCore:
         self.block_manager.repair(self.scheduler.all_seqs())
         return out
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_token: int | None = None,
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None,
                 text: str = "", logprobs: list[Sampled] | None = None) -> Output:
         """Release seq's pages at once and build its final update (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed
@@ -297,5 +327,4 @@ class EngineCore:
         self._history[seq.request_id] = (list(seq.token_ids), seq.num_prompt_tokens)
         if len(self._history) > HISTORY_LIMIT:
             self._history.pop(next(iter(self._history)))
-        tokens = [new_token] if new_token is not None else []
-        return seq, seq.update(text, tokens, logprobs or (), outcome)
+        return seq, seq.update(text, new_tokens or (), logprobs or (), outcome)

@@ -27,6 +27,7 @@ from pagedchat.engine.handle import RequestHandle
 from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, prompt_size
 from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
+from pagedchat.engine.ngram import Speculation, parse_speculative
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.params import SamplingParams, sibling_seed
 from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
@@ -94,9 +95,10 @@ class _Model:
         return logits
 
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> list[Sampled | Exception]:
-        sampling = [s.seq for s in plan.scheduled if s.samples]
-        rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher) for seq in sampling]
-        return self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row].request_id))
+        sampling = [(s.seq, draft) for s in plan.scheduled if s.samples for draft in (*s.draft, None)]
+        rows = [Row(seq.params, seq.generator, seq.token_ids, seq.num_prompt_tokens, seq.matcher, draft)
+                for seq, draft in sampling]
+        return self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row][0].request_id))
 
 
 def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | None:
@@ -114,7 +116,9 @@ class Engine:
                  swap_space: int | str | None = None, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
                  autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None,
-                 release_windows: bool = True, kv_cache_dtype: str | torch.dtype | None = None):
+                 release_windows: bool = True, kv_cache_dtype: str | torch.dtype | None = None,
+                 speculative: str | None = "auto"):
+        speculative = parse_speculative(speculative)
         folder = resolve_model(model, progress)
         self.model_path = folder
         self.config = ModelConfig.from_folder(folder)
@@ -150,7 +154,10 @@ class Engine:
                                       for i, g in enumerate(self.cache_plan.groups)),
                                 max(max_tokens_per_step, max_seqs))
         self.block_manager = self.pages.first  # the first group's pool: the only one without windows
-        self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs)
+        # Drafts from each chat's own text, verified in one step (engine/ngram.py): "off" turns it off.
+        self.speculation = None if speculative == "off" else Speculation(
+            speculative, max_context=self.config.max_position_embeddings)
+        self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs, self.speculation)
         self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)

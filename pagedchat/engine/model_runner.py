@@ -92,17 +92,17 @@ class ModelRunner:
         return idx[:, 0], idx[:, 1]
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """One forward over every scheduled chunk; logits [n_sampling, vocab] in plan order."""
+        """One forward over every scheduled chunk; logits [sampled rows, vocab] in plan order (a draft's chunk
+        samples each of its last 1 + k positions)."""
         ids, positions, qstart, ctx_lens, rows = [], [], [0], [], []
         for item in plan.scheduled:
             seq, n = item.seq, item.num_tokens
             start, end = seq.num_computed, seq.num_computed + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(item.token_ids)
             positions.extend(range(start, end))
             qstart.append(qstart[-1] + n)
             ctx_lens.append(end)
-            if item.samples:
-                rows.append(qstart[-1] - 1)
+            rows.extend(range(qstart[-1] - item.rows, qstart[-1]))
         dev = self.device
         query_start_loc = torch.tensor(qstart, dtype=torch.int32, device=dev)
         context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)

@@ -60,6 +60,15 @@ class PageGroups:
             group.prepare_write(seq, n)
         return True
 
+    def can_write(self, seq: Sequence, n: int, spare: int = 0) -> bool:
+        """Whether every group has room for seq's next n tokens, and spare pages more, without preempting."""
+        return all(group.can_write(seq, n, spare) for group in self.groups)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """Every group gives back the pages past seq's computed tokens (rejected draft tokens')."""
+        for group in self.groups:
+            group.roll_back(seq)
+
     def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         for group in self.groups:
             group.register_full_pages(seq, num_tokens)

@@ -60,6 +60,9 @@ class MemoryCounters:
     recomputes: int = 0         # sequences preempted by dropping their pages
     cow_copies: int = 0
     window_released: int = 0    # pages unmapped because every window of their sequence had passed them
+    drafted: int = 0            # draft tokens verified (speculative decoding, engine/ngram.py)
+    accepted: int = 0           # of those, tokens kept
+    rolled_back: int = 0        # pages taken for draft tokens that were rejected, given back
 
 
 @dataclass(eq=False, slots=True)

@@ -78,6 +78,8 @@ class Outcome:
     time_to_first_token: float | None = None
     decode_tokens_per_s: float | None = None
     counted: bool = True               # False: a server sent no usage, so the token figures are not counts
+    drafted_tokens: int = 0            # speculative decoding's draft tokens verified (docs/speculative.md)
+    accepted_tokens: int = 0           # of those, tokens kept
     # Where the backend sees them. Lists, as the engine's callers compare them with lists of ids.
     prompt_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)   # generated ids only, EOS included (as transformers)

@@ -24,6 +24,7 @@ __all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
 log = logging.getLogger("pagedchat.engine")
 
 BIAS_CACHE = 256   # requests' logit_bias tensors kept: more than a batch runs at once
+NOT_SAMPLED = -1   # the token of a row after a refused draft token, which the engine discards
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Row:
     token_ids: Sequence[int] = ()   # prompt then output: the repetition penalty reads both
     num_prompt_tokens: int = 0
     matcher: object | None = None   # llguidance.LLMatcher when the reply is constrained
+    draft: int | None = None        # the draft token proposed at this position, which the row verifies
 
     @property
     def output_ids(self) -> Sequence[int]:
@@ -44,6 +46,10 @@ class Row:
 @dataclass
 class Sampler:
     """Picks one token per row of logits. Greedy rows take argmax; others sample with their own generator.
+    A row verifying a draft token d samples as any row, and d is kept if it is the token drawn: kept with
+    probability p(d), and else the token is drawn from p without d, speculative sampling's rule for a draft that
+    proposes d with certainty. The sequence's rows after a refused one draw nothing, so a seeded request draws
+    the same numbers, and picks the same tokens, with speculation as without.
     A row whose processing or sampling raises gets its exception in place of a token, so that it fails its own
     request alone; after_row (the engine's fault hook) runs as each row ends, inside that row's guard.
     end_ids: the model's end-of-sequence ids, which min_tokens holds back."""
@@ -74,13 +80,19 @@ class Sampler:
                     failed.update(dict.fromkeys(constrained, exc))
         picks = qmm.argmax_rows(logits).tolist()
         out: list[Sampled | Exception] = []
+        refused = None  # the generator of the sequence whose draft the last row refused
         for i, row in enumerate(rows):
             sampled: Sampled | Exception
+            if row.generator is not None and row.generator is refused:
+                out.append(Sampled(NOT_SAMPLED))  # after a refused draft token: discarded, so nothing is drawn
+                continue
             try:
                 if i in failed:
                     raise failed[i]
                 token = picks[i] if row.params.greedy else _sample_one(logits[i], row.params, row.generator)
                 sampled = self._result(logits[i], row, token)
+                if row.draft is not None and token != row.draft:
+                    refused = row.generator
                 if after_row is not None:
                     after_row(i)
             except Exception as exc:

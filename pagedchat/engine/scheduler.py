@@ -13,6 +13,11 @@ The batch is shared per request: a request's n replies count as one request runn
   from it: the largest's newest is preempted.
 A preempted sequence is swapped to the CPU tier, or dropped for recompute when the tier is full.
 
+Speculative decoding (engine/ngram.py): a decoding sequence whose own text proposes a draft computes its next
+token and the draft's k in one chunk, each position sampled; the core keeps the draft's prefix the model agrees
+with and rolls back the pages of the rest. Drafts come out of the prefill budget, and never preempt: a draft
+is dropped for that step unless the pool keeps two free pages for every running sequence beside it.
+
 The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
 queues and sets the status with the move, the end included (finish). Everything else only reads it.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from pagedchat.engine.ngram import Speculation
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.sequence import Sequence, SeqStatus
@@ -32,6 +38,18 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # computed this step, starting at seq.num_computed
     samples: bool    # the chunk reaches the sequence's end, so its last logits pick a token
+    draft: tuple[int, ...] = ()  # proposed tokens after the sequence's last, computed in this chunk's tail
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: the sequence's from num_computed, then the draft."""
+        start = self.seq.num_computed
+        return self.seq.token_ids[start:start + self.num_tokens - len(self.draft)] + list(self.draft)
+
+    @property
+    def rows(self) -> int:
+        """Positions whose logits are sampled: the last, and each draft token's before it."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -50,8 +68,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64):
+    def __init__(self, block_manager: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64,
+                 speculation: Speculation | None = None):
         self.block_manager = block_manager
+        self.speculation = speculation
         self.max_tokens_per_step = max(max_tokens_per_step, max_seqs)
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
@@ -89,6 +109,7 @@ class Scheduler:
         self._share_slots()
         decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
         prefill_budget = self.max_tokens_per_step - decodes
+        drafting = self.speculation is not None and self.speculation.active(len(self.running))
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for one before it
@@ -96,16 +117,30 @@ class Scheduler:
             n = 1 if decode else min(seq.num_uncomputed, prefill_budget)
             if n <= 0 or not self._make_room(seq, n):
                 continue
-            if not decode:  # a prefill chunk, even of one token, comes out of the prefill budget
-                prefill_budget -= n
-            self._schedule(plan, seq, n)
+            draft = self._draft(seq, prefill_budget) if decode and drafting else ()
+            # A prefill chunk, even of one token, and a draft come out of the prefill budget.
+            prefill_budget -= len(draft) if decode else n
+            self._schedule(plan, seq, n + len(draft), draft)
         self._join(plan, self.max_tokens_per_step - plan.num_tokens)
         plan.group_ops = self.block_manager.take_ops()
         return plan
 
-    def _schedule(self, plan: StepPlan, seq: Sequence, n: int) -> None:
-        self.block_manager.register_full_pages(seq, seq.num_computed + n)
-        plan.scheduled.append(ScheduledSeq(seq, n, seq.num_computed + n == len(seq.token_ids)))
+    def _schedule(self, plan: StepPlan, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> None:
+        """Only the sequence's own tokens are hashed: a draft's pages are published once its tokens are kept."""
+        self.block_manager.register_full_pages(seq, seq.num_computed + n - len(draft))
+        plan.scheduled.append(ScheduledSeq(seq, n, seq.num_computed + n - len(draft) == len(seq.token_ids), draft))
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """seq's draft for this step, at most budget tokens, with pages for it taken (copy-on-write included),
+        or () where it has none or the pool has no free page for it."""
+        spec = self.speculation
+        draft = spec.draft(seq, min(budget, spec.room(seq)))
+        # Two pages kept free for each running sequence (a new page and a copy-on-write): a draft never takes
+        # the pages that another's own token needs, which would preempt it.
+        if not draft or not self.block_manager.can_write(seq, 1 + len(draft), 2 * len(self.running)):
+            return ()
+        self.block_manager.prepare_write(seq, 1 + len(draft))
+        return tuple(draft)
 
     def _shares(self) -> Counter[str]:
         """How many sequences each request runs."""

@@ -58,6 +58,12 @@ class Sequence:
     emitted: int = 0                     # characters of text already streamed
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
+    # Speculative decoding (engine/ngram.py): the drafter's index of its tokens, its next draft's length, and
+    # the draft tokens it verified and kept.
+    ngrams: object | None = None         # an engine/ngram.py NgramIndex, made at its first draft
+    draft_len: int | None = None
+    drafted: int = 0
+    accepted: int = 0
 
     # The first group's table (the global layers' where the model has any): what a one-group model has.
     @property
@@ -123,7 +129,8 @@ class Sequence:
         return Outcome(self.request_id, prompt_tokens=self.num_prompt_tokens, cached_tokens=self.cached_tokens,
                        prefilled_tokens=self.prefilled_tokens,
                        generated_tokens=len(self.token_ids) - self.num_prompt_tokens,
-                       time_to_first_token=ttft, decode_tokens_per_s=tps)
+                       time_to_first_token=ttft, decode_tokens_per_s=tps, drafted_tokens=self.drafted,
+                       accepted_tokens=self.accepted)
 
     def outcome(self) -> Outcome:
         """Everything it has: the final Outcome once it has a finish reason."""

@@ -222,6 +222,8 @@ def render_sharing(snap, width: int = 80, folded: bool = False) -> Content:
         _kv("evictions", str(c.evictions),
             f"offload {c.offloads} · CoW {c.cow_copies}", width),
     ]
+    if c.drafted:  # speculative decoding's drafts (docs/speculative.md)
+        lines.append(_kv("drafts", f"{c.accepted / c.drafted:.0%} kept", f"{c.accepted}/{c.drafted}", width))
     return Content("\n").join(lines)
 
 

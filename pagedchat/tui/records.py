@@ -59,7 +59,7 @@ class ChatSettings(SamplingSettings):
 SAVED_STATS = {"prompt_tokens": "prompt_tokens", "cached_tokens": "cached_tokens",
                "generated_tokens": "generated_tokens", "ttft": "time_to_first_token",
                "tokens_per_s": "decode_tokens_per_s", "finish_reason": "finish_reason", "error": "error",
-               "counted": "counted"}
+               "counted": "counted", "drafted": "drafted_tokens", "accepted": "accepted_tokens"}
 
 
 def reply_stats(outcome: Outcome) -> Outcome:
@@ -68,7 +68,9 @@ def reply_stats(outcome: Outcome) -> Outcome:
 
 
 def stats_to_dict(stats: Outcome) -> dict:
-    return {saved: getattr(stats, name) for saved, name in SAVED_STATS.items()}
+    """A reply without drafts (speculative decoding's) saves what replies always saved."""
+    return {saved: getattr(stats, name) for saved, name in SAVED_STATS.items()
+            if saved not in ("drafted", "accepted") or stats.drafted_tokens}
 
 
 def stats_from_dict(raw: dict | None) -> Outcome | None:
@@ -90,6 +92,8 @@ def stats_line(stats: Outcome) -> str:
         parts.append(f"TTFT {ttft * 1000:.0f} ms" if ttft < 1 else f"TTFT {ttft:.2f} s")
     if stats.decode_tokens_per_s is not None:
         parts.append(f"{stats.decode_tokens_per_s:.1f} tok/s")
+    if stats.drafted_tokens:  # speculative decoding (docs/speculative.md)
+        parts.append(f"drafts {stats.accepted_tokens}/{stats.drafted_tokens} kept")
     stopped = "stopped" if stats.generated_tokens else "stopped before the first token"
     ending = {FinishReason.LENGTH: "hit max tokens", FinishReason.CONTEXT_FULL: "context full",
               FinishReason.CANCELLED: stopped, FinishReason.ERROR: f"error: {stats.error}",

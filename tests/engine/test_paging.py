@@ -106,7 +106,7 @@ def test_shared_prefix_pages_are_mapped_not_computed(tiny_llama, tiny_llama_ref)
 
 # ---- fork ----------------------------------------------------------------------------------------------------
 def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny_llama, tiny_llama_ref):
-    eng = manual(tiny_llama, kv_cache_memory="2MiB")
+    eng = manual(tiny_llama, kv_cache_memory="2MiB", speculative="off")  # one token a step: the fork point is exact
     prompt = ids_of(eng.tokenizer, 40)
     reply: list[int] = []
     parent = eng.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True),
@@ -256,7 +256,8 @@ def test_second_turn_reuses_prompt_and_generated_pages(tiny_llama, tiny_llama_re
 
 # ---- chunked prefill -----------------------------------------------------------------------------------------
 def test_long_prefill_is_chunked_and_never_stalls_decodes(tiny_llama, tiny_llama_ref):
-    eng = manual(tiny_llama, kv_cache_memory="2MiB", max_tokens_per_step=64)
+    # Without speculation, whose drafts would take from the prefill budget that this test counts.
+    eng = manual(tiny_llama, kv_cache_memory="2MiB", max_tokens_per_step=64, speculative="off")
     short = [ids_of(eng.tokenizer, 10, 1), ids_of(eng.tokenizer, 12, 2)]
     a, b = eng.submit_many(short, SamplingParams(max_tokens=40, ignore_eos=True))
     step(eng)

@@ -122,6 +122,9 @@ def test_sharing_reports_savings_slack_and_counters():
     assert "no live requests" in render_sharing(snap(seqs={}, shared_pages={}, ref_counts={})).plain
     one = render_sharing(snap(shared_pages={0: ["req-a", "req-b"]}, ref_counts={0: 2, 1: 1, 2: 1, 3: 1})).plain
     assert "shared      1 page  saves 1" in one   # not "1 pages"
+    assert "drafts" not in text   # no speculative decoding yet: no line
+    drafts = render_sharing(snap(counters=MemoryCounters(drafted=40, accepted=30))).plain
+    assert "drafts      75% kept  30/40" in drafts
 
 
 def test_block_table_rows_map_blocks_to_pages_with_fill_and_ref():

@@ -550,3 +550,14 @@ def test_search_survives_the_migration_of_an_old_database(tmp_path):
     assert len(store.search("attention")) == 1
     store.close()
     assert len(Store.open(tmp_path).search("attention")) == 1
+
+
+def test_a_reply_with_drafts_shows_and_saves_how_many_were_kept():
+    from pagedchat.engine.records import Outcome
+    from pagedchat.tui.records import stats_from_dict, stats_line, stats_to_dict
+
+    stats = Outcome(generated_tokens=40, drafted_tokens=30, accepted_tokens=24, decode_tokens_per_s=50.0)
+    assert "drafts 24/30 kept" in stats_line(stats)
+    again = stats_from_dict(stats_to_dict(stats))
+    assert (again.drafted_tokens, again.accepted_tokens) == (30, 24)
+    assert "drafts" not in stats_line(Outcome(generated_tokens=40))
