@@ -137,23 +137,12 @@ def copy_prompt(tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-PATHS = [pytest.param("torch", id="torch"),
-         pytest.param("native", id="native", marks=pytest.mark.xfail(
-             strict=False, reason="the native path computes a prompt chunk's attention apart from a decode's "
-                                  "(issue 39): a verified draft can differ from decoding one at a time"))]
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_greedy_tokens_with_speculation_equal_those_without_and_transformers(tiny_llama, tiny_llama_ref,
-                                                                            monkeypatch, path):
-    from parity import assert_same_greedy
-    from tiny_models import hf_greedy
-
-    monkeypatch.setenv("PAGEDCHAT_ATTENTION", path)
-    params = SamplingParams(max_tokens=80, ignore_eos=True)
+def with_and_without(folder, params: SamplingParams, **engine_kwargs) -> dict[str, list[list[int]]]:
+    """Each mode's tokens for three prompts (one that copies itself, one that repeats, one that does neither),
+    checking that every page came back, rolled-back ones included, and that the drafts were used."""
     outs = {}
     for mode in ("off", "ngram"):
-        engine = Engine(str(tiny_llama), kv_cache_memory="4MiB", speculative=mode)
+        engine = Engine(str(folder), kv_cache_memory="4MiB", speculative=mode, **engine_kwargs)
         prompts = [copy_prompt(engine.tokenizer), [5, 6, 7, 8] * 10, list(range(40, 90))]
         outs[mode] = [o.token_ids for o in engine.generate(prompts, params)]
         snap = engine.memory()
@@ -161,9 +150,33 @@ def test_greedy_tokens_with_speculation_equal_those_without_and_transformers(tin
         if mode == "ngram":
             assert snap.counters.accepted > 0 and snap.counters.drafted >= snap.counters.accepted
         engine.shutdown()
+    outs["prompts"] = prompts
+    return outs
+
+
+def test_greedy_tokens_with_speculation_equal_those_without_and_transformers(tiny_llama, tiny_llama_ref,
+                                                                            monkeypatch):
+    from parity import assert_same_greedy
+    from tiny_models import hf_greedy
+
+    monkeypatch.setenv("PAGEDCHAT_ATTENTION", "torch")
+    outs = with_and_without(tiny_llama, SamplingParams(max_tokens=80, ignore_eos=True))
     assert outs["ngram"] == outs["off"]
-    for prompt, out in zip(prompts, outs["ngram"]):
+    for prompt, out in zip(outs["prompts"], outs["ngram"]):
         assert_same_greedy(tiny_llama_ref, prompt, out, hf_greedy(tiny_llama_ref, prompt, 80, NO_EOS))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=80, ignore_eos=True),
+                                    SamplingParams(max_tokens=80, temperature=0.05, seed=7, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_on_the_default_path_a_verified_draft_gives_the_tokens_of_one_at_a_time(tmp_path, params):
+    """Packed weights on pagedchat's kernels with native attention: every row's numbers are its own, whatever
+    the rows beside it (docs/architecture.md#same-request-same-tokens), so verifying a draft's positions in one
+    step gives exactly the tokens decoding them one a step gives."""
+    from invariance import tiny_packed_model
+
+    outs = with_and_without(tiny_packed_model(tmp_path), params)
+    assert outs["ngram"] == outs["off"]
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_speculation_as_without(tiny_llama, monkeypatch):
