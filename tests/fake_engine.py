@@ -14,7 +14,7 @@ from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.ngram import Speculation
 from pagedchat.engine.detokenizer import Detokenizer
-from pagedchat.engine.sampling import SamplingParams
+from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.records import NULL_PAGE, Outcome
 from pagedchat.engine.sequence import SeqStatus, Sequence

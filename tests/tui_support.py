@@ -304,7 +304,7 @@ class ScriptedEngine:
         self.cancelled.add(request_id)
 
     def memory(self):
-        from pagedchat.engine.block_manager import MemoryCounters
+        from pagedchat.engine.pages import MemoryCounters
         from pagedchat.engine.records import PageState
         from pagedchat.engine.memory import MemorySnapshot
 

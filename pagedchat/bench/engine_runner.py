@@ -34,7 +34,7 @@ def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]
 
 def warm_up(backend: TokenBackend, work: Workload) -> None:
     """One short request on a prompt that shares no page with the workload: first-call costs off the clock."""
-    from pagedchat.engine.sampling import SamplingParams
+    from pagedchat.engine.params import SamplingParams
 
     [reply] = backend.submit_ids([work.cold_prefix(0)], SamplingParams(max_tokens=2, ignore_eos=True))
     reply.result()
@@ -71,7 +71,7 @@ class _Peak:
 def run_engine_level(backend: TokenBackend, prompts: list[list[int]], max_tokens: int, progress,
                      tag: str) -> EngineRun:
     """All prompts submitted at once; per-token arrival times, and pages at the peak."""
-    from pagedchat.engine.sampling import SamplingParams
+    from pagedchat.engine.params import SamplingParams
 
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
@@ -125,7 +125,7 @@ def cold_prompts(work: Workload) -> list[tuple[list[int], list[int]]]:
 
 
 def ttft_cold_warm(backend: TokenBackend, work: Workload, progress) -> ColdWarm:
-    from pagedchat.engine.sampling import SamplingParams
+    from pagedchat.engine.params import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     cold, warm, cached = [], [], []

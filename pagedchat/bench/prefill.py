@@ -60,7 +60,7 @@ def usable_lengths(lengths: list[int], context: int) -> list[int]:
 
 
 def engine_first_token(backend, prompt: list[int], request_id: str) -> float:
-    from pagedchat.engine.sampling import SamplingParams
+    from pagedchat.engine.params import SamplingParams
 
     t0 = time.perf_counter()
     [reply] = backend.submit_ids([prompt], SamplingParams(max_tokens=1, ignore_eos=True), request_ids=[request_id])

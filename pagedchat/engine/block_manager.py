@@ -20,13 +20,13 @@ until end_step; a swapped-out sequence's CPU table holds exactly the CPU pages t
 from __future__ import annotations
 
 from pagedchat.engine.admission import Match, admit
-from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted, require
+from pagedchat.engine.checks import require
+from pagedchat.engine.cpu_tier import CpuTier
 from pagedchat.engine.page_pool import PagePool
-from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters, Page, chain_hashes, mapped
+from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters, chain_hashes, mapped
 from pagedchat.engine.prefix_cache import PrefixCache
-from pagedchat.engine.sequence import NULL_PAGE, PageTable, Sequence
-
-__all__ = ["BlockManager", "CopyPlan", "Damage", "MemoryCounters", "Page", "PoolCorrupted", "chain_hashes"]
+from pagedchat.engine.records import NULL_PAGE
+from pagedchat.engine.sequence import PageTable, Sequence
 
 
 class BlockManager:

@@ -64,9 +64,9 @@ class ModelStep(Protocol):
 
 
 class EngineCore:
-    def __init__(self, block_manager: PageGroups, scheduler: Scheduler, detokenizer: Detokenizer,
+    def __init__(self, pages: PageGroups, scheduler: Scheduler, detokenizer: Detokenizer,
                  eos_token_ids: frozenset[int], max_context: int, fault_hook: FaultHook | None = None):
-        self.block_manager = block_manager
+        self.pages = pages
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
@@ -97,11 +97,11 @@ class EngineCore:
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
         longest = min(len(ids) + params.max_tokens, self.max_context)
-        need = self.block_manager.pages_for(longest)
-        if need > self.block_manager.num_pages:
+        need = self.pages.pages_for(longest)
+        if need > self.pages.num_pages:
             raise RequestError(
                 f"this request can grow to {longest} tokens ({need} pages) but the KV cache holds "
-                f"{self.block_manager.num_pages} pages of {self.block_manager.block_size}: lower max_tokens or raise "
+                f"{self.pages.num_pages} pages of {self.pages.block_size}: lower max_tokens or raise "
                 "kv_cache_memory")
 
     def add(self, seq: Sequence) -> None:
@@ -129,7 +129,7 @@ class EngineCore:
             if self._live.get(sib.request_id) is not sib:
                 continue  # cancelled meanwhile
             if computed and len(self.scheduler.running) < self.scheduler.max_seqs:
-                self.block_manager.fork_prefix(parent, sib, parent.num_prompt_tokens - 1)
+                self.pages.fork_prefix(parent, sib, parent.num_prompt_tokens - 1)
                 sib.prefix_counted = True
                 sib.cached_tokens = parent.num_prompt_tokens - 1
                 self.scheduler.add_running(sib)
@@ -156,7 +156,7 @@ class EngineCore:
                 return self._finish(child, FinishReason.ERROR, str(exc))
         if parent is not None and parent.status is SeqStatus.RUNNING and \
                 len(self.scheduler.running) < self.scheduler.max_seqs:
-            self.block_manager.fork(parent, child)
+            self.pages.fork(parent, child)
             child.prefix_counted = True
             child.cached_tokens = parent.num_computed
             self.scheduler.add_running(child)
@@ -225,7 +225,7 @@ class EngineCore:
         if plan.scheduled:
             self.steps += 1
         self.fault(Phase.BOOKKEEPING)  # the whole batch's
-        self.block_manager.end_step()
+        self.pages.end_step()
         self._outputs = []
         return out
 
@@ -237,10 +237,10 @@ class EngineCore:
         while accepted < len(draft) and rows[accepted].token == draft[accepted]:
             accepted += 1
         seq.num_computed -= len(draft) - accepted
-        self.block_manager.roll_back(seq)
+        self.pages.roll_back(seq)
         seq.drafted += len(draft)
         seq.accepted += accepted
-        counters = self.block_manager.counters
+        counters = self.pages.counters
         counters.drafted += len(draft)
         counters.accepted += accepted
         if self.scheduler.speculation is not None:
@@ -273,7 +273,7 @@ class EngineCore:
             if reason is not None or error is not None:
                 break
         if item.draft:  # the kept tokens' full pages are published now, as a decode's are when scheduled
-            self.block_manager.register_full_pages(seq, seq.num_computed)
+            self.pages.register_full_pages(seq, seq.num_computed)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -300,7 +300,7 @@ class EngineCore:
         its bookkeeping had already produced), then make the pool agree with the survivors."""
         error = f"{self.phase.value} failed: {type(exc).__name__}: {exc}"
         out, self._outputs = self._outputs, []
-        damage = self.block_manager.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
+        damage = self.pages.abort_step(copies_ran=self.phase not in (Phase.SCHEDULE, Phase.COPY))
         queued = {id(s) for s in self.scheduler.all_seqs()}
         queued |= {id(s) for sibs in self._pending.values() for s in sibs}  # waiting on a parent, untouched
         concerned = [item.seq for item in self.scheduler.plan.scheduled]
@@ -309,7 +309,7 @@ class EngineCore:
         for seq in dict.fromkeys(concerned):
             if seq.status is not SeqStatus.FINISHED:
                 out.append(self.fail(seq, error))
-        self.block_manager.repair(self.scheduler.all_seqs())
+        self.pages.repair(self.scheduler.all_seqs())
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None,

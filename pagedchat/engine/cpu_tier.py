@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-
-class PoolCorrupted(AssertionError):
-    """The page bookkeeping contradicts itself (a bug); raised by check_invariants, even under python -O."""
-
-
-def require(condition: bool, what: str) -> None:
-    if not condition:
-        raise PoolCorrupted(what)
+from pagedchat.engine.checks import require
 
 
 class CpuTier:

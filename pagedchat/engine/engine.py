@@ -153,7 +153,6 @@ class Engine:
         self.pages = PageGroups(tuple(BlockManager(g.num_pages, block_size, g.num_cpu_pages, group=i, window=g.window)
                                       for i, g in enumerate(self.cache_plan.groups)),
                                 max(max_tokens_per_step, max_seqs))
-        self.block_manager = self.pages.first  # the first group's pool: the only one without windows
         # Drafts from each chat's own text, verified in one step (engine/ngram.py): "off" turns it off.
         self.speculation = None if speculative == "off" else Speculation(
             speculative, max_context=self.config.max_position_embeddings)

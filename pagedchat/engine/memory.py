@@ -6,11 +6,13 @@ from dataclasses import asdict, dataclass, replace
 
 from typing import TYPE_CHECKING
 
-from pagedchat.engine.block_manager import BlockManager, MemoryCounters
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.pages import MemoryCounters
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.records import PageState
 from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import NULL_PAGE, Sequence
+from pagedchat.engine.records import NULL_PAGE
+from pagedchat.engine.sequence import Sequence
 
 if TYPE_CHECKING:  # sizing imports torch; a snapshot read back over HTTP needs none
     from pagedchat.engine.sizing import CachePlan, GroupPlan

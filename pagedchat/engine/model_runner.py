@@ -12,7 +12,7 @@ from pagedchat.kernels import kv_pages
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
-from pagedchat.engine.sequence import NULL_PAGE
+from pagedchat.engine.records import NULL_PAGE
 from pagedchat.engine.sizing import GroupPlan
 from pagedchat.model.llama import DecoderModel
 

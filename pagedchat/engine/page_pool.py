@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from pagedchat.engine.cpu_tier import require
+from pagedchat.engine.checks import require
 from pagedchat.engine.pages import Page
 from pagedchat.engine.records import PageState
 

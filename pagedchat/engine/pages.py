@@ -10,7 +10,8 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedchat.engine.records import PageState
-from pagedchat.engine.sequence import NULL_PAGE, Sequence
+from pagedchat.engine.records import NULL_PAGE
+from pagedchat.engine.sequence import Sequence
 
 HASH_BYTES = 16
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from pagedchat.engine.cpu_tier import CpuTier, require
+from pagedchat.engine.checks import require
+from pagedchat.engine.cpu_tier import CpuTier
 from pagedchat.engine.page_pool import PagePool
 
 

@@ -39,6 +39,11 @@ class FinishReason(enum.StrEnum):
             return cls.STOP
 
 
+# A block table's entry for a page that a sliding window released: nothing is mapped there (the model runner
+# points the kernels at its layer group's null page instead; engine/block_manager.py, release_outside_window).
+NULL_PAGE = -1
+
+
 class PageState(enum.Enum):
     FREE = "free"        # holds nothing reusable
     USED = "used"        # mapped by at least one block table (or pinned as a copy source)
@@ -139,6 +144,3 @@ class ReplyHandle(Protocol):
 
     def result(self, timeout: float | None = None) -> Outcome:
         """Wait for the final outcome."""
-# A block table's entry for a page that a sliding window released: nothing is mapped there (the model runner
-# points the kernels at its layer group's null page instead; engine/block_manager.py, release_outside_window).
-NULL_PAGE = -1

@@ -19,8 +19,6 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import Sampled, TokenLogprob
 from pagedchat.model import qmm
 
-__all__ = ["Sampler", "SamplingParams", "Row", "Sampled", "TokenLogprob"]
-
 log = logging.getLogger("pagedchat.engine")
 
 BIAS_CACHE = 256   # requests' logit_bias tensors kept: more than a batch runs at once

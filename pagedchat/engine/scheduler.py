@@ -68,9 +68,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64,
+    def __init__(self, pages: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64,
                  speculation: Speculation | None = None):
-        self.block_manager = block_manager
+        self.pages = pages
         self.speculation = speculation
         self.max_tokens_per_step = max(max_tokens_per_step, max_seqs)
         self.max_seqs = max_seqs
@@ -95,7 +95,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self.block_manager.free_seq(seq)
+        self.pages.free_seq(seq)
         seq.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
@@ -122,12 +122,12 @@ class Scheduler:
             prefill_budget -= len(draft) if decode else n
             self._schedule(plan, seq, n + len(draft), draft)
         self._join(plan, self.max_tokens_per_step - plan.num_tokens)
-        plan.group_ops = self.block_manager.take_ops()
+        plan.group_ops = self.pages.take_ops()
         return plan
 
     def _schedule(self, plan: StepPlan, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> None:
         """Only the sequence's own tokens are hashed: a draft's pages are published once its tokens are kept."""
-        self.block_manager.register_full_pages(seq, seq.num_computed + n - len(draft))
+        self.pages.register_full_pages(seq, seq.num_computed + n - len(draft))
         plan.scheduled.append(ScheduledSeq(seq, n, seq.num_computed + n - len(draft) == len(seq.token_ids), draft))
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
@@ -137,9 +137,9 @@ class Scheduler:
         draft = spec.draft(seq, min(budget, spec.room(seq)))
         # Two pages kept free for each running sequence (a new page and a copy-on-write): a draft never takes
         # the pages that another's own token needs, which would preempt it.
-        if not draft or not self.block_manager.can_write(seq, 1 + len(draft), 2 * len(self.running)):
+        if not draft or not self.pages.can_write(seq, 1 + len(draft), 2 * len(self.running)):
             return ()
-        self.block_manager.prepare_write(seq, 1 + len(draft))
+        self.pages.prepare_write(seq, 1 + len(draft))
         return tuple(draft)
 
     def _shares(self) -> Counter[str]:
@@ -154,7 +154,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Pages for seq's next n tokens, preempting others as needed. False if seq itself went."""
-        while not self.block_manager.prepare_write(seq, n):
+        while not self.pages.prepare_write(seq, n):
             victim = self._victim()  # never None: seq itself is a candidate
             self._preempt(victim)
             if victim is seq:
@@ -177,12 +177,12 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.block_manager.swap_out(seq):
+        if self.pages.swap_out(seq):
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
         else:
-            self.block_manager.free_seq(seq)
-            self.block_manager.counters.recomputes += 1
+            self.pages.free_seq(seq)
+            self.pages.counters.recomputes += 1
             seq.num_computed = 0
             seq.page_hashes = []
             seq.status = SeqStatus.WAITING
@@ -194,11 +194,11 @@ class Scheduler:
         while budget > 0 and len(self.running) < self.max_seqs and (seq := self._next_in()) is not None:
             if seq.status is SeqStatus.SWAPPED:
                 n = min(seq.num_uncomputed, budget)
-                if not self.block_manager.swap_in(seq, n):
+                if not self.pages.swap_in(seq, n):
                     return
                 self.swapped.remove(seq)
             else:
-                n = self.block_manager.admit(seq, budget)
+                n = self.pages.admit(seq, budget)
                 if n == 0:
                     return
                 self.waiting.remove(seq)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.records import NULL_PAGE, FinishReason, Outcome, Sampled, Update
+from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 
 if TYPE_CHECKING:  # the bookkeeping never touches torch; only the sampler uses the generator
     import torch

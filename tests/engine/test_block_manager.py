@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 
 from fake_engine import PageContents, make_seq, toks
-from pagedchat.engine.block_manager import BlockManager, chain_hashes
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.pages import chain_hashes
 from pagedchat.engine.sequence import Sequence
 
 BS = 16

@@ -53,7 +53,7 @@ def check_same(ref, prompt: list[int], ours: list[int], max_tokens: int) -> None
 
 
 def invariants(engine: Engine):
-    return lambda: engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.all_seqs()])
+    return lambda: engine.pages.first.check_invariants([s.block_table for s in engine.scheduler.all_seqs()])
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
@@ -67,12 +67,12 @@ def test_the_pool_holds_pages_of_its_dtype_in_their_bytes(tiny_llama, kv):
     assert eng.dtype == torch.float32 and eng.kv_dtype == dtype and eng.runner.kv_cache.dtype == dtype
     assert eng.runner.kv_cache.shape[-1] == cfg.head_dim + (4 if kv == "int8" else 0)
     assert eng.cache_plan.page_bytes == page_bytes(tiny_llama, kv)
-    assert eng.block_manager.num_pages == budget // page_bytes(tiny_llama, kv)
-    assert eng.runner.kv_cache[:, :, : eng.block_manager.num_pages].numel() * dtype.itemsize == \
-        eng.block_manager.num_pages * eng.cache_plan.page_bytes
-    assert {"float32": 48, "bfloat16": 96}.get(kv, eng.block_manager.num_pages) == eng.block_manager.num_pages
+    assert eng.pages.first.num_pages == budget // page_bytes(tiny_llama, kv)
+    assert eng.runner.kv_cache[:, :, : eng.pages.first.num_pages].numel() * dtype.itemsize == \
+        eng.pages.first.num_pages * eng.cache_plan.page_bytes
+    assert {"float32": 48, "bfloat16": 96}.get(kv, eng.pages.first.num_pages) == eng.pages.first.num_pages
     if kv == "int8":
-        assert eng.block_manager.num_pages == 48 * 4 * cfg.head_dim // (cfg.head_dim + 4)
+        assert eng.pages.first.num_pages == 48 * 4 * cfg.head_dim // (cfg.head_dim + 4)
 
 
 def test_kv_cache_dtype_refuses_what_it_does_not_know(tiny_llama):
@@ -92,8 +92,8 @@ def test_copies_keep_every_byte_of_a_page(tiny_llama, kv):
     drain(eng)
     runner = eng.runner
     pool = runner.kv_cache
-    full = [p for p in range(eng.block_manager.num_pages) if pool[:, :, p].view(torch.uint8).count_nonzero()]
-    empty = [p for p in range(eng.block_manager.num_pages) if p not in full]
+    full = [p for p in range(eng.pages.first.num_pages) if pool[:, :, p].view(torch.uint8).count_nonzero()]
+    empty = [p for p in range(eng.pages.first.num_pages) if p not in full]
     assert len(full) >= 2 and len(empty) >= 2
     source = full[0]
     original = pool[:, :, source].clone()
@@ -116,7 +116,7 @@ def test_preemption_and_swapping_keep_tokens(tiny_llama, tiny_llama_ref, kv, swa
     prompts = [ids_of(eng.tokenizer, n, salt=i) for i, n in enumerate((20, 9, 25, 14))]
     handles = eng.submit_many(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     drain(eng, check=invariants(eng))
-    c = eng.block_manager.counters
+    c = eng.pages.first.counters
     assert (c.swap_outs > 0 and c.swap_ins == c.swap_outs) if swap_pages else c.recomputes > 0
     for prompt, handle in zip(prompts, handles):
         check_same(tiny_llama_ref, prompt, handle.result().token_ids, 40)
@@ -133,7 +133,7 @@ def test_a_fork_copies_its_partial_page_and_continues(tiny_llama, tiny_llama_ref
     history = prompt + reply
     child = eng.fork(parent.request_id, SamplingParams(max_tokens=20, ignore_eos=True))
     drain(eng, check=invariants(eng))
-    assert eng.block_manager.counters.cow_copies == 1
+    assert eng.pages.first.counters.cow_copies == 1
     check_same(tiny_llama_ref, prompt, parent.result().token_ids, 30)
     check_same(tiny_llama_ref, history, child.result().token_ids, 20)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from fake_engine import make_seq, toks
 
-from pagedchat.engine.block_manager import BlockManager, chain_hashes
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.pages import chain_hashes
 from pagedchat.engine.page_groups import PageGroups
-from pagedchat.engine.sequence import NULL_PAGE
+from pagedchat.engine.records import NULL_PAGE
 
 BS = 4
 WINDOW = 6          # a query at position p sees p - 5 .. p: at most 3 pages of 4

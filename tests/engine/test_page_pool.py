@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedchat.engine.cpu_tier import PoolCorrupted
+from pagedchat.engine.checks import PoolCorrupted
 from pagedchat.engine.page_pool import PagePool
 from pagedchat.engine.records import PageState
 

@@ -120,13 +120,13 @@ def test_fork_of_a_live_request_shares_pages_and_continues_like_a_fresh_run(tiny
     step(eng)
     snap = eng.memory()
     pp, cp = snap.seqs[parent.request_id].pages, snap.seqs[child.request_id].pages
-    assert eng.block_manager.counters.cow_copies == 1, "one write into the shared partial page, one copy"
+    assert eng.pages.first.counters.cow_copies == 1, "one write into the shared partial page, one copy"
     assert pp[:3] == cp[:3] == before[:3] and all(snap.ref_counts[p] == 2 for p in pp[:3])
     assert pp[3] != cp[3] and before[3] in (pp[3], cp[3]), "the partial page was copied for one writer"
     assert snap.ref_counts[pp[3]] == snap.ref_counts[cp[3]] == 1
     # the child's prompt is the parent's 51 tokens: 50 computed and shared, the last one its own to compute
     assert snap.seqs[child.request_id].cached_tokens == 50 and child.so_far().prefilled_tokens == 1
-    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
+    drain(eng, check=lambda: eng.pages.first.check_invariants(live_tables(eng)))
     assert child.prompt_token_ids == history
     check_same(tiny_llama_ref, prompt, parent.result().token_ids, 30)
     check_same(tiny_llama_ref, history, child.result().token_ids, 20)
@@ -173,8 +173,8 @@ def test_n_replies_compute_the_prompt_once_and_share_its_pages(tiny_llama, tiny_
     assert pages[1] == pages[2] == pages[0][:shared] and all(snap.ref_counts[p] == 3 for p in pages[1])
     step(eng)   # each sibling computes the last prompt token again: into a copy of the shared partial page,
     # where it is one (two copies: the last writer has the original to itself), else into a page of its own
-    assert eng.block_manager.counters.cow_copies == (2 if prompt_len % 16 != 1 else 0)
-    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
+    assert eng.pages.first.counters.cow_copies == (2 if prompt_len % 16 != 1 else 0)
+    drain(eng, check=lambda: eng.pages.first.check_invariants(live_tables(eng)))
     results = [h.result() for h in handles]
     assert sum(r.prefilled_tokens for r in results) == prompt_len + 2    # one prefill, and 1 token each sibling
     assert results[1].cached_tokens == results[2].cached_tokens == prompt_len - 1
@@ -214,8 +214,8 @@ def test_preemption_keeps_outputs_exact(tiny_llama, tiny_llama_ref, swap_pages):
     eng = manual(tiny_llama, kv_cache_memory=8 * PAGE, swap_space=swap_pages * PAGE)
     prompts = [ids_of(eng.tokenizer, n, salt=i) for i, n in enumerate((20, 9, 25, 14))]
     handles = eng.submit_many(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
-    drain(eng, check=lambda: eng.block_manager.check_invariants(live_tables(eng)))
-    c = eng.block_manager.counters
+    drain(eng, check=lambda: eng.pages.first.check_invariants(live_tables(eng)))
+    c = eng.pages.first.counters
     if swap_pages == 0:
         assert c.recomputes > 0 and c.swap_outs == 0
     elif swap_pages == 32:
@@ -297,7 +297,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     pb = ids_of(eng.tokenizer, 170, 2)
     b = eng.submit(pb, SamplingParams(max_tokens=20, ignore_eos=True))
     drain(eng)
-    c = eng.block_manager.counters
+    c = eng.pages.first.counters
     assert c.evictions >= 4 and c.offloads >= 4
     snap = eng.memory()
     assert snap.cpu_cached >= 4 and snap.cpu_total == swap_pages
@@ -306,7 +306,7 @@ def test_idle_chat_is_offloaded_and_swapped_back_in(tiny_llama, tiny_llama_ref, 
     drain(eng)
     done = a2.result()
     assert done.cached_tokens == 64 and done.prefilled_tokens == len(prompt2) - 64
-    assert eng.block_manager.counters.cpu_hits == 4, "A's four pages came back from the CPU tier"
+    assert eng.pages.first.counters.cpu_hits == 4, "A's four pages came back from the CPU tier"
     check_same(tiny_llama_ref, prompt2, done.token_ids, 10)
     check_same(tiny_llama_ref, pb, b.result().token_ids, 20)
 
@@ -330,12 +330,12 @@ def test_eight_chats_share_one_system_prompt(tiny_llama, tiny_llama_ref, shared_
         nonlocal peak
         snap = eng.memory()
         peak = max(peak, snap.used_pages)
-        eng.block_manager.check_invariants(live_tables(eng))
+        eng.pages.first.check_invariants(live_tables(eng))
 
     drain(eng, check=track)
-    own = sum(eng.block_manager.pages_for(len(p) + max_tokens - 1) - 300 // 16 for p in prompts)
+    own = sum(eng.pages.first.pages_for(len(p) + max_tokens - 1) - 300 // 16 for p in prompts)
     assert peak <= 300 // 16 + own, (peak, own)
-    unshared = sum(eng.block_manager.pages_for(len(p) + max_tokens - 1) for p in prompts)
+    unshared = sum(eng.pages.first.pages_for(len(p) + max_tokens - 1) for p in prompts)
     assert peak < unshared / 3, "the system prompt is held once, not once per chat"
     results = [h.result() for h in handles]
     assert sum(r.cached_tokens for r in results) >= 7 * (shared // 16) * 16
@@ -428,7 +428,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
         wanted[handle.request_id] = max_tokens
 
     def check():
-        eng.block_manager.check_invariants(live_tables(eng))
+        eng.pages.first.check_invariants(live_tables(eng))
 
     def pick(i):
         return handles[i % len(handles)] if handles else None
@@ -440,7 +440,7 @@ def test_random_operations_keep_pages_consistent_and_outputs_exact(small_model, 
             try:
                 submit(lambda params: eng.submit(bases[base][:length], params), max_tokens)
             except RequestError:  # more than the 5 pages: refused up front, and the engine goes on
-                assert eng.block_manager.pages_for(length + max_tokens) > 5
+                assert eng.pages.first.pages_for(length + max_tokens) > 5
         elif kind == "step":
             for _ in range(op[1]):
                 step(eng)

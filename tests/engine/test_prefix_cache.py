@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fake_engine import toks
-from pagedchat.engine.cpu_tier import CpuTier, PoolCorrupted
+from pagedchat.engine.checks import PoolCorrupted
+from pagedchat.engine.cpu_tier import CpuTier
 from pagedchat.engine.page_pool import PagePool
 from pagedchat.engine.pages import chain_hashes, page_hash
 from pagedchat.engine.prefix_cache import PrefixCache

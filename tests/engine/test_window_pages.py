@@ -13,7 +13,7 @@ from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 from pagedchat import Engine, SamplingParams
 from pagedchat.engine.memory import MemorySnapshot
-from pagedchat.engine.sequence import NULL_PAGE
+from pagedchat.engine.records import NULL_PAGE
 from pagedchat.errors import RequestError
 from pagedchat.model.config import ModelConfig
 

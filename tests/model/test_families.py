@@ -93,8 +93,8 @@ def test_eight_chats_on_one_system_prompt_with_preemption(family_model):
     prompts = [h.prompt_token_ids for h in handles]  # as the family's template quirks render them
     while engine.has_work():
         engine.step()
-        engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.all_seqs()])
-    counters = engine.block_manager.counters
+        engine.pages.check_invariants(engine.scheduler.all_seqs())
+    counters = engine.pages.counters
     assert counters.swap_outs + counters.recomputes > 0, "the pool was meant to be too small for all 8"
     assert sum(h.result().cached_tokens for h in handles) > 0, "the system prompt's pages were shared"
     for prompt, handle in zip(prompts, handles):

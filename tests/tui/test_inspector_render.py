@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from pagedchat.backends.base import MemoryUnavailable
 from pagedchat.backends.metrics import ServerMetrics
-from pagedchat.engine.block_manager import MemoryCounters
+from pagedchat.engine.pages import MemoryCounters
 from pagedchat.engine.records import NULL_PAGE, PageState
 from pagedchat.engine.memory import GroupMemory, MemorySnapshot, SequenceMemory
 from pagedchat.tui.inspector import MAP_ROWS, MAX_TABLE_ROWS, fitted_parts, render_block_table, render_chats, \

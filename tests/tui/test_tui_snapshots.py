@@ -13,7 +13,7 @@ import pytest
 from textual.widgets import TextArea
 
 from pagedchat.backends.base import BackendInfo
-from pagedchat.engine.block_manager import MemoryCounters
+from pagedchat.engine.pages import MemoryCounters
 from pagedchat.engine.records import Outcome, PageState
 from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
