@@ -30,7 +30,7 @@ from pagedchat.tui.streaming import settle_point
 # flush waits at least RENDER_SPACING times as long as the last one took, its screen update included: the
 # flushes then hold the main thread a bounded share of the time. A flush's cost stays about flat as the reply
 # grows: the live Markdown keeps only the last few blocks (streaming.py). Measurements:
-# docs/bench.md#the-app-against-its-engine-app.
+# docs/bench.md#the-app-against-its-engine---app.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
 RENDER_SPACING = 20
