@@ -189,7 +189,7 @@ def percentile(values: list[float], share: float) -> float:
     return values[min(len(values) - 1, max(0, int(share * len(values) + 0.999999) - 1))]
 
 
-FINAL = (FinishReason.STOP, FinishReason.LENGTH)   # a probe reply ends so; any other ending is not final yet
+FINAL = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT_FULL)   # else not final yet
 
 
 def _chats(data_dir: Path):
