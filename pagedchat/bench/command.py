@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: write a random-weight GGUF of a named model shape (llama-1b, llama-3b) "
                              "with the default model's tokenizer to FILE, in Q4_K_M by llama.cpp's quantizer "
                              "(needs llama-cpp-python), to bench with --model FILE")
+    parser.add_argument("--tabs", type=positive_int, default=1, metavar="N",
+                        help="with --app: N tabs generating at once (up to 4), their tok/s added up, and the "
+                             "echo of keys typed meanwhile (default: 1)")
 
 
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -194,19 +197,22 @@ def run_speculation(args: argparse.Namespace) -> int:
 
 def run_app(args: argparse.Namespace) -> int:
     """`--app`: the reply line's tok/s in the real app against the engine alone, per round and their ratio."""
-    from pagedchat.bench.app_probe import run_app_probe
+    from pagedchat.bench.app_probe import percentile, run_app_probe
 
     # The app and the engine alone get the same settings: the engine's names, the app's flags.
     options = {name: getattr(args, name) for name in ("kv_cache_memory", "dtype", "kv_cache_dtype", "device", "threads")
                if getattr(args, name)}
     try:
-        report = run_app_probe(args.model, args.repeat, args.max_tokens, options,
+        report = run_app_probe(args.model, args.repeat, args.max_tokens, options, tabs=args.tabs,
                                progress=lambda line: print(line, flush=True))
     except PagedChatError as exc:
         print(f"pagedchat bench: {exc}", file=sys.stderr)
         return 2
     print(f"{report.model}: the app's reply line at {report.ratio:.2f}x the engine alone (median of "
           f"{len(report.rounds)} rounds)")
+    if echoes := report.echoes_s:
+        print(f"keys typed while {args.tabs} tabs streamed: echoed in {percentile(echoes, 0.5) * 1000:.0f} ms "
+              f"median, {percentile(echoes, 0.95) * 1000:.0f} ms p95 ({len(echoes)} keys)")
     return 0
 
 

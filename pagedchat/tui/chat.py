@@ -18,17 +18,19 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
 from textual.timer import Timer
-from textual.widgets import Label, Markdown, TextArea
+from rich.markdown import Markdown as RichMarkdown
+from textual.widgets import Label, Markdown, Static, TextArea
 
 from pagedchat.engine.records import Outcome
 from pagedchat.text import plain, visible_controls
 from pagedchat.tui.records import ChatMessage, stats_line
+from pagedchat.tui.streaming import settle_point
 
-# Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for the GIL and a
-# core, and an append costs more as the reply grows (Textual re-parses the last block and rebuilds a list or a
-# code block whole), so each flush waits at least RENDER_SPACING times as long as the last append took: the
-# appends then hold the main thread a bounded share of the time. Measurements:
-# docs/bench.md#the-app-keeps-up-with-its-engine.
+# Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for a core, so each
+# flush waits at least RENDER_SPACING times as long as the last one took, its screen update included: the
+# flushes then hold the main thread a bounded share of the time. A flush's cost stays about flat as the reply
+# grows: the live Markdown keeps only the last few blocks (streaming.py). Measurements:
+# docs/bench.md#the-app-against-its-engine---app.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
 RENDER_SPACING = 20
@@ -136,6 +138,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
+        yield Vertical(classes="settled")   # a streaming reply's blocks above its last few (streaming.py)
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
@@ -145,6 +148,24 @@ class MessageView(Vertical, can_focus=True):
     @property
     def body(self) -> Markdown:
         return self.query_one(".body", Markdown)
+
+    @property
+    def settled(self) -> Vertical:
+        return self.query_one(".settled", Vertical)
+
+    async def _show(self, text: str) -> None:
+        """The whole text in the Markdown widget, nothing settled."""
+        await self.settled.remove_children()
+        await self.body.update(visible_controls(text))
+
+    async def _settle(self) -> None:
+        """Move the live Markdown's blocks above its last few into a Static that renders them once: the screen's
+        layout then walks a handful of widgets, however long the reply."""
+        source = self.body.source
+        cut = settle_point(source)
+        if cut:
+            await self.settled.mount(Static(RichMarkdown(source[:cut]), classes="settled-part"))
+            await self.body.update(source[cut:])
 
     def set_stats(self, text: str) -> None:
         for label in self.query(".stats").results(Label):
@@ -158,7 +179,7 @@ class MessageView(Vertical, can_focus=True):
     async def start_stream(self, prefix: str = "") -> None:
         """Begin a reply (prefix: text it already has, as when a branch continues a live reply)."""
         if prefix:
-            await self.body.update(visible_controls(prefix))
+            await self._show(prefix)
         self._streaming = True
         self._flush_gap = FLUSH_S
         self._streamed_tokens = 0
@@ -203,8 +224,15 @@ class MessageView(Vertical, can_focus=True):
         started = time.thread_time()
         if text:
             await self.body.append(visible_controls(text))
+            await self._settle()
+        # Timed to the end of the screen update it causes: the layout and the drawing are most of its cost.
+        self.call_after_refresh(self._flushed, started, self._flush_timer)
+
+    def _flushed(self, started: float, timer: Timer | None) -> None:
+        if timer is not self._flush_timer:   # the stream ended (or began again) meanwhile
+            return
         self._flush_gap = min(MAX_FLUSH_S, max(FLUSH_S, RENDER_SPACING * (time.thread_time() - started)))
-        # Cleared only now: text fed during the append waits for the next flush instead of racing this one.
+        # Cleared only now: text fed meanwhile waits for the next flush instead of racing this one.
         self._flush_timer = None
         if self._pending and self._streaming:
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
@@ -218,7 +246,7 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = False
         self.message.content = content
         self.message.stats = stats
-        await self.body.update(visible_controls(content))
+        await self._show(content)
         self.set_stats(stats_line(stats) if stats else "")
 
     # ---- keys ---------------------------------------------------------------------------------------------

@@ -39,3 +39,19 @@ def test_a_model_that_cannot_load_is_one_clear_error(tmp_path):
     with pytest.raises(PagedChatError) as caught:
         run_app_probe(str(tmp_path / "missing"), repeat=1, max_tokens=4, options=OPTIONS)
     assert "missing" in str(caught.value)
+
+
+def test_four_tabs_generate_at_once_and_keys_typed_meanwhile_are_timed(model):
+    options = dict(OPTIONS, kv_cache_memory="64MiB")   # four replies at once
+    report = run_app_probe(model, repeat=1, max_tokens=500, options=options, prompt="hello there", tabs=4)
+    [r] = report.rounds
+    assert r.app.text == r.engine.text   # four chats, each the engine's own reply (float32), in one order
+    assert r.app.prompt_tokens == r.engine.prompt_tokens and r.app.tokens == r.engine.tokens > 4
+    # A tiny model may finish a reply before the last tab starts: then no key is timed (the echo itself is timed
+    # on the default model, in the bench).
+    assert all(0 < e < 30 for e in r.echoes_s)
+
+
+def test_more_tabs_than_prompts_is_refused(model):
+    with pytest.raises(PagedChatError, match="1 to 4 tabs"):
+        run_app_probe(model, repeat=1, max_tokens=4, options=OPTIONS, tabs=5)

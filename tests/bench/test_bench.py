@@ -55,6 +55,7 @@ def test_defaults_and_flags():
     assert args.chats == (1, 2, 4, 8, 16) and args.max_tokens == 128 and args.system_tokens == 300
     assert bench.with_defaults(_parse(["--app"])).max_tokens == 450
     assert bench.with_defaults(_parse(["--app", "--max-tokens", "9"])).max_tokens == 9
+    assert args.tabs == 1 and _parse(["--app", "--tabs", "4"]).tabs == 4
     assert args.seed == 0 and args.json_path is None and args.against == () and args.repeat == 1
     assert _parse(["--chats", "8,1,8"]).chats == (1, 8)
     assert args.threads is None and _parse(["--threads", "3"]).threads == 3

@@ -1,0 +1,69 @@
+"""A streaming reply keeps only its last few blocks in the live Markdown widget; the rest settles (streaming.py)."""
+
+from __future__ import annotations
+
+from textual.app import App
+from textual.containers import VerticalScroll
+from textual.widgets import Markdown, Static
+
+from pagedchat.tui.chat import MessageView
+from pagedchat.tui.records import ChatMessage
+from pagedchat.tui.streaming import SETTLE_LINES, settle_point
+
+
+def guide(items: int) -> str:
+    """A long numbered list with nested tips: one top-level Markdown block that grows with the reply."""
+    parts = ["# A trip\n\nHere is a guide.\n\n"]
+    for i in range(1, items + 1):
+        parts.append(f"{i}. **Step {i}** - decide early.\n")
+        parts.extend(f"   - Tip {j}: book the `JR` pass.\n" for j in range(3))
+    return "".join(parts)
+
+
+def test_nothing_settles_while_the_text_is_short():
+    assert settle_point(guide(2)) == 0
+
+
+def test_a_long_list_is_cut_at_its_last_item_but_one():
+    text = guide(10)
+    cut = settle_point(text)
+    assert text[cut:].startswith("10. **Step 10**")
+
+
+def test_never_inside_a_fenced_block_nor_a_table_nor_a_paragraphs_lines():
+    fence = "```\n" + "".join(f"line {i}\n\ncode\n" for i in range(SETTLE_LINES)) + "```\nafter"
+    assert settle_point("intro\n\n" + fence) == len("intro\n\n")   # before the fence, not inside it
+    table = "| a | b |\n|---|---|\n" + "".join(f"| {i} | x |\n" for i in range(SETTLE_LINES + 2)) + "end"
+    assert settle_point(table) == 0
+    paragraph = "".join(f"word {i}\n" for i in range(SETTLE_LINES + 3))   # one paragraph: lines continue it
+    assert settle_point(paragraph) == 0
+    heading = "intro\n\n" + "Title\n" + "=====\n" + "".join(f"- {i}\n" for i in range(SETTLE_LINES))
+    assert not heading[settle_point(heading):].startswith("=")
+
+
+class OneMessage(App):
+    def compose(self):
+        with VerticalScroll():
+            yield MessageView(ChatMessage("assistant", ""), 0)
+
+
+async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_as_one():
+    text = guide(40)
+    app = OneMessage()
+    async with app.run_test(size=(140, 45)) as pilot:
+        view = app.query_one(MessageView)
+        await view.start_stream()
+        most_live_lines = 0
+        for start in range(0, len(text), 40):
+            view.feed(text[start:start + 40], 8)
+            await pilot.pause(0.12)   # past the flush timer, so each feed is rendered
+            most_live_lines = max(most_live_lines, view.body.source.count("\n"))
+        await pilot.pause(1.2)   # the last flush
+        settled = view.settled.query(Static).results(Static)
+        shown = "".join(part.content.markup for part in settled)
+        assert shown + view.body.source == text
+        assert most_live_lines <= 2 * SETTLE_LINES
+        await view.finish(text, None)
+        assert not view.settled.children
+        assert view.body.source == text
+        assert len(view.query(Markdown)) == 1
