@@ -43,7 +43,7 @@ CSRC = Path(__file__).with_name("csrc")
 # a float32 step's norms, rotary turn with the cache write, silu(gate) * up).
 LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "layer_level.cpp")
 TORCH_SOURCE = CSRC / "qmm_torch.cpp"
-HEADERS = (CSRC / "qmm.h", CSRC / "lanes.h", CSRC / "chunks.h")
+HEADERS = (CSRC / "qmm.h", CSRC / "lanes.h")
 # GGML's ids for the types the library runs (qmm.h).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 

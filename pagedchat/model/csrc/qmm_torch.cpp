@@ -17,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "chunks.h"
 #include "qmm.h"
 
 namespace qmm {
@@ -233,7 +232,7 @@ Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorO
               at::empty({k / 16, m}, options), at::empty({k / 32, m}, options), {}};
   int8_t* qs = a.q.data_ptr<int8_t>();
   float *ds = a.d32.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
-  chunks::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
     make(b0, b1);
     lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2);
   });
@@ -279,7 +278,7 @@ void matmul_parts(const Quantized& a, at::TensorList ws, at::IntArrayRef types, 
   for (const auto& w : ws) first_unit.push_back(first_unit.back() + (w.size(0) + UNIT - 1) / UNIT);
   // Units per task: enough work that a split across threads pays for waking them.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
-  chunks::parallel_for(0, first_unit.back(), grain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, first_unit.back(), grain, [&](int64_t b0, int64_t b1) {
     const auto scratch = scratch_for(k);
     int64_t col = 0;
     for (size_t i = 0; i < ws.size(); col += ws[i].size(0), ++i) {
@@ -333,7 +332,7 @@ at::Tensor pack(const at::Tensor& blocks, int64_t type) {
   auto out = at::empty_like(blocks);
   const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), paneled = panel_rows(rows);
   uint8_t *from = blocks.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
-  chunks::parallel_for(0, paneled / qmm::PANEL_ROWS, 16, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, paneled / qmm::PANEL_ROWS, 16, [&](int64_t a, int64_t b) {
     const int64_t n0 = a * qmm::PANEL_ROWS;
     move(int(type), from + n0 * row_bytes, to, row_bytes, n0, b * qmm::PANEL_ROWS, true);
   });
@@ -350,7 +349,7 @@ at::Tensor unpack(const at::Tensor& w, int64_t type, const at::Tensor& ids_in) {
   for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " of ", rows);
   auto out = at::empty({count, row_bytes}, w.options());
   uint8_t *from = w.data_ptr<uint8_t>(), *to = out.data_ptr<uint8_t>();
-  chunks::parallel_for(0, count, 64, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, count, 64, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       if (id[i] < paneled) {
         unpack_rows(int(type), from, row_bytes, id[i], id[i] + 1, to + i * row_bytes);
@@ -369,7 +368,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t level) {
   const uint8_t* ws = w.data_ptr<uint8_t>();
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  chunks::parallel_for(0, w.size(0), 16, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, w.size(0), 16, [&](int64_t a, int64_t b) {
     const auto scratch = scratch_for(k);
     lv.dequantize(int(type), ws + a * row_bytes, row_bytes, k, b - a, os + a * k, scratch.get());
   });
@@ -438,7 +437,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
                              lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
                              out.data_ptr<float>(), max_keys, batch, chunk};
   const qmm::Level& lv = level_at(level);
-  chunks::parallel_for(0, (batch + chunk - 1) / chunk * kv_heads, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, (batch + chunk - 1) / chunk * kv_heads, 1, [&](int64_t a, int64_t b) {
     std::unique_ptr<float[]> scratch(new float[chunk * qmm::attend_scratch(args)]);
     lv.attend(args, a, b, scratch.get());
   });
@@ -466,7 +465,7 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t le
   const qmm::Level& lv = level_at(level);
   const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  chunks::parallel_for(0, x.size(0), row_grain(h), [&](int64_t a, int64_t b) { lv.norm(xs, ws, h, float(eps), a, b, os); });
+  at::parallel_for(0, x.size(0), row_grain(h), [&](int64_t a, int64_t b) { lv.norm(xs, ws, h, float(eps), a, b, os); });
   return out;
 }
 
@@ -479,7 +478,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t level) {
   const qmm::Level& lv = level_at(level);
   const float* gs = gate_up.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  chunks::parallel_for(0, gate_up.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.silu_mul(gs, n, a, b, os); });
+  at::parallel_for(0, gate_up.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.silu_mul(gs, n, a, b, os); });
   return out;
 }
 
@@ -492,7 +491,7 @@ at::Tensor argmax_rows(const at::Tensor& x, int64_t level) {
   const float* xs = x.data_ptr<float>();
   int64_t* os = out.data_ptr<int64_t>();
   const int64_t n = x.size(1);
-  chunks::parallel_for(0, x.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.argmax(xs, n, a, b, os); });
+  at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t a, int64_t b) { lv.argmax(xs, n, a, b, os); });
   return out;
 }
 
@@ -526,7 +525,7 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const qmm::Level& lv = level_at(level);
   // A few rows a task: a row's key and value go to a page anywhere in the pool, and those stores, not the
   // arithmetic, are most of its time, so threads pay at far fewer values than row_grain's.
-  chunks::parallel_for(0, t, 4, [&](int64_t a, int64_t b) { lv.rope_write(args, a, b); });
+  at::parallel_for(0, t, 4, [&](int64_t a, int64_t b) { lv.rope_write(args, a, b); });
   return q;
 }
 
