@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(sub.add_parser("bench", help="measure memory and speed"))
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--api-key", metavar="KEY", action="append", dest="api_keys", default=[],
                        help="require Authorization: Bearer KEY on /v1 paths; repeat it to give each client its own "
@@ -350,12 +351,14 @@ def cmd_serve(args) -> int:
     # The engine's settings come from config.toml, then the flags; the key only from --api-key or the environment.
     return serve(ServeOptions(engine=_config(args).engine, host=args.host, port=args.port,
                               api_keys=tuple(args.api_keys), max_requests_per_key=args.max_requests_per_key,
-                              max_request_tokens=args.max_request_tokens, max_body_size=args.max_body_size, grammar_seconds=args.grammar_timeout,
+                              max_request_tokens=args.max_request_tokens, max_body_size=args.max_body_size,
+                              grammar_seconds=args.grammar_timeout,
                               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
                               drain_seconds=args.drain_timeout))
 
 
-COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, "import": cmd_import, None: cmd_app}
+COMMANDS = {"pull": cmd_pull, "ask": cmd_ask, "bench": cmd_bench, "serve": cmd_serve, "import": cmd_import,
+            None: cmd_app}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,7 +139,8 @@ _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int)
         "max_seqs": (int,), "speculative": (str,),
         "system_prompt": (str,), "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
-# [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is left out).
+# [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is
+# left out).
 _SAMPLING = {f.name: (int, float) if f.kind is float else (int,) for f in CHAT_FIELDS}
 
 

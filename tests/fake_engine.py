@@ -154,7 +154,8 @@ class FakeModel:
             bs, group = sim.bm.block_size, sim.bm.group
             pages_written = [p for item in plan.scheduled
                              for p in {item.seq.table(group).block_table[pos // bs]
-                                       for pos in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)}]
+                                       for pos in range(item.seq.num_computed,
+                                                        item.seq.num_computed + item.num_tokens)}]
             assert len(pages_written) == len(set(pages_written)), "two sequences wrote into one page in one step"
             assert NULL_PAGE not in pages_written, "a write into a released block"
         for item in plan.scheduled:

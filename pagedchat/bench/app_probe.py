@@ -246,7 +246,8 @@ def app_round(model: str | None, prompts: list[str], max_tokens: int, options: M
             try:
                 chats, echoes = _drive(term, data, prompts)
             except TimeoutError as exc:
-                raise BenchError(f"the app probe: {exc}; the screen ended with {term.screen_tail()[-300:]!r}")
+                raise BenchError(f"the app probe: {exc}; the screen ended with {term.screen_tail()[-300:]!r}") \
+                    from None
             term.signal(signal.SIGTERM)
             term.wait()
         finally:

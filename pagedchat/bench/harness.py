@@ -178,7 +178,7 @@ def startup_times(cfg: BenchConfig, top: int, peers: list[Peer], progress) -> tu
     probes = [(PAGEDCHAT, lambda: time_to_ready(["-c", ENGINE_READY, json.dumps(engine_kwargs(cfg, top))]))]
     probes += [(p.name, p.startup) for p in peers if p.startup is not None]
     times: dict[str, list[float]] = {name: [] for name, _ in probes}
-    for r in range(cfg.repeat):
+    for _ in range(cfg.repeat):
         for name, probe in probes:
             progress.describe(f"start to model ready · {name}")
             times[name].append(probe())

@@ -114,7 +114,7 @@ def write_f16(shape: Shape, out: Path, tokenizer: Path, seed: int = 0) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, dims in tensors:
+    for _, dims in tensors:
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, np.float32))
         else:

@@ -172,9 +172,10 @@ class EngineCore:
         return self._finish(seq, FinishReason.ERROR, error)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def run_step(self, model: ModelStep, lock: ContextManager = contextlib.nullcontext()) -> list[Output]:
+    def run_step(self, model: ModelStep, lock: ContextManager | None = None) -> list[Output]:
         """schedule -> page copies -> forward -> sample -> postprocess, each phase's fault hook as it ends. A
         batch phase's exception propagates: the caller hands it to abort_step."""
+        lock = contextlib.nullcontext() if lock is None else lock
         with lock:
             plan = self.schedule()
         model.copy_pages(plan.group_ops)  # even for a step that computes nothing: preemptions may plan swap-outs
@@ -312,8 +313,8 @@ class EngineCore:
         self.pages.repair(self.scheduler.all_seqs())
         return out
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, new_tokens: list[int] | None = None,
-                text: str = "", logprobs: list[Sampled] | None = None) -> Output:
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+                new_tokens: list[int] | None = None, text: str = "", logprobs: list[Sampled] | None = None) -> Output:
         """Release seq's pages at once and build its final update (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed
             self._release_siblings(seq)

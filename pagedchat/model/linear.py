@@ -238,7 +238,8 @@ class Builder:
             self.tensors[f"{key}.packed"], self.tensors[f"{key}.scale_zeros"] = p.packed, p.scale_zeros
             self.forms[key] = Int4Groups(p.doubled, p.source)
             return p
-        weight = torch.cat([self.placement.dense(w) for w in items]) if len(items) > 1 else self.placement.dense(items[0])
+        dense = [self.placement.dense(w) for w in items]
+        weight = torch.cat(dense) if len(dense) > 1 else dense[0]
         self.tensors[f"{key}.weight"] = weight
         self.forms[key] = Plain()
         return Linear(weight, bias, self.placement.onednn)

@@ -152,7 +152,8 @@ def _int4_probe() -> bool:
     gen = torch.Generator().manual_seed(0)
     n, k = 64, 64
     groups = Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8).numpy(),
-                        torch.rand(n, k // GROUP, generator=gen).numpy(), torch.randn(n, k // GROUP, generator=gen).numpy(),
+                        torch.rand(n, k // GROUP, generator=gen).numpy(),
+                        torch.randn(n, k // GROUP, generator=gen).numpy(),
                         "probe")
     try:
         linear = Int4Linear(groups)

@@ -72,7 +72,8 @@ class FastTokenizer:
         self.backend = backend
         self.meta = meta
         self.chat_template = meta.chat_template
-        self.bos_token_id, self.eos_token_id, self.pad_token_id = meta.bos_token_id, meta.eos_token_id, meta.pad_token_id
+        self.bos_token_id, self.eos_token_id = meta.bos_token_id, meta.eos_token_id
+        self.pad_token_id = meta.pad_token_id
 
     @property
     def added_tokens_decoder(self) -> dict[int, tokenizers.AddedToken]:
@@ -279,7 +280,8 @@ def _same(fast: FastTokenizer, hf) -> bool:
             ids = hf.encode(text, add_special_tokens=special)
             if fast.encode(text, add_special_tokens=special) != ids:
                 return False
-            if any(fast.decode(ids, skip_special_tokens=s) != hf.decode(ids, skip_special_tokens=s) for s in (False, True)):
+            if any(fast.decode(ids, skip_special_tokens=s) != hf.decode(ids, skip_special_tokens=s)
+                   for s in (False, True)):
                 return False
     if fast.chat_template is None:
         return hf.chat_template is None

@@ -197,13 +197,15 @@ class Server:
             raise ApiError(400, f"the {prompt_field} is empty once tokenized", param=prompt_field)
         if len(ids) >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your "
-                           f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens (context_length_exceeded).",
+                           f"{prompt_field} resulted in {prompt_size(len(ids), context)} tokens "
+                           "(context_length_exceeded).",
                            param=prompt_field, code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is not None and len(ids) + max_tokens > context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_field}, {max_tokens} in the "
-                           "completion). Please reduce the length of the messages or completion (context_length_exceeded).",
+                           "completion). Please reduce the length of the messages or completion "
+                           "(context_length_exceeded).",
                            param="max_tokens", code="context_length_exceeded")
         cap = self.max_request_tokens
         if cap is not None and max_tokens is not None and req.n * max_tokens > cap:

@@ -275,7 +275,8 @@ class ChatRequest(_Request):
             raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
                            param="tool_choice")
         fmt = self.response_format
-        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        if fmt is not None and fmt.type == "json_schema" and (
+                fmt.json_schema is None or fmt.json_schema.schema_ is None):
             raise ApiError(400, "a json_schema response_format needs json_schema.schema", param="response_format")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise ApiError(400, "continue_final_message needs add_generation_prompt false and an assistant "

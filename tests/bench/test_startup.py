@@ -1,4 +1,5 @@
-"""What start-up skips, checked to change nothing: the KV pool's zero pages (the tokenizer record: test_tokenizer.py)."""
+"""What start-up skips, checked to change nothing: the KV pool's zero pages (the tokenizer record:
+test_tokenizer.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ print("kernels-ok")
 
 
 # A sliding window shorter than the longer prompts: the kernel's window skips and masks pages.
-@pytest.mark.parametrize("model", [dict(arch="llama"), dict(arch="mistral", window=16)], ids=["llama", "mistral-window"])
+@pytest.mark.parametrize("model", [dict(arch="llama"), dict(arch="mistral", window=16)],
+                         ids=["llama", "mistral-window"])
 def test_engine_with_interpreted_triton_kernels(tmp_path, model):
     env = dict(os.environ, TRITON_INTERPRET="1", PAGEDCHAT_ATTENTION="triton")
     tests = str(Path(__file__).parents[1])

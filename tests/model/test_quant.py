@@ -141,7 +141,8 @@ def test_packed_weight_bytes_are_the_packed_tensors(tiny_quantized, monkeypatch,
     per_layer = [(cfg.num_heads * d + 2 * cfg.num_kv_heads * d, h), (h, cfg.num_heads * d), (2 * inter, h), (h, inter)]
     width = 2 if kind == "Q8_0" else 1  # Q8_0's two halves
     packed = lambda n, k: n * k * width // 2 + (k * width // 32) * n * 2 * 2  # noqa: E731 - codes + (scale, zero)
-    expected = cfg.num_layers * (sum(packed(n, k) for n, k in per_layer) + 2 * h * 2) + packed(cfg.vocab_size, h) + h * 2
+    layers = cfg.num_layers * (sum(packed(n, k) for n, k in per_layer) + 2 * h * 2)
+    expected = layers + packed(cfg.vocab_size, h) + h * 2
     assert model.weight_bytes() == expected
     assert model.embed is model.lm_head
     reader = gguf.GGUFReader(engine.model_path / ".." / "tiny.gguf")
@@ -223,7 +224,7 @@ def test_quantize_a_safetensors_model(tmp_path, monkeypatch, quantize, kind):
 
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in ref.named_parameters():
+        for p in ref.parameters():
             if p.dim() == 2:  # what the engine packs, as it packs it: from the bf16 weights
                 q = gguf.quants.quantize(p.bfloat16().float().numpy(), T[kind])
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(q, T[kind])))

@@ -124,7 +124,7 @@ def test_required_tool_calls_stream_as_one_delta_per_reply(server, client):
             calls[c.index] += c.delta.tool_calls or []
             finish[c.index] = c.finish_reason or finish.get(c.index)
     assert finish == {0: "tool_calls", 1: "tool_calls"}
-    for index, [call] in calls.items():
+    for [call] in calls.values():
         {"get_weather": Weather, "add_pet": Pet}[call.function.name].model_validate_json(call.function.arguments)
 
 

@@ -126,7 +126,8 @@ def test_a_call_cut_by_max_tokens_has_the_same_shape_streamed_or_not(server, cli
     assert cut.finish_reason == "length" and cut.message.content is None
     [call] = cut.message.tool_calls
     assert call.function.name == "get_weather"
-    assert call.function.arguments and compact.startswith(call.function.arguments) and call.function.arguments != compact
+    arguments = call.function.arguments
+    assert arguments and compact.startswith(arguments) and arguments != compact
     calls, content, finish = _streamed(server, client, max_tokens=cut_at, **args)
     assert (calls, content, finish) == ({0: ["get_weather", call.function.arguments]}, None, "length")
 

@@ -111,7 +111,7 @@ def test_two_instances_on_one_chat_keep_both_turns(launch, config):
     try:
         wait_until(finished, "both replies to finish")
     except AssertionError:
-        raise AssertionError(f"{saved(config.data_dir)}\n{first.screen_tail()}")
+        raise AssertionError(f"{saved(config.data_dir)}\n{first.screen_tail()}") from None
     for app in (first, second):
         app.type("\x11")  # ctrl+q
     assert first.wait() == 0 and second.wait() == 0

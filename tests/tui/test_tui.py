@@ -10,7 +10,6 @@ import dataclasses
 import itertools
 import re
 import sqlite3
-from functools import partial
 
 import pytest
 

@@ -174,7 +174,6 @@ async def test_up_recalls_earlier_prompts_across_chats_and_down_comes_back(confi
 
 
 async def test_prompt_history_palette_puts_a_fuzzy_match_in_the_input(config):
-    from textual.command import CommandPalette
 
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
