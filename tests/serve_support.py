@@ -15,7 +15,8 @@ import httpx
 import openai
 
 CONTEXT = 2048
-# 1 MiB holds 85 pages of this model (1360 tokens): less than the context, so "too big for the cache" exists.
+# 1 MiB holds 85 float32 pages of this model (1360 tokens): less than the context, so "too big for the cache"
+# exists.
 CACHE = "1MiB"
 STARTUP_S = 120
 KEY = "sesame"
@@ -57,7 +58,8 @@ def free_port() -> int:
 def start_server(folder: Path, log: Path, *extra: str, env: dict | None = None) -> RunningServer:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedchat.cli", "serve", "--model", str(folder), "--port", str(port),
-           "--kv-cache-memory", CACHE, "--dtype", "float32", "--threads", "1", *extra]
+           "--kv-cache-memory", CACHE, "--dtype", "float32", "--kv-cache-dtype", "float32", "--threads", "1",
+           *extra]
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"

@@ -23,7 +23,7 @@ QUESTION = [{"role": "user", "content": "How do pages share a prefix?"}]
 
 
 def options(model) -> dict:
-    return dict(model=str(model), kv_cache_memory="4MiB", dtype="float32")
+    return dict(model=str(model), kv_cache_memory="4MiB", dtype="float32", kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
