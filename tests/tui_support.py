@@ -45,9 +45,11 @@ def quick_pilot(monkeypatch):
 
 def make_config(tmp: Path, model: Path | str | None = None, **overrides) -> AppConfig:
     """An AppConfig whose config and data dirs live under tmp; greedy sampling so runs repeat. float32 by name:
-    the app's engine runs in a process of its own, which the tests' fp32 default (conftest) does not reach."""
+    the app's engine runs in a process of its own, which the tests' fp32 default (conftest) does not reach. No
+    speculation: the tests watch replies live, and drafts would end a tiny model's repetitive reply at once."""
     defaults = dict(config_dir=tmp / "config", data_dir=tmp / "data", model=str(model) if model else None,
-                    kv_cache_memory="4MiB", temperature=0.0, top_p=1.0, max_tokens=48, dtype="float32")
+                    kv_cache_memory="4MiB", temperature=0.0, top_p=1.0, max_tokens=48, dtype="float32",
+                    speculative="off")
     defaults.update(overrides)
     (tmp / "config").mkdir(parents=True, exist_ok=True)
     return load_config(None, **defaults)

@@ -79,9 +79,7 @@ async def test_send_streams_a_reply_with_stats(config):
         assert stats.generated_tokens == LONG and stats.finish_reason == "length"
         assert stats.prompt_tokens > 0 and stats.time_to_first_token is not None and stats.decode_tokens_per_s > 0
         line = static_text(app, ".message.-assistant .stats")
-        # Drafts are counted where speculation verified some (the tiny model repeats itself).
-        assert re.match(r"prompt \d+ · cached \d+ · generated 400 · TTFT .+ · [\d.]+ tok/s"
-                        r"( · drafts \d+/\d+ kept)? · hit max tokens", line)
+        assert re.match(r"prompt \d+ · cached \d+ · generated 400 · TTFT .+ · [\d.]+ tok/s · hit max tokens", line)
 
         # The second turn reuses the first turn's exact ids, so its prompt comes from the prefix cache.
         session = await send(pilot, "and again", max_tokens=8)
