@@ -9,7 +9,8 @@ from pathlib import Path
 
 from pagedchat.argtypes import KV_CACHE_DTYPES, positive_int
 from pagedchat.bench.app_probe import DEFAULT_MAX_TOKENS as DEFAULT_APP_TOKENS
-from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths
+from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths, \
+    write_json
 from pagedchat.errors import PagedChatError
 
 DEFAULT_MAX_TOKENS = 128
@@ -166,14 +167,9 @@ def run_windows(args: argparse.Namespace) -> int:
         print(f"pagedchat bench: {exc}", file=sys.stderr)
         return 2
     print(render_windows(report))
-    if args.json_path:
-        from dataclasses import asdict
+    from dataclasses import asdict
 
-        figures = json.dumps(asdict(report), indent=2)
-        if args.json_path == "-":
-            print(figures)
-        else:
-            Path(args.json_path).write_text(figures + "\n")
+    write_json(args.json_path, asdict(report))
     return 0
 
 

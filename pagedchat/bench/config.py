@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedchat.config import EngineOptions
 from pagedchat.errors import PagedChatError
@@ -70,3 +72,14 @@ class BenchConfig:
         return EngineOptions(model=self.model, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
                              kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads,
                              swap_space=0, speculative=self.speculative or "auto")
+
+
+def write_json(json_path: str | None, figures: dict) -> None:
+    """--json: the figures to FILE, or to stdout for '-'; nothing without the flag."""
+    if not json_path:
+        return
+    text = json.dumps(figures, indent=2)
+    if json_path == "-":
+        print(text)
+    else:
+        Path(json_path).write_text(text + "\n")

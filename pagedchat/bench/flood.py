@@ -12,11 +12,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import httpx
 
 from pagedchat.backends.base import TokenBackend
+from pagedchat.bench.config import write_json
 from pagedchat.bench.http import MODEL_NAME, InProcessServer
 
 FLOODERS = 4        # clients that each ask for FLOOD_N long replies
@@ -153,10 +153,5 @@ def run(args) -> int:
     report = run_flood_bench(LocalBackend(engine), workload.prompts[1:], workload.prompts[0], args.max_tokens,
                              args.repeat)
     print(render(report))
-    if args.json_path:
-        text = json.dumps(report.to_json(), indent=2)
-        if args.json_path == "-":
-            print(text)
-        else:
-            Path(args.json_path).write_text(text + "\n")
+    write_json(args.json_path, report.to_json())
     return 0 if report.pages_back else 1

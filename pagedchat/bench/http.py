@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import httpx
 import uvicorn
 
 from pagedchat.backends.base import TokenBackend
+from pagedchat.bench.config import write_json
 from pagedchat.engine.params import SamplingParams
 from pagedchat.serve.app import create_app
 
@@ -156,10 +156,5 @@ def run(args) -> int:
           f"prompt, median of {args.repeat} round(s):")
     print(f"  engine in-process  {report.median('engine'):7.1f} tok/s")
     print(f"  over HTTP (SSE)    {report.median('http'):7.1f} tok/s   overhead {report.overhead:.1%}")
-    if args.json_path:
-        text = json.dumps(report.to_json(), indent=2)
-        if args.json_path == "-":
-            print(text)
-        else:
-            Path(args.json_path).write_text(text + "\n")
+    write_json(args.json_path, report.to_json())
     return 0

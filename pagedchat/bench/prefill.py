@@ -5,7 +5,6 @@ mark of its own (the workload's cold prefix), so nothing of it is in the prefix 
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -13,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.config import BenchError, write_json
 
 
 @dataclass(frozen=True)
@@ -134,10 +133,5 @@ def run(args) -> int:
             llama.close()
         keep.cleanup()
     print(render(report))
-    if args.json_path:
-        text = json.dumps(report.to_json(), indent=2)
-        if args.json_path == "-":
-            print(text)
-        else:
-            Path(args.json_path).write_text(text + "\n")
+    write_json(args.json_path, report.to_json())
     return 0
