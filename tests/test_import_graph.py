@@ -68,7 +68,7 @@ def test_no_import_circles():
 
 
 def package_of(module: str) -> str:
-    """`pagedchat.serve.app` -> `pagedchat.serve`; a top-level module (`pagedchat.cli`) is its own unit."""
+    """`pagedchat.serve.routes` -> `pagedchat.serve`; a top-level module (`pagedchat.cli`) is its own unit."""
     parts = module.split(".")
     return ".".join(parts[:2])
 
@@ -107,3 +107,13 @@ def test_the_app_imports_only_records_from_the_engine():
     assert {target for _, target in reached} <= ENGINE_RECORDS_FOR_THE_APP, sorted(
         (m, t) for m, t in reached if t not in ENGINE_RECORDS_FOR_THE_APP)
     assert ("pagedchat.tui.inspector_parts", "pagedchat.engine.records") in reached   # the check sees them
+
+
+def test_each_module_name_means_one_thing():
+    """A module's file name is unique across the packages, so that `pages.py` in a comment, a doc or a traceback
+    names one file."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "pagedchat").rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

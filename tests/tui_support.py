@@ -26,7 +26,7 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.config import AppConfig, load_config
 from pagedchat.engine.records import FinishReason
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.conversation import ChatSettings
 from pagedchat.errors import PagedChatError
 from pagedchat.model import families
 
@@ -262,7 +262,7 @@ class ScriptedEngine:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif prompt and isinstance(prompt[0], dict):
-            from pagedchat.engine.chat import chat_prompt_ids
+            from pagedchat.engine.chat_template import chat_prompt_ids
 
             prompt = chat_prompt_ids(self.tokenizer, prompt)
         self.count += 1
@@ -308,7 +308,7 @@ class ScriptedEngine:
     def memory(self):
         from pagedchat.engine.pages import MemoryCounters
         from pagedchat.engine.records import PageState
-        from pagedchat.engine.memory import MemorySnapshot
+        from pagedchat.engine.kv_snapshot import MemorySnapshot
 
         return MemorySnapshot(num_pages=4, free_pages=4, cached_pages=0, block_size=self.block_size,
                               page_bytes=1024, ref_counts={}, page_states=[PageState.FREE] * 4,

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 
-from pagedchat.backends.metrics import ServerMetrics
+from pagedchat.backends.remote_metrics import ServerMetrics
 from pagedchat.engine.records import Outcome, ReplyHandle, Update
 
 if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
-    from pagedchat.engine.memory import MemorySnapshot, PoolUsage
+    from pagedchat.engine.kv_snapshot import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
     from pagedchat.engine.structured import CompiledGrammar, GrammarSpec
 

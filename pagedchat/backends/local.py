@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagedchat.backends.base import BackendInfo, OnUpdate
-from pagedchat.engine.chat import chat_prompt_ids, count_limit
+from pagedchat.engine.chat_template import chat_prompt_ids, count_limit
 from pagedchat.engine.handle import RequestHandle
-from pagedchat.engine.memory import MemorySnapshot, PoolUsage
+from pagedchat.engine.kv_snapshot import MemorySnapshot, PoolUsage
 from pagedchat.engine.records import Outcome
 
 

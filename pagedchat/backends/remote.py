@@ -24,9 +24,9 @@ from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from pagedchat.backends.base import BackendInfo, MemoryUnavailable, MemoryView, OnUpdate
-from pagedchat.backends.metrics import ServerMetrics, parse_metrics
+from pagedchat.backends.remote_metrics import ServerMetrics, parse_metrics
 from pagedchat.config import API_KEY_ENV
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.kv_snapshot import MemorySnapshot
 from pagedchat.engine.params import SAMPLING_FIELDS
 from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.errors import PagedChatError

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.options import BenchError
 from pagedchat.bench.stats import median
 from pagedchat.engine.records import FinishReason
 

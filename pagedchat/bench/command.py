@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pagedchat.argtypes import KV_CACHE_DTYPES, positive_int
 from pagedchat.bench.app_probe import DEFAULT_MAX_TOKENS as DEFAULT_APP_TOKENS
-from pagedchat.bench.config import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths, \
+from pagedchat.bench.options import DEFAULT_CHATS, PEERS, BenchConfig, chat_counts, peer_names, prompt_lengths, \
     write_json
 from pagedchat.errors import PagedChatError
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagedchat.backends.base import TokenBackend
-from pagedchat.bench.config import BenchConfig, BenchError
-from pagedchat.bench.memory import PeakAccounting, Sharing, peak_accounting
+from pagedchat.bench.options import BenchConfig, BenchError
+from pagedchat.bench.capacity import PeakAccounting, Sharing, peak_accounting
 from pagedchat.bench.stats import RunStats, median, timing_stats
 from pagedchat.bench.workload import WARM_QUESTION, Workload
 from pagedchat.engine.records import FinishReason

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from pagedchat.backends.base import TokenBackend
-from pagedchat.bench.config import write_json
+from pagedchat.bench.options import write_json
 from pagedchat.bench.http import MODEL_NAME, InProcessServer
 
 FLOODERS = 4        # clients that each ask for FLOOD_N long replies

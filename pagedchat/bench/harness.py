@@ -11,10 +11,10 @@ from typing import Callable, Mapping
 
 from pagedchat.backends.local import LocalBackend
 from pagedchat.bench.bandwidth import read_bandwidth
-from pagedchat.bench.config import BenchConfig, BenchError
+from pagedchat.bench.options import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
                                            run_engine_level, ttft_cold_warm, warm_up)
-from pagedchat.bench.memory import (TokenCost, capacity, dtype_capacity, pages_needed, parameter_count,
+from pagedchat.bench.capacity import (TokenCost, capacity, dtype_capacity, pages_needed, parameter_count,
                                     token_cost, weight_capacity)
 from pagedchat.bench.loaders import LOADERS
 from pagedchat.bench.peers import Peer, Runner

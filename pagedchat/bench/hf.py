@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.options import BenchError
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.progress import NoProgress, on_own_thread
 from pagedchat.bench.stats import RunStats, timing_stats

@@ -22,9 +22,9 @@ import httpx
 import uvicorn
 
 from pagedchat.backends.base import TokenBackend
-from pagedchat.bench.config import write_json
+from pagedchat.bench.options import write_json
 from pagedchat.engine.params import SamplingParams
-from pagedchat.serve.app import create_app
+from pagedchat.serve.routes import create_app
 
 CLIENTS = 8
 MODEL_NAME = "bench"

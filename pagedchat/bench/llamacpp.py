@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.options import BenchError
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.progress import NoProgress, on_own_thread
 from pagedchat.bench.startup import READY, time_to_ready

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedchat.bench.config import BenchError, write_json
+from pagedchat.bench.options import BenchError, write_json
 
 
 @dataclass(frozen=True)

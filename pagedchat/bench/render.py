@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedchat.bench.memory import CHAT_TOKENS
+from pagedchat.bench.capacity import CHAT_TOKENS
 from pagedchat.bench.report import PAGEDCHAT, Report
 from pagedchat.bench.stats import RunStats, ratio
 

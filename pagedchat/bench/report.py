@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedchat.bench.config import BenchConfig
+from pagedchat.bench.options import BenchConfig
 from pagedchat.bench.engine_runner import ColdWarm
-from pagedchat.bench.memory import Capacity, DtypeCapacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
+from pagedchat.bench.capacity import Capacity, DtypeCapacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
 from pagedchat.bench.stats import RunStats
 
 PAGEDCHAT = "pagedchat"  # the runner key of pagedchat's own rounds

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.options import BenchError
 
 ARCH = "llama"
 Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedchat.bench.config import BenchConfig, BenchError
+from pagedchat.bench.options import BenchConfig, BenchError
 from pagedchat.bench.stats import median
 
 WORKLOADS = ("chat", "copy")

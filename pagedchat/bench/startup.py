@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from pagedchat.bench.config import BenchError
+from pagedchat.bench.options import BenchError
 
 TIMEOUT_S = 300
 # What a probe prints once its model is ready: the wall clock then, which the parent subtracts its launch from.

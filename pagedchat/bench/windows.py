@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pagedchat.bench.config import BenchConfig, BenchError
+from pagedchat.bench.options import BenchConfig, BenchError
 from pagedchat.bench.render import size
 
 PROMPT_TEXT = "The paged cache keeps each chat's keys and values in pages of sixteen tokens. "

@@ -6,8 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from pagedchat.bench.config import BenchError
-from pagedchat.engine.chat import render_chat
+from pagedchat.bench.options import BenchError
+from pagedchat.engine.chat_template import render_chat
 
 SYSTEM_POLICY = """\
 You are Harbor, the support assistant of Northwind Outfitters, an online shop for outdoor clothing and camping \

@@ -24,8 +24,8 @@ from pagedchat.engine.compute_thread import ComputeThread
 from pagedchat.engine.core import EngineCore, FaultHook, Output, Phase
 from pagedchat.engine.detokenizer import Detokenizer
 from pagedchat.engine.handle import RequestHandle
-from pagedchat.engine.chat import chat_prompt_ids, count_limit, encode_up_to, prompt_size
-from pagedchat.engine.memory import MemorySnapshot, PoolUsage, snapshot
+from pagedchat.engine.chat_template import chat_prompt_ids, count_limit, encode_up_to, prompt_size
+from pagedchat.engine.kv_snapshot import MemorySnapshot, PoolUsage, snapshot
 from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.ngram import Speculation, parse_speculative
 from pagedchat.engine.page_groups import PageGroups
@@ -40,9 +40,9 @@ from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, pl
 from pagedchat.errors import RequestError
 from pagedchat.kernels import kv_pages
 from pagedchat.model import packed_cache, qmm
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.gguf import gguf_weights
-from pagedchat.model.llama import DecoderModel
+from pagedchat.model.decoder import DecoderModel
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
 log = logging.getLogger("pagedchat.engine")
@@ -183,10 +183,10 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, *, parse_special: bool = False) -> list[int]:
-        """A prompt's token ids, unchecked; chat messages go through the model's chat template (engine/chat.py, the
-        one path every prompt is built on). A text is plain text, its special tokens' text read as text, unless
-        parse_special (a raw prompt whose author writes the template's markers himself). A text is tokenized
-        only as far as tells it too long (chat.count_limit)."""
+        """A prompt's token ids, unchecked; chat messages go through the model's chat template
+        (engine/chat_template.py, the one path every prompt is built on). A text is plain text, its special tokens'
+        text read as text, unless parse_special (a raw prompt whose author writes the template's markers himself).
+        A text is tokenized only as far as tells it too long (chat_template.count_limit)."""
         counted = count_limit(self.config.max_position_embeddings) + 1
         if isinstance(prompt, str):
             return encode_up_to(self.tokenizer, prompt, counted, split_special_tokens=not parse_special)

@@ -14,7 +14,7 @@ from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
 from pagedchat.engine.records import NULL_PAGE
 from pagedchat.engine.sizing import GroupPlan
-from pagedchat.model.llama import DecoderModel
+from pagedchat.model.decoder import DecoderModel
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from pagedchat.argtypes import parse_bytes  # noqa: F401 (the engine reads sizes from here)
 from pagedchat.kernels import kv_pages
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.family import LayerGroup, layer_groups
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

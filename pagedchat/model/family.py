@@ -245,7 +245,7 @@ class Family:
     embed_scale: bool = False               # embeddings times sqrt(hidden) (Gemma)
     qkv_bias: Callable[[dict], bool] = lambda cfg: bool(cfg.get("attention_bias", False))  # noqa: E731
     attention_scale: Callable[[dict], float | None] = lambda cfg: None  # noqa: E731 - None: head_dim ** -0.5
-    system_role: bool = True                # False: the template has no system turn (see engine/chat.py)
+    system_role: bool = True                # False: the template has no system turn (see engine/chat_template.py)
     refuse: Callable[[dict], str | None] = lambda cfg: None  # noqa: E731 - what this reader cannot run, if any
 
 

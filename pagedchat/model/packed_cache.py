@@ -22,10 +22,10 @@ import torch
 from pagedchat import paths
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm, quant
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.forms import EmbedTable, decode, encode
 from pagedchat.model.linear import Builder, PackedWeights
-from pagedchat.model.llama import DecoderModel
+from pagedchat.model.decoder import DecoderModel
 from pagedchat.model.loader import source_fingerprint
 
 log = logging.getLogger(__name__)

@@ -360,7 +360,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm of float32 rows [T, H] times weight [H], in one call (model/llama.py's native steps)."""
+    """RMS norm of float32 rows [T, H] times weight [H], in one call (model/decoder.py's native steps)."""
     return torch.ops.pagedchat_qmm.norm(x, weight, eps, _state.index)
 
 

@@ -14,7 +14,7 @@ import uvicorn
 from pagedchat.backends.base import TokenBackend
 from pagedchat.config import API_KEY_ENV, EngineOptions
 from pagedchat.errors import PagedChatError
-from pagedchat.serve.app import create_app
+from pagedchat.serve.routes import create_app
 from pagedchat.serve.grammars import COMPILE_SECONDS
 from pagedchat.serve.limits import DeadlineH11Protocol
 

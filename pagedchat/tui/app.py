@@ -35,12 +35,12 @@ from pagedchat.text import visible_controls
 from pagedchat.tui import chat_ops
 from pagedchat.tui.backend_link import BackendFactory, BackendLink, StatusBar
 from pagedchat.tui.bridge import UpdateInbox, UpdatesReady, EngineFailed, EngineReady, LoadProgress
-from pagedchat.tui.chat import MessageView, PromptInput, action_name
+from pagedchat.tui.chat_widgets import MessageView, PromptInput, action_name
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import InspectorView
-from pagedchat.tui.records import ChatRecord, ChatSettings
+from pagedchat.tui.conversation import ChatRecord, ChatSettings
 from pagedchat.tui.saver import RETRY_S, Saver
 from pagedchat.tui.screens.compare import CompareScreen, start_compare
 from pagedchat.tui.screens.help import HelpScreen

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from textual.widgets import TabbedContent
 
-from pagedchat.tui.records import ChatRecord, title_from
+from pagedchat.tui.conversation import ChatRecord, title_from
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.modals import PickScreen
 from pagedchat.tui.session import ChatSession

@@ -23,10 +23,10 @@ from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.tui import context, copying, refused
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import UpdateInbox
-from pagedchat.tui.chat import MessageView, PromptInput, action_name
+from pagedchat.tui.chat_widgets import MessageView, PromptInput, action_name
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.message_list import MessageList
-from pagedchat.tui.records import ChatMessage, title_from
+from pagedchat.tui.conversation import ChatMessage, title_from
 from pagedchat.tui.reply import Ending
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.screens.ask import RenameScreen

@@ -12,7 +12,7 @@ from textual.content import Content
 
 from pagedchat.text import escaped_markup
 from pagedchat.tui import chat_ops, context
-from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, SearchHit
+from pagedchat.tui.conversation import MATCH_CLOSE, MATCH_OPEN, SearchHit
 
 
 @dataclass(frozen=True)

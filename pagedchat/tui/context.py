@@ -17,7 +17,7 @@ from textual.content import Content
 
 from pagedchat.errors import PagedChatError, RequestError
 
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.conversation import ChatMessage, ChatRecord
 from pagedchat.tui.session import ChatSession
 
 WARN_AT = 0.70      # the theme's warning colour from here

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.app import App
 
-from pagedchat.tui.records import ChatMessage
+from pagedchat.tui.conversation import ChatMessage
 from pagedchat.tui.screens.modals import PickScreen
 
 

@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from pagedchat.engine.records import Outcome
-from pagedchat.tui.records import ChatMessage, stats_from_dict, stats_to_dict
+from pagedchat.tui.conversation import ChatMessage, stats_from_dict, stats_to_dict
 
 # How long a write waits for another instance's transaction (a few ms each) before it counts as failed and
 # is retried later. It blocks the UI thread while it waits, so it stays short.

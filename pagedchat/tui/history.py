@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
-from pagedchat.tui.chat import PromptInput
+from pagedchat.tui.chat_widgets import PromptInput
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from textual.content import Content
 
 from pagedchat.backends.base import MemoryUnavailable
-from pagedchat.backends.metrics import ServerMetrics
+from pagedchat.backends.remote_metrics import ServerMetrics
 from pagedchat.tui.inspector_parts import GLYPH_USED, MUTED, ChatPages, clip, heading, kv
 
 SOURCES = {"vllm": "vLLM /metrics", "pagedchat": "pagedchat /metrics"}

@@ -18,8 +18,8 @@ from typing import Callable
 from textual import events
 from textual.containers import VerticalScroll
 
-from pagedchat.tui.chat import MessageView
-from pagedchat.tui.records import ChatMessage
+from pagedchat.tui.chat_widgets import MessageView
+from pagedchat.tui.conversation import ChatMessage
 
 PAGE_SCREENS = 1.5     # a page of messages, mounted at once, is about this many screens of rows
 KEPT_PAGES = 2         # mounted at most, about: past it the views at the far edge go

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pagedchat.engine.records import FinishReason, Outcome, ReplyHandle, Update
-from pagedchat.tui.records import ChatMessage, ChatSettings, reply_stats
+from pagedchat.tui.conversation import ChatMessage, ChatSettings, reply_stats
 
 
 @dataclass(frozen=True)

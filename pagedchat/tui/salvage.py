@@ -3,7 +3,7 @@
 The damaged file (and its -wal/-shm) is renamed aside and only ever opened read-only, so it stays exactly as
 it was for the user or a better tool (`sqlite3 file .recover`). Rows are read one by one by rowid: a damaged
 page loses the rows on it, a row that does not decode loses only itself, and every other chat comes back.
-Then every table leaf page is read straight from the file's bytes (pages.py), which finds the rows SQLite
+Then every table leaf page is read straight from the file's bytes (sqlite_pages.py), which finds the rows SQLite
 cannot reach through a damaged or missing interior page (a file cut short).
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from pagedchat.tui import pages
+from pagedchat.tui import sqlite_pages
 from pagedchat.tui.db import ROLES, connect, decode_message, describe
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, new_message_id
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, ChatSettings, new_message_id
 
 CHAT_COLUMNS = "id, title, system_prompt, settings, position, is_open, created, updated"
 MAX_PROBE = 1_000_000  # rowids tried one by one when even the list of rows cannot be read
@@ -80,7 +80,7 @@ def move_aside(path: Path) -> Path:
 
 
 def read_damaged(path: Path) -> Salvage:
-    scanned = Scanned.of(pages.read_rows(path))
+    scanned = Scanned.of(sqlite_pages.read_rows(path))
     try:
         conn = connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     except sqlite3.Error:
@@ -99,7 +99,7 @@ class Scanned:
     messages: list[tuple[int, tuple]]
 
     @classmethod
-    def of(cls, rows: list[pages.Row]) -> Scanned:
+    def of(cls, rows: list[sqlite_pages.Row]) -> Scanned:
         chats, messages = [], []
         for row in rows:
             v = row.values

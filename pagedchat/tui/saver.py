@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagedchat.tui.records import ChatMessage, ChatRecord, slug
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, slug
 from pagedchat.tui.db import describe
 from pagedchat.tui.store import Store
 from pagedchat.tui.transfer import to_json

@@ -11,7 +11,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 
 from pagedchat.engine.records import Outcome
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.conversation import ChatMessage, ChatRecord
 from pagedchat.tui.reply import Replaced, Reply
 
 

@@ -25,7 +25,7 @@ from typing import Iterator
 from pagedchat.tui.db import (BUSY_TIMEOUT_S, DECODE_ERRORS, ROLES, Damaged, connect, decode_message, describe,
                                encode_stats, is_damage, use_rollback_journal)
 from pagedchat.tui.migrations import SCHEMA_VERSION, NewerSchema, migrate, schema_version
-from pagedchat.tui.records import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
+from pagedchat.tui.conversation import MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings, SearchHit
 
 DB_NAME = "chats.db"
 MEMORY = Path(":memory:")

@@ -15,11 +15,11 @@ from textual.widgets import TabbedContent, TabPane
 from pagedchat.text import visible_controls
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import UpdateInbox
-from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.chat_view import ChatServices, ChatView
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import ChatPages
-from pagedchat.tui.records import ChatRecord
+from pagedchat.tui.conversation import ChatRecord
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.themes import chat_colour

@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 
 from pagedchat.text import visible_controls
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, slug, title_from
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, ChatSettings, slug, title_from
 
 
 class ExportFormat(Enum):

@@ -9,7 +9,7 @@ from pagedchat import Engine, SamplingParams
 from pagedchat.backends.base import Backend, TokenBackend
 from pagedchat.engine.records import Outcome, ReplyHandle
 from pagedchat.backends.local import LocalBackend
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.kv_snapshot import MemorySnapshot
 from pagedchat.errors import PagedChatError, RequestError
 
 
@@ -58,8 +58,8 @@ def test_a_batch_with_one_request_that_cannot_run_starts_none(backend):
 
 
 def test_the_engine_and_the_backend_refuse_a_chat_with_one_error(backend):
-    """Chats become ids in one function (engine/chat.py): a chat the template refuses fails the same way whether
-    the engine's caller or the app's backend asked."""
+    """Chats become ids in one function (engine/chat_template.py): a chat the template refuses fails the same way
+    whether the engine's caller or the app's backend asked."""
     refused = [{"role": "user", "content": None}]   # the template adds strings: None is refused
     with pytest.raises(RequestError) as from_engine:
         backend.engine.encode_prompt(refused)

@@ -19,12 +19,12 @@ from textual._wait import wait_for_idle
 
 from pagedchat.backends.base import Backend, MemoryUnavailable
 from pagedchat.backends.remote import RemoteBackend, ServerUnavailable, api_base, server_root
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.kv_snapshot import MemorySnapshot
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import ReplyHandle
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
-from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.conversation import ChatSettings
 from pagedchat.tui.store import Store
 from remote_support import StubOpenAI, free_port, running_server, stub_server
 from tiny_models import make_tiny_model

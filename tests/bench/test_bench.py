@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagedchat import bench
-from pagedchat.bench import config as bench_config
+from pagedchat.bench import options as bench_options
 from pagedchat.bench import llamacpp
-from pagedchat.bench.config import BenchConfig, BenchError
-from pagedchat.bench.memory import parameter_count
+from pagedchat.bench.options import BenchConfig, BenchError
+from pagedchat.bench.capacity import parameter_count
 from pagedchat.bench.loaders import LOADERS
 from pagedchat.bench.peers import Peer, Runner
 from pagedchat.bench.render import header_lines, render, to_markdown
@@ -149,7 +149,7 @@ def test_weights_beside_the_pool(report, tiny_llama):
 
 def test_packed_weights_leave_room(report):
     """Weights smaller than bf16 (as packed int4 ones are) leave their saving to the KV pool."""
-    from pagedchat.bench.memory import TokenCost, weight_capacity
+    from pagedchat.bench.capacity import TokenCost, weight_capacity
 
     cost = TokenCost(**{k: v for k, v in report["token_cost"].items()})
     params = 1_000_000
@@ -163,7 +163,7 @@ def test_packed_weights_leave_room(report):
 
 
 def test_parameter_count_untied_and_biased(tmp_path):
-    from pagedchat.model.config import ModelConfig
+    from pagedchat.model.hf_config import ModelConfig
     from tiny_models import load_reference, make_tiny_model
 
     for arch, tie in (("llama", False), ("qwen2", True)):
@@ -446,7 +446,7 @@ def test_stats():
 
 
 def test_peer_names_match_the_loaders():
-    assert set(bench_config.PEERS) == set(LOADERS)
+    assert set(bench_options.PEERS) == set(LOADERS)
 
 
 def test_the_header_names_torchs_int4_path(tiny_llama, tmp_path, monkeypatch, kernels):

@@ -9,7 +9,7 @@ import pytest
 
 from pagedchat import Engine
 from pagedchat.backends.local import LocalBackend
-from pagedchat.bench.config import prompt_lengths
+from pagedchat.bench.options import prompt_lengths
 from pagedchat.bench.prefill import PrefillReport, PrefillRound, prompts_of, render, run_prefill_bench, \
     usable_lengths
 from pagedchat.bench.workload import build_workload

@@ -7,7 +7,7 @@ import argparse
 from tiny_models import make_tiny_model
 
 from pagedchat import bench
-from pagedchat.bench.config import BenchConfig
+from pagedchat.bench.options import BenchConfig
 from pagedchat.bench.speculative import render_speculation, run_speculation
 
 

@@ -1,10 +1,10 @@
-"""Chats as prompt ids (engine/chat.py), the one path every caller builds them on."""
+"""Chats as prompt ids (engine/chat_template.py), the one path every caller builds them on."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.chat_template import chat_prompt_ids
 from pagedchat.errors import RequestError
 from pagedchat.model.tokenizer import from_transformers
 from tiny_models import make_tokenizer

@@ -100,7 +100,7 @@ def test_memory_snapshot_lists_live_pages(tiny_llama):
 
 def test_memory_snapshot_survives_json(tiny_llama):
     """What `pagedchat serve` sends at /v1/memory reads back as the same snapshot, page keys included."""
-    from pagedchat.engine.memory import MemorySnapshot
+    from pagedchat.engine.kv_snapshot import MemorySnapshot
 
     engine = Engine(str(tiny_llama), kv_cache_memory="4MiB")
     parent = engine.submit(prompt_of(engine.tokenizer, 40), SamplingParams(max_tokens=30, ignore_eos=True))
@@ -313,7 +313,7 @@ def test_norm_and_rotary_equal_transformers_bit_for_bit(dtype, hidden):
     """The two rewritten formulas (fused RMSNorm, sign-folded rotary) give transformers' exact bits."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from pagedchat.model.llama import apply_rope, rms_norm
+    from pagedchat.model.decoder import apply_rope, rms_norm
 
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)

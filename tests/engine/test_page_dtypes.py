@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.chat_template import chat_prompt_ids
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.kernels import kv_pages
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from parity import NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy
 

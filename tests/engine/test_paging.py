@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.engine.chat import chat_prompt_ids
+from pagedchat.engine.chat_template import chat_prompt_ids
 from pagedchat.engine.core import Phase
 from pagedchat.errors import RequestError
 from pagedchat.kernels import kv_pages
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from parity import NEAR_TIE, NEAR_TIE_PACKED, assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedchat.engine import sizing
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.family import LayerSpec, Rope, RopeKind
 
 CPU = torch.device("cpu")

@@ -12,10 +12,10 @@ from parity import assert_same_greedy
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.kv_snapshot import MemorySnapshot
 from pagedchat.engine.records import NULL_PAGE
 from pagedchat.errors import RequestError
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 
 NO_EOS = [10**9]
 BS = 16
@@ -158,7 +158,7 @@ def test_the_backend_declares_the_pool_in_bytes_over_every_group(windowed_model)
     """The status line and the bench size the pool from BackendInfo: with window groups, whose pools are
     smaller, the pool's bytes are the groups' own, not the first group's pages at a full page each."""
     from pagedchat.backends.local import LocalBackend
-    from pagedchat.bench.memory import token_cost
+    from pagedchat.bench.capacity import token_cost
 
     folder, _, _ = windowed_model
     engine = engine_of(folder, pages=40)

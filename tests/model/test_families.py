@@ -18,14 +18,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagedchat import Engine, SamplingParams
-from pagedchat.bench.memory import parameter_count
+from pagedchat.bench.capacity import parameter_count
 from pagedchat.errors import ModelError
 from pagedchat.model import families
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.gguf import convert_gguf
 from pagedchat.model.loader import load_tokenizer, load_weights
 from pagedchat.model.family import Rope, base_rope
-from pagedchat.model.llama import rms_norm_unit_offset
+from pagedchat.model.decoder import rms_norm_unit_offset
 from tiny_models import config_of, hf_greedy, load_reference, make_tiny_model
 
 NO_EOS = [10**9]

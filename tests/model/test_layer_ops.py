@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pagedchat.kernels import kv_pages
 from pagedchat.model import qmm
 from pagedchat.model.family import Rope, RopeKind
-from pagedchat.model.llama import apply_rope, rope_table, rms_norm
+from pagedchat.model.decoder import apply_rope, rope_table, rms_norm
 
 LEVELS = [lv.name for lv in qmm.levels_to_build()]
 

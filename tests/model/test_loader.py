@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedchat.errors import ModelError
 from pagedchat.model import gguf as gguf_model
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.gguf import convert_gguf
 from pagedchat.model.loader import eos_token_ids, load_tokenizer, load_weights, resolve_model
 

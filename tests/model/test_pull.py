@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model
 
 from pagedchat.errors import PullError
 from pagedchat.model import pull
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.gguf import COMPLETE_MARKER, gguf_weights
 from pagedchat.model.loader import resolve_model
 

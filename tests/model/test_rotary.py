@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedchat.model.family import base_rope
-from pagedchat.model.llama import RotaryTable, rope_table
+from pagedchat.model.decoder import RotaryTable, rope_table
 
 CONTEXT = 131072
 ROTARY = 24

@@ -14,7 +14,7 @@ from tiny_gguf import write_tiny_gguf
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
-from pagedchat.engine.chat import chat_prompt_ids, encode_up_to
+from pagedchat.engine.chat_template import chat_prompt_ids, encode_up_to
 from pagedchat.model.gguf import convert_gguf
 from pagedchat.model.loader import load_tokenizer
 from pagedchat.model.tokenizer import FastTokenizer, from_transformers, record_dir

@@ -382,7 +382,7 @@ def test_the_end_of_the_context_is_length_with_vllms_stop_reason(tmp_path):
 
     from pagedchat import Engine
     from pagedchat.backends.local import LocalBackend
-    from pagedchat.serve.app import create_app
+    from pagedchat.serve.routes import create_app
 
     folder = make_tiny_model(tmp_path / "short", max_positions=128)
     app = create_app(lambda: LocalBackend(Engine(folder, kv_cache_memory=CACHE, dtype="float32")), "short")

@@ -17,7 +17,7 @@ import pagedchat.tui
 from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.inspector import InspectorView
-from pagedchat.tui.chat import MessageActions, MessageView, PromptInput
+from pagedchat.tui.chat_widgets import MessageActions, MessageView, PromptInput
 from pagedchat.tui.chat_view import ChatView
 from pagedchat.tui.screens.compare import CompareScreen
 from tui_support import ScriptedEngine, make_config, notices, quick_pilot, wait_for  # noqa: F401 (quick_pilot: autouse)

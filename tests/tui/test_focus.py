@@ -6,7 +6,7 @@ from __future__ import annotations
 from textual import events
 from textual.widgets import Input, TextArea
 
-from pagedchat.tui.chat import PromptInput
+from pagedchat.tui.chat_widgets import PromptInput
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from tui_support import chat_once, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)

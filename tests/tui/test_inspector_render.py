@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pagedchat.backends.base import MemoryUnavailable
-from pagedchat.backends.metrics import ServerMetrics
+from pagedchat.backends.remote_metrics import ServerMetrics
 from pagedchat.engine.pages import MemoryCounters
 from pagedchat.engine.records import NULL_PAGE, PageState
-from pagedchat.engine.memory import GroupMemory, MemorySnapshot, SequenceMemory
+from pagedchat.engine.kv_snapshot import GroupMemory, MemorySnapshot, SequenceMemory
 from pagedchat.tui.inspector import MAP_ROWS, MAX_TABLE_ROWS, fitted_parts, render_block_table, render_chats, \
     render_map, render_sharing, \
     render_summary

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.chat import MessageView, PromptInput
+from pagedchat.tui.chat_widgets import MessageView, PromptInput
 from pagedchat.tui.chat_ops import save_imported
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.conversation import ChatMessage, ChatRecord
 from pagedchat.tui.store import Store
 from test_tui_chatux import open_entry
 from tui_support import make_config, quick_pilot, scripted_app, screen_text, send, wait_for  # noqa: F401 (autouse)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedchat.backends.base import BackendInfo, MemoryUnavailable
-from pagedchat.backends.metrics import ServerMetrics, parse_metrics
+from pagedchat.backends.remote_metrics import ServerMetrics, parse_metrics
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.inspector import InspectorView
 from pagedchat.tui.inspector_parts import ChatPages

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedchat.engine.records import FinishReason, Outcome, Update
-from pagedchat.tui.records import ChatMessage, ChatSettings
+from pagedchat.tui.conversation import ChatMessage, ChatSettings
 from pagedchat.tui.reply import Reply
 
 

@@ -17,8 +17,8 @@ from textual.command import CommandList, CommandPalette
 from pagedchat.backends.local import LocalBackend
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.chat import MessageView, PromptInput
-from pagedchat.tui.records import stats_line
+from pagedchat.tui.chat_widgets import MessageView, PromptInput
+from pagedchat.tui.conversation import stats_line
 from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.compare import CompareScreen, CompareSetupScreen
 from pagedchat.tui.screens.modals import EditMessageScreen, PickScreen

@@ -14,7 +14,7 @@ import pytest
 from pty_app import AppProcess, saved, wait_until
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.engine.records import FinishReason
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.conversation import ChatMessage, ChatRecord
 from pagedchat.tui.store import DB_NAME, Store
 from tiny_models import make_tiny_model
 from tui_support import make_config, screen_text, wait_for

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedchat.tui.chat_ops import export_chat
-from pagedchat.tui.chat import MessageView
+from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.transfer import ExportFormat
 from tui_support import chat_once, notices, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 

@@ -15,7 +15,7 @@ import pytest
 
 from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.tui.migrations import SCHEMA_VERSION
-from pagedchat.tui.records import (MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
+from pagedchat.tui.conversation import (MATCH_CLOSE, MATCH_OPEN, ChatMessage, ChatRecord, ChatSettings,
                                     stats_line, title_from)
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import DB_NAME, Store
@@ -264,7 +264,7 @@ def test_write_held_past_the_timeout_is_retried(tmp_path):
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from pagedchat.tui.records import ChatMessage, ChatRecord
+from pagedchat.tui.conversation import ChatMessage, ChatRecord
 from pagedchat.tui.saver import Saver
 from pagedchat.tui.store import Store
 
@@ -554,7 +554,7 @@ def test_search_survives_the_migration_of_an_old_database(tmp_path):
 
 def test_a_reply_with_drafts_shows_and_saves_how_many_were_kept():
     from pagedchat.engine.records import Outcome
-    from pagedchat.tui.records import stats_from_dict, stats_line, stats_to_dict
+    from pagedchat.tui.conversation import stats_from_dict, stats_line, stats_to_dict
 
     stats = Outcome(generated_tokens=40, drafted_tokens=30, accepted_tokens=24, decode_tokens_per_s=50.0)
     assert "drafts 24/30 kept" in stats_line(stats)

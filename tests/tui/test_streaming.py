@@ -6,8 +6,8 @@ from textual.app import App
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
 
-from pagedchat.tui.chat import MessageView
-from pagedchat.tui.records import ChatMessage
+from pagedchat.tui.chat_widgets import MessageView
+from pagedchat.tui.conversation import ChatMessage
 from pagedchat.tui.streaming import SETTLE_LINES, settle_point
 
 

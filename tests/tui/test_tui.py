@@ -18,9 +18,9 @@ from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.commands import AppCommands
-from pagedchat.tui.chat import PromptInput
+from pagedchat.tui.chat_widgets import PromptInput
 from pagedchat.tui.inspector import InspectorView, fmt_bytes
-from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.conversation import ChatSettings
 from pagedchat.tui.screens.ask import RenameScreen
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store

@@ -11,7 +11,7 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.context import CHARS_PER_TOKEN, ContextFill, carried_messages, conversation_tokens
 from pagedchat.engine.records import Outcome
-from pagedchat.tui.records import ChatMessage, ChatRecord, stats_line
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, stats_line
 from test_tui import SIZE, ready, replied, send
 from tiny_models import make_tiny_model
 from tui_support import (ScriptedEngine, StandInBackend, make_config, notices, quick_pilot, screen_text,  # noqa: F401
@@ -212,7 +212,7 @@ async def open_entry(pilot, title: str) -> None:
 
 # ---- search across chats ----------------------------------------------------------------------------------
 async def test_search_finds_a_closed_chat_and_opens_it_at_the_message(config):
-    from pagedchat.tui.chat import MessageView
+    from pagedchat.tui.chat_widgets import MessageView
 
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
@@ -258,7 +258,7 @@ def at_top(view, message) -> bool:
 
 async def test_search_jumps_in_a_row_land_on_each_hit(tmp_path):
     """Jumps between two long chats: the third goes back to a chat already shown, now in a hidden tab."""
-    from pagedchat.tui.chat import MessageView
+    from pagedchat.tui.chat_widgets import MessageView
     from pagedchat.tui.store import Store
 
     app = scripted_app(tmp_path)

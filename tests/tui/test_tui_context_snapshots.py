@@ -12,7 +12,7 @@ import pytest
 
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.engine.records import Outcome
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, ChatSettings
 from pagedchat.tui.store import Store
 from test_tui_snapshots import _loaded, stand_in
 from tui_support import make_config

@@ -15,7 +15,7 @@ from pagedchat.engine.engine import Engine
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.commands import AppCommands
 from pagedchat.engine.records import Outcome
-from pagedchat.tui.records import ChatSettings, stats_line
+from pagedchat.tui.conversation import ChatSettings, stats_line
 from pagedchat.tui.screens.modals import ChatSettingsScreen
 from tiny_models import make_tiny_model
 from tui_support import make_config, static_text, wait_for

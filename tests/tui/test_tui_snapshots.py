@@ -15,9 +15,9 @@ from textual.widgets import TextArea
 from pagedchat.backends.base import BackendInfo
 from pagedchat.engine.pages import MemoryCounters
 from pagedchat.engine.records import Outcome, PageState
-from pagedchat.engine.memory import MemorySnapshot, SequenceMemory
+from pagedchat.engine.kv_snapshot import MemorySnapshot, SequenceMemory
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, ChatSettings
 from pagedchat.tui.store import Store
 from tui_support import StandInBackend, make_config, screen_text
 

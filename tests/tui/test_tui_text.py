@@ -11,7 +11,7 @@ from textual.widgets import OptionList, TextArea
 
 from pagedchat.text import visible_controls
 from pagedchat.tui.chat_ops import export_chat, pick_message
-from pagedchat.tui.records import title_from
+from pagedchat.tui.conversation import title_from
 from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
 from pagedchat.tui.screens.ask import ConfirmScreen, RenameScreen

@@ -21,10 +21,10 @@ from textual.widgets import Button, Footer, Input, Label, TextArea
 from pagedchat.backends.base import Backend
 from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.tui.bridge import UpdateInbox, UpdatesReady
-from pagedchat.tui.chat import MessageView, action_name
+from pagedchat.tui.chat_widgets import MessageView, action_name
 from pagedchat.tui.chat_view import BUSY_NOTICE
 from pagedchat.tui.inspector import ChatPages, InspectorView
-from pagedchat.tui.records import ChatMessage, ChatRecord, ChatSettings, reply_stats
+from pagedchat.tui.conversation import ChatMessage, ChatRecord, ChatSettings, reply_stats
 from pagedchat.tui.reply import Reply
 from pagedchat.tui.screens.modals import Dialog
 from pagedchat.tui.session import ChatSession

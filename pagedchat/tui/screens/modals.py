@@ -18,7 +18,7 @@ from textual.widgets.option_list import Option
 
 from pagedchat.engine.params import CHAT_FIELDS
 from pagedchat.text import plain, visible_controls
-from pagedchat.tui.records import ChatSettings
+from pagedchat.tui.conversation import ChatSettings
 from pagedchat.tui.saver import Saver, export_chats
 
 

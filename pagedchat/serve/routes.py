@@ -28,13 +28,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedchat.backends.base import TokenBackend
-from pagedchat.engine.chat import prompt_size
+from pagedchat.engine.chat_template import prompt_size
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.records import FinishReason, Outcome
 from pagedchat.errors import PagedChatError
 from pagedchat.serve.grammars import COMPILE_SECONDS, GrammarWorker
 from pagedchat.serve.limits import MIN_BODY_BYTES, BodyLimit, LogOnce, PerClientLimit, default_body_limit
-from pagedchat.serve.metrics import ServeMetrics
+from pagedchat.serve.prometheus import ServeMetrics
 from pagedchat.serve.prompts import ExchangeMemory, build_chat_prompt
 from pagedchat.serve.protocol import ApiError, ChatRequest, CompletionRequest, capped, parse
 from pagedchat.serve.responses import SSE_DONE, ChoiceChunks, Kind, ResponseBuilder, sse

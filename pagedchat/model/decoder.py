@@ -21,7 +21,7 @@ from pagedchat.model.attention import describe as describe_attention
 from pagedchat.errors import ModelError
 from pagedchat.model import qmm
 from pagedchat.model.blocks import block_parts
-from pagedchat.model.config import ModelConfig
+from pagedchat.model.hf_config import ModelConfig
 from pagedchat.model.family import Activation, LayerSpec, NormStyle, Rope, RopeKind
 from pagedchat.model.forms import Dense, EmbedTable, Split, path
 from pagedchat.model.linear import Builder, PackedWeights, Placement, nbytes

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedchat.engine.records import Outcome
-from pagedchat.engine.memory import MemorySnapshot
+from pagedchat.engine.kv_snapshot import MemorySnapshot
 
 PREFIX = "pagedchat:"
 LABELS = ["model_name"]

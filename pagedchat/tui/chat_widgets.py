@@ -23,7 +23,7 @@ from textual.widgets import Label, Markdown, Static, TextArea
 
 from pagedchat.engine.records import Outcome
 from pagedchat.text import plain, visible_controls
-from pagedchat.tui.records import ChatMessage, stats_line
+from pagedchat.tui.conversation import ChatMessage, stats_line
 from pagedchat.tui.streaming import settle_point
 
 # Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for a core, so each
