@@ -1,16 +1,20 @@
-"""Triton paged attention: one kernel for decode and prefill chunks, optional split-K ("flash-decoding").
+"""Triton paged attention: every query row is a one-query sequence, decode and prompt rows alike.
 
-Each program takes one sequence, one kv head and a tile of query tokens. Its rows are
-(token, query head of that kv group) pairs, so all query heads sharing a kv head reuse each K/V page
-load (GQA), and decode (1 token) and prefill (many) are the same code with a different tile height.
-Keys are visited one page (block_size tokens) at a time through the block table with an online
-softmax. With split-K the pages of a sequence are partitioned over several programs, each writing an
-unnormalised partial result, and a second kernel combines them.
+Each program takes one token row and one kv head: its rows are that token's query heads of the kv group (GQA),
+padded to the dot's minimum, so all of them reuse each K/V page load. Keys are visited one page (block_size
+tokens) at a time through the row's sequence's block table with an online softmax, up to the row's own position.
+A prompt's row is computed exactly as a decode at its position: the same compiled kernel, tile and order of sums,
+over its own sequence's pages alone. So a row's bits depend on nothing but its query, its sequence's pages and
+its position: not the other rows of the step, how many there are, where the prompt was cut into chunks, or
+whether the pages before it came from this prefill, the prefix cache or a recompute
+(docs/architecture.md#same-request-same-tokens).
+
+Split-K ("flash-decoding") cuts a row's keys at fixed page boundaries (`split_keys`, never chosen from the
+batch): each split writes an unnormalised partial result and a second kernel combines a row's own splits, in
+order. Rows short enough for one split take the one-pass path, which gives the same bits as one split combined.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -20,17 +24,18 @@ from pagedchat.kernels.env import interpret_env
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPU
-PREFILL_ROWS = 64  # rows (tokens x heads) per program for prefill tiles
-MAX_SPLITS = 128  # bounds the reduce kernel's [splits, head_dim] tile
+SPLIT_KEYS = 512  # keys per split-K partition: a row with more is split, whatever the batch
 # triton reads TRITON_INTERPRET when @triton.jit runs, i.e. now: record what these kernels became.
 INTERPRETED = interpret_env()
 
 
-@triton.jit
+# Triton compiles a variant for an int argument equal to 1 or divisible by 16; these vary with the batch, so they
+# must not pick the compiled code every row runs.
+@triton.jit(do_not_specialize=["pages_per_split", "split_out", "stride_bt"])
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, m_ptr, l_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    scale_log2e, pages_per_split, num_splits, window,
+    block_tables_ptr, row_seq_ptr, row_ctx_ptr,
+    scale_log2e, pages_per_split, split_out, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -38,44 +43,32 @@ def _attn_kernel(
     stride_ot, stride_oh, stride_os,
     stride_mt, stride_mh,
     stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # the token row
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    split = tl.program_id(2)
 
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    ctx = tl.load(context_lens_ptr + seq)
+    seq = tl.load(row_seq_ptr + t).to(tl.int64)
+    ctx = tl.load(row_ctx_ptr + t)  # the keys this row sees: its position + 1
+    q_pos = ctx - 1
 
-    ROWS: tl.constexpr = TOKENS * GROUP_PAD
     rows = tl.arange(0, ROWS)
-    tok = q_tile * TOKENS + rows // GROUP_PAD  # token index within the sequence's chunk
-    head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (rows % GROUP_PAD < GROUP) & (tok < q_len)
-    q_pos = ctx - q_len + tok  # absolute position: sees keys 0..q_pos
-    t_idx = (q_start + tok).to(tl.int64)
-
+    head = kv_head * GROUP + rows
+    row_ok = rows < GROUP
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
 
-    # Keys up to the tile's last query position; a tile past the chunk's end has nothing to do.
-    kv_end = tl.minimum(ctx, ctx - q_len + (q_tile + 1) * TOKENS)
-    kv_end = tl.where(q_tile * TOKENS < q_len, kv_end, 0)
-    page_lo = 0
-    if window > 0:  # pages wholly before the window of the tile's first query hold nothing it sees
-        page_lo = tl.maximum(ctx - q_len + q_tile * TOKENS - window + 1, 0) // BLOCK_SIZE
-    page_hi = tl.cdiv(kv_end, BLOCK_SIZE)
-    if SPLIT:
-        page_lo = split * pages_per_split
-        page_hi = tl.minimum(page_hi, page_lo + pages_per_split)
+    page_lo = split * pages_per_split
+    if window > 0:  # pages wholly before the row's window hold nothing it sees
+        page_lo = tl.maximum(page_lo, tl.maximum(ctx - window, 0) // BLOCK_SIZE)
+    page_hi = tl.minimum(tl.cdiv(ctx, BLOCK_SIZE), (split + 1) * pages_per_split)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -85,7 +78,7 @@ def _attn_kernel(
         page = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         pos = j * BLOCK_SIZE + n
         # Unwritten slots of the last page may hold NaN garbage: mask them to 0 so p*V stays finite.
-        kv_ok = pos < kv_end
+        kv_ok = pos < ctx
         k_t = tl.load(k_cache_ptr + page * stride_kb + n[None, :] * stride_ks + kv_head * stride_kh
                       + d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + page * stride_vb + n[:, None] * stride_vs + kv_head * stride_vh
@@ -98,10 +91,10 @@ def _attn_kernel(
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e  # log2 units for exp2
-        seen = (pos[None, :] <= q_pos[:, None]) & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
-        s = tl.where(seen & row_ok[:, None], s, float("-inf"))
+        seen = kv_ok & ((window == 0) | (pos > q_pos - window))
+        s = tl.where(seen[None, :] & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row can be fully masked in this page (padding rows, early tokens): keep exp2 NaN-free.
+        # A row can be fully masked in this page (padding rows, a page before the window): keep exp2 NaN-free.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
@@ -110,39 +103,47 @@ def _attn_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
-    out_off = t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    if SPLIT:
+    out_off = t * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if split_out != 0:
         # Unnormalised partials; the reduce kernel rescales them by exp2(m - max m).
-        ml_off = t_idx * stride_mt + head * stride_mh + split
+        ml_off = t * stride_mt + head * stride_mh + split
         tl.store(m_ptr + ml_off, m_i, mask=row_ok)
         tl.store(l_ptr + ml_off, l_i, mask=row_ok)
         tl.store(out_ptr + out_off + split * stride_os, acc, mask=out_mask)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on masked rows
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on padding rows
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_ptr, m_ptr, l_ptr, num_splits,
+    out_ptr, part_ptr, m_ptr, l_ptr, row_ctx_ptr, pages_per_split,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
+    """One (token row, head): its own splits, one after the other, so the sum's order depends on its length alone.
+    Its last split holds its own key, which it sees, so the max is finite; an empty split (before a window) has
+    m = -inf and weight 0."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < num_splits
+    splits = tl.cdiv(tl.cdiv(tl.load(row_ctx_ptr + t), BLOCK_SIZE), pages_per_split)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    m = tl.load(m_ptr + t * stride_mt + h * stride_mh + s, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + t * stride_mt + h * stride_mh + s, mask=s_ok, other=0.0)
-    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    # Split 0 always holds key 0, which every query sees, so the max is finite; empty splits
-    # (m = -inf) get weight 0.
-    w = tl.exp2(m - tl.max(m, 0))
-    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    ml = m_ptr + t * stride_mt + h * stride_mh
+    lp = l_ptr + t * stride_mt + h * stride_mh
+    part = part_ptr + t * stride_pt + h * stride_ph + d
+    m_max = tl.load(ml)
+    for s in range(1, splits):
+        m_max = tl.maximum(m_max, tl.load(ml + s))
+    # Split 0 starts the sums (not 0 + it): one split combined is the one-pass path's acc / l, bit for bit.
+    w = tl.exp2(tl.load(ml) - m_max)
+    acc = tl.load(part, mask=d_ok, other=0.0) * w
+    l = tl.load(lp) * w
+    for s in range(1, splits):
+        w = tl.exp2(tl.load(ml + s) - m_max)
+        acc += tl.load(part + s * stride_ps, mask=d_ok, other=0.0) * w
+        l += tl.load(lp + s) * w
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / l).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _scales(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -151,22 +152,18 @@ def _scales(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     return cache[..., head_dim:].view(torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_query_len: int, max_context_len: int,
-                      device: torch.device) -> int:
-    """Split-K only pays when a decode batch has too few (sequence, kv head) programs to fill the
-    GPU and contexts are long enough that each split still streams >= 256 keys."""
-    if device.type != "cuda" or max_query_len != 1 or max_context_len < 1024:
-        return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    programs = batch * num_kv_heads
-    if programs >= sms:
-        return 1
-    return max(1, min(2 * sms // programs, max_context_len // 256, MAX_SPLITS))
+def _rows(context_lens: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int,
+          max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token row's sequence and the keys it sees (its position + 1): a sequence's last row sees its whole
+    context, each row before it one key less."""
+    if max_query_len <= 1:  # a decode step: row b is sequence b's one query
+        return torch.arange(num_tokens, dtype=torch.int32, device=context_lens.device), context_lens
+    qsl = query_start_loc.long()
+    seq = torch.repeat_interleave(torch.arange(qsl.numel() - 1, device=qsl.device), qsl.diff(),
+                                  output_size=num_tokens)
+    row = torch.arange(num_tokens, device=qsl.device)
+    ctx = context_lens.long()[seq] - (qsl[1:][seq] - 1 - row)
+    return seq.to(torch.int32), ctx.to(torch.int32)
 
 
 def paged_attention(
@@ -181,10 +178,10 @@ def paged_attention(
     max_context_len: int,
     window: int = 0,
     *,
-    num_splits: int | None = None,
+    split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
-    """See reference.paged_attention. num_splits: None = heuristic, 1 = off, n > 1 = split-K into
-    (about) n partitions of each sequence's pages (tests force it)."""
+    """See reference.paged_attention. split_keys: a row's keys per split-K partition (rounded down to whole pages,
+    at least one); 0 = never split. Fixed per model, never from the batch, so it keeps a row's bits its own."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = context_lens.shape[0]
@@ -199,23 +196,12 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0:
         return out
+    row_seq, row_ctx = _rows(context_lens, query_start_loc, num_tokens, max_query_len)
 
-    group_pad = triton.next_power_of_2(group)
-    if max_query_len <= 1:
-        tokens = max(1, MIN_DOT // group_pad)  # one real token; pad rows up to the dot minimum
-    else:
-        tokens = max(1, PREFILL_ROWS // group_pad)
-    q_tiles = triton.cdiv(max(max_query_len, 1), tokens)
-
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_query_len, max_context_len, q.device)
     max_pages = triton.cdiv(max(max_context_len, 1), block_size)
-    num_splits = max(1, min(num_splits, max_pages, MAX_SPLITS))
-    pages_per_split = triton.cdiv(max_pages, num_splits)
+    pages_per_split = max(1, split_keys // block_size) if split_keys > 0 else max_pages
     num_splits = triton.cdiv(max_pages, pages_per_split)
-    split = num_splits > 1
-
-    if split:
+    if num_splits > 1:
         part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -230,10 +216,10 @@ def paged_attention(
     dot_f32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16) or k_cache.dtype != q.dtype
     k_scale, v_scale = (_scales(c, head_dim) for c in (k_cache, v_cache)) if scaled else (k_cache, v_cache)
     head_dim_pad = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    _attn_kernel[(batch, num_kv_heads, q_tiles * num_splits)](
+    _attn_kernel[(num_tokens, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, dst, m, l,
-        block_tables, context_lens, query_start_loc,
-        scale * LOG2E, pages_per_split, num_splits, window,
+        block_tables, row_seq, row_ctx,
+        scale * LOG2E, pages_per_split, int(num_splits > 1), window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -241,17 +227,15 @@ def paged_attention(
         dst.stride(0), dst.stride(1), stride_os,
         m.stride(0), m.stride(1),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens,
+        GROUP=group, ROWS=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SCALED=scaled,
+        DOT_F32=dot_f32, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=scaled,
     )
-    if split:
+    if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part, m, l, num_splits,
+            out, part, m, l, row_ctx, pages_per_split,
             out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
             m.stride(0), m.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         )
     return out

@@ -129,34 +129,37 @@ CONFIG_IDS = ["bs16-d64-mha-f32", "bs32-d128-gqa3-f16", "bs16-d128-gqa4-bf16", "
 # (context_len, query_len): sequence 1 shares sequence 0's first page.
 DECODE = [(300, 1), (17, 1), (1, 1), (15, 1), (16, 1)]
 PREFILL = [(300, 40), (33, 33), (16, 1), (17, 17), (47, 2)]  # chunks after a cached prefix, mixed
+SPLIT_DECODE, SPLIT_PREFILL = 112, 48  # split_keys that cut DECODE's and the short prefills' longest contexts
 
 
-def _check_attention(tk, cfg, seqs, num_splits):
+def _check_attention(tk, cfg, seqs, split_keys):
     block_size, head_dim, heads, kv_heads, dtype = cfg
     batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, share_pages=1)
     want = reference.paged_attention(*batch.args())
-    got = tk.attn.paged_attention(*batch.args(), num_splits=num_splits)
+    got = tk.attn.paged_attention(*batch.args(), split_keys=split_keys)
     assert got.dtype == dtype and got.shape == batch.q.shape
     assert_close(got, want)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_decode(tk, cfg):
-    _check_attention(tk, cfg, DECODE, num_splits=1)
+    _check_attention(tk, cfg, DECODE, split_keys=0)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:4], ids=CONFIG_IDS[:4])
 def test_decode_split_k(tk, cfg):
-    # 3 splits of a 19-page context: the last split is short, short sequences leave splits empty.
-    _check_attention(tk, cfg, DECODE, num_splits=3)
+    # 112 keys a split: 7 + 7 + 5 pages of a 300-token context at block 16 (4 splits at block 32), the last one
+    # short; the shorter sequences take one split beside it.
+    _check_attention(tk, cfg, DECODE, split_keys=SPLIT_DECODE)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_prefill_with_cached_prefix(tk, cfg):
-    _check_attention(tk, cfg, PREFILL, num_splits=1)
+    _check_attention(tk, cfg, PREFILL, split_keys=0)
 
 
-@pytest.mark.parametrize("seqs,splits", [(DECODE, 1), (DECODE, 3), (PREFILL, 1), ([(100, 9), (40, 5)], 2)],
+@pytest.mark.parametrize("seqs,splits", [(DECODE, 0), (DECODE, SPLIT_DECODE), (PREFILL, 0),
+                                        ([(100, 9), (40, 5)], SPLIT_PREFILL)],
                          ids=["decode", "decode-split-k", "prefill", "prefill-split-k"])
 def test_sliding_window(tk, seqs, splits):
     """A sliding-window layer's attention: the kernel skips the pages before a tile's window and masks the
@@ -165,11 +168,11 @@ def test_sliding_window(tk, seqs, splits):
     batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, share_pages=1)
     for window in (1, 24, 100):
         want = reference.paged_attention(*batch.args(), window)
-        assert_close(tk.attn.paged_attention(*batch.args(), window, num_splits=splits), want)
+        assert_close(tk.attn.paged_attention(*batch.args(), window, split_keys=splits), want)
 
 
-@pytest.mark.parametrize("seqs,splits", [([(100, 1), (60, 1)], 1), ([(100, 1), (60, 1)], 3),
-                                         ([(100, 9), (40, 5)], 1), ([(100, 9), (40, 5)], 2)],
+@pytest.mark.parametrize("seqs,splits", [([(100, 1), (60, 1)], 0), ([(100, 1), (60, 1)], SPLIT_PREFILL),
+                                         ([(100, 9), (40, 5)], 0), ([(100, 9), (40, 5)], SPLIT_PREFILL)],
                          ids=["decode", "decode-split-k", "prefill", "prefill-split-k"])
 def test_blocks_a_window_released_may_point_at_a_zero_null_page(tk, seqs, splits):
     """The engine points a block every window of its sequence has passed at its layer group's null page, never
@@ -188,11 +191,11 @@ def test_blocks_a_window_released_may_point_at_a_zero_null_page(tk, seqs, splits
                                    k_cache=torch.cat([batch.k_cache, torch.zeros_like(batch.k_cache[:1])]),
                                    v_cache=torch.cat([batch.v_cache, torch.zeros_like(batch.v_cache[:1])]))
     assert_close(reference.paged_attention(*released.args(), window), want)
-    assert_close(tk.attn.paged_attention(*released.args(), window, num_splits=splits), want)
+    assert_close(tk.attn.paged_attention(*released.args(), window, split_keys=splits), want)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-pages", "int8-pages"])
-@pytest.mark.parametrize("seqs,splits", [(DECODE, 1), (DECODE, 3), (PREFILL, 1)],
+@pytest.mark.parametrize("seqs,splits", [(DECODE, 0), (DECODE, SPLIT_DECODE), (PREFILL, 0)],
                          ids=["decode", "decode-split-k", "prefill"])
 def test_pages_of_another_dtype_than_q(tk, kv_dtype, seqs, splits):
     """float32 queries over bf16 pages, and over int8 pages read with their scales in place (kernels/kv_pages.py):
@@ -201,14 +204,14 @@ def test_pages_of_another_dtype_than_q(tk, kv_dtype, seqs, splits):
     batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, torch.float32, DEVICE, share_pages=1,
                        kv_dtype=kv_dtype)
     assert batch.k_cache.dtype == kv_dtype
-    got = tk.attn.paged_attention(*batch.args(), 24, num_splits=splits)
+    got = tk.attn.paged_attention(*batch.args(), 24, split_keys=splits)
     assert got.dtype == torch.float32
     assert_close(got, reference.paged_attention(*batch.args(), 24))
 
 
 def test_prefill_split_k(tk):
     # The split path is generic over query tiles; the reduce runs per (token, head), so keep T small.
-    _check_attention(tk, CONFIGS[0], [(100, 9), (40, 5), (16, 1)], num_splits=2)
+    _check_attention(tk, CONFIGS[0], [(100, 9), (40, 5), (16, 1)], split_keys=SPLIT_PREFILL)
 
 
 def test_public_entry_point_and_empty_batch(tk):
@@ -222,15 +225,48 @@ def test_public_entry_point_and_empty_batch(tk):
     assert out.shape == empty.shape
 
 
-def test_split_heuristic(tk, monkeypatch):
-    monkeypatch.setattr(tk.attn, "_sm_count", lambda index: 132)
-    choose = tk.attn.choose_num_splits
-    cuda = torch.device("cuda", 0)
-    assert choose(1, 4, 1, 16384, cuda) > 1  # one long decode: split
-    assert choose(64, 4, 1, 16384, cuda) == 1  # enough programs already
-    assert choose(1, 4, 1, 300, cuda) == 1  # short context
-    assert choose(1, 4, 512, 16384, cuda) == 1  # prefill
-    assert choose(1, 4, 1, 16384, torch.device("cpu")) == 1
+def _rows_of(tk, batch, pieces, window, split_keys):
+    """One step over batch's pages: pieces [(b, lo, hi)] are sequence b's queries lo..hi (of its query_len, the
+    last at its context's end) as a sequence of the step, in that order. Returns {(b, query): output row}."""
+    starts = batch.query_start_loc.tolist()
+    ctx = batch.context_lens.tolist()
+    qlens = [starts[b + 1] - starts[b] for b in range(len(ctx))]
+    q = torch.cat([batch.q[starts[b] + lo:starts[b] + hi] for b, lo, hi in pieces])
+    lens = [ctx[b] - qlens[b] + hi for b, _, hi in pieces]
+    qsl = torch.tensor([0] + [hi - lo for _, lo, hi in pieces], device=DEVICE).cumsum(0).to(torch.int32)
+    out = tk.attn.paged_attention(
+        q, batch.k_cache, batch.v_cache, batch.block_tables[[b for b, _, _ in pieces]].contiguous(),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), qsl, batch.scale,
+        max(hi - lo for _, lo, hi in pieces), max(lens), window, split_keys=split_keys)
+    rows = [(b, i) for b, lo, hi in pieces for i in range(lo, hi)]
+    return dict(zip(rows, out))
+
+
+# (config, pages' dtype, window, split_keys): one-pass and split, causal and windowed, q's pages and int8 ones.
+INVARIANCE = [(CONFIGS[0], None, 0, 0), (CONFIGS[2], None, 24, SPLIT_PREFILL),
+              (CONFIGS[3], torch.int8, 0, SPLIT_PREFILL)]
+
+
+@pytest.mark.parametrize("cfg,kv_dtype,window,split_keys", INVARIANCE,
+                         ids=["f32-causal", "bf16-window-split-k", "int8-pages-split-k"])
+def test_a_rows_bits_are_its_own(tk, cfg, kv_dtype, window, split_keys):
+    """Same request, same tokens (docs/architecture.md#same-request-same-tokens): a query row's output is the bits
+    it gets as a decode alone at its position, whether it comes in a whole prompt chunk, chunks of other sizes,
+    beside other sequences' prompts and decodes (a longer one that splits more), in any order."""
+    block_size, head_dim, heads, kv_heads, dtype = cfg
+    seqs = [(70, 12), (40, 1), (30, 16), (200, 1)]
+    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, share_pages=1, kv_dtype=kv_dtype)
+    alone = {}
+    for i in range(12):
+        alone |= _rows_of(tk, batch, [(0, i, i + 1)], window, split_keys)
+    steps = [[(0, 0, 12)], [(1, 0, 1), (0, 0, 12), (2, 0, 16), (3, 0, 1)], [(3, 0, 1), (2, 0, 16), (0, 0, 12)],
+             [(3, 0, 1), (0, 0, 5)], [(0, 5, 11), (1, 0, 1)], [(1, 0, 1), (0, 11, 12), (3, 0, 1)]]
+    for step in steps:
+        for row, got in _rows_of(tk, batch, step, window, split_keys).items():
+            if row[0] == 0:
+                assert torch.equal(got, alone[row]), (step, row)
+    assert_close(torch.stack([alone[0, i] for i in range(12)]),
+                 reference.paged_attention(*batch.args(), window)[:12])
 
 
 # ---------------------------------------------------------------------------- cache ops
@@ -312,7 +348,6 @@ def test_device_check_realistic_shapes(tk):
 
 @gpu
 @needs_cuda
-def test_device_heuristic_split_long_decode(tk):
+def test_device_long_decode_splits_by_default(tk):
     batch = make_batch([(8192, 1)], 28, 4, 128, 16, torch.bfloat16, "cuda")
-    assert tk.attn.choose_num_splits(1, 4, 1, 8192, torch.device("cuda")) > 1
     assert_close(kernels.paged_attention(*batch.args()), reference.paged_attention(*batch.args()))
