@@ -318,10 +318,11 @@ class EngineCore:
         """Release seq's pages at once and build its final update (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed
             self._release_siblings(seq)
-        text += self.detokenizer.flush(seq)
+        rest, whole = self.detokenizer.finish(seq)
+        text += rest
         seq.finish_reason = reason
         seq.error = error
-        outcome = seq.outcome()
+        outcome = seq.outcome(whole)
         self.scheduler.finish(seq)
         if self._live.get(seq.request_id) is seq:
             del self._live[seq.request_id]

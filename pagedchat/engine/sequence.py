@@ -51,11 +51,6 @@ class Sequence:
     prefilled_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    text: str = ""
-    # Incremental detokenisation over the output ids (see Detokenizer).
-    prefix_offset: int = 0
-    read_offset: int = 0
-    emitted: int = 0                     # characters of text already streamed
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
     # Speculative decoding (engine/ngram.py): the drafter's index of its tokens, its next draft's length, and
@@ -132,11 +127,12 @@ class Sequence:
                        time_to_first_token=ttft, decode_tokens_per_s=tps, drafted_tokens=self.drafted,
                        accepted_tokens=self.accepted)
 
-    def outcome(self) -> Outcome:
-        """Everything it has: the final Outcome once it has a finish reason."""
-        return replace(self.figures(), text=self.text, finish_reason=self.finish_reason, error=self.error,
+    def outcome(self, text: str) -> Outcome:
+        """Everything it has, with its reply's text (the detokenizer's): the final Outcome once it has a finish
+        reason."""
+        return replace(self.figures(), text=text, finish_reason=self.finish_reason, error=self.error,
                        prompt_token_ids=self.token_ids[:self.num_prompt_tokens], token_ids=list(self.output_ids),
-                       pages=tuple(self.block_table), logprobs=tuple(self.sampled))
+                       pages=tuple(self.tables[0].block_table), logprobs=tuple(self.sampled))
 
     def update(self, text: str, token_ids=(), logprobs=(), outcome: Outcome | None = None) -> Update:
         """What a step added; a fork's first also says what it inherited."""
