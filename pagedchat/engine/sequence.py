@@ -60,31 +60,6 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
 
-    # The first group's table (the global layers' where the model has any): what a one-group model has.
-    @property
-    def block_table(self) -> list[int]:
-        return self.tables[0].block_table
-
-    @block_table.setter
-    def block_table(self, pages: list[int]) -> None:
-        self.tables[0].block_table = pages
-
-    @property
-    def page_hashes(self) -> list[int]:
-        return self.tables[0].page_hashes
-
-    @page_hashes.setter
-    def page_hashes(self, hashes: list[int]) -> None:
-        self.tables[0].page_hashes = hashes
-
-    @property
-    def cpu_table(self) -> list[int]:
-        return self.tables[0].cpu_table
-
-    @cpu_table.setter
-    def cpu_table(self, pages: list[int]) -> None:
-        self.tables[0].cpu_table = pages
-
     @property
     def request(self) -> str:
         """The request whose share of the batch this sequence counts against (engine/scheduler.py)."""
@@ -98,7 +73,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
-                f"computed={self.num_computed}, pages={self.block_table})")
+                f"computed={self.num_computed}, pages={self.tables[0].block_table})")
 
     @property
     def output_ids(self) -> list[int]:

@@ -79,7 +79,7 @@ def test_pages_follow_tokens_and_all_return(tiny_llama):
         engine.step()
         steps += 1
         for seq in engine.scheduler.running:
-            assert len(seq.block_table) == math.ceil(seq.num_computed / 16)
+            assert len(seq.table(0).block_table) == math.ceil(seq.num_computed / 16)
         if steps == 10:
             engine.cancel(doomed.request_id)
     snap = engine.memory()

@@ -53,7 +53,7 @@ def check_same(ref, prompt: list[int], ours: list[int], max_tokens: int) -> None
 
 
 def invariants(engine: Engine):
-    return lambda: engine.pages.first.check_invariants([s.block_table for s in engine.scheduler.all_seqs()])
+    return lambda: engine.pages.first.check_invariants([s.table(0).block_table for s in engine.scheduler.all_seqs()])
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
