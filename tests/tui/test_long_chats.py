@@ -147,6 +147,7 @@ async def test_a_search_hit_on_an_old_message_opens_there(tmp_path):
         assert "a question about aardvarks" in screen_text(app)
 
 
+@pytest.mark.slow  # 180 key presses across page loads: test_focus and test_rewrites walk short chats
 async def test_the_message_walk_reaches_every_message_of_a_long_chat(tmp_path):
     count = 90
     app = long_chat_app(tmp_path, count)
