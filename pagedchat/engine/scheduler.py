@@ -21,7 +21,7 @@ is dropped for that step unless the pool keeps two free pages for every running 
 The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
 queues and sets the status with the move, the end included (finish). Everything else only reads it. Likewise
 num_computed moves in set_computed alone: the scheduler's admissions and preemptions call it, and the core's
-steps, verified drafts and forks (tests/test_sequence_writers.py holds both rules).
+steps, verified drafts and forks (tests/engine/test_scheduler.py holds both rules).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     group: str = ""                      # the request it answers: the n replies to one prompt share the first's id
     status: SeqStatus = SeqStatus.WAITING  # written by the scheduler alone (engine/scheduler.py)
-    num_computed: int = 0                # leading tokens whose K/V are in the cache
+    num_computed: int = 0                # leading tokens whose K/V are in the cache (Scheduler.set_computed)
     tables: list[PageTable] = field(default_factory=lambda: [PageTable()])  # one per layer group
     generator: torch.Generator | None = None
     matcher: object | None = None        # llguidance.LLMatcher of a constrained reply (structured.py)
