@@ -26,6 +26,17 @@ def make_seq(tokens, rid="s", max_tokens=16, group="") -> Sequence:
                     group=group)
 
 
+def admit_waiting(pages: BlockManager | PageGroups, seq: Sequence, budget: int = 10**6) -> int:
+    """What the scheduler does to admit a waiting seq (Scheduler._admit), for the tests of the pages alone: the
+    tokens it computes this step, 0 where it has no room."""
+    admission = pages.admit(seq, budget)
+    if admission.num_tokens:
+        seq.num_computed = admission.start
+        if not seq.prefix_counted:
+            seq.prefix_counted, seq.cached_tokens = True, admission.start
+    return admission.num_tokens
+
+
 def toks(n: int, salt: int = 0) -> list[int]:
     return [(salt * 1000 + i) % 997 + 1 for i in range(n)]
 
@@ -91,7 +102,7 @@ class PageContents:
 
     # single-sequence helpers for the bookkeeping tests above
     def prefill(self, seq: Sequence) -> None:
-        n = self.bm.admit(seq, 10**6)
+        n = admit_waiting(self.bm, seq)
         assert n
         self.bm.register_full_pages(seq, seq.num_computed + n)
         self.apply(self.bm.take_ops())
@@ -294,7 +305,7 @@ class FakeEngine:
         """Remember what each of seq's hashed pages holds, so a stale page is caught even after seq ended."""
         bs = self.bm.block_size
         keys = self.sim.keys(seq.token_ids)
-        for i, h in enumerate(seq.page_hashes):
+        for i, h in enumerate(seq.table(0).page_hashes):
             self.known[h] = keys[i * bs:(i + 1) * bs]
 
     def drain(self, limit: int = 2000) -> None:

@@ -87,12 +87,21 @@ def _fits(groups: tuple[GroupPool, ...], matches: list[Match], num_tokens: int) 
     return all(group.fits(m, num_tokens) for group, m in zip(groups, matches))
 
 
-def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> int:
-    """Map seq's cached prefix in every group and take pages for its first chunk.
+@dataclass(frozen=True)
+class Admission:
+    """Where an admitted sequence starts computing (the tokens before are cached), and how many tokens it
+    computes this step: 0 when it was not admitted. The scheduler sets its num_computed to start."""
 
-    Returns the number of tokens to compute this step, or 0 (and changes nothing) when a group has no room.
+    start: int
+    num_tokens: int
+
+
+def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> Admission:
+    """Map seq's cached prefix in every group and take pages for its first chunk, or change nothing (an
+    Admission of 0 tokens) when a group has no room.
+
     The last prompt token is always computed: its logits pick the first new token. The first group counts the
-    prefix-cache lookup.
+    prefix-cache lookup of a sequence whose lookup is not counted yet (seq.prefix_counted).
     """
     first = groups[0]
     bs = first.block_size
@@ -105,14 +114,11 @@ def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> in
         matches, start, n = _plan(groups, hashes, seq.token_ids, token_budget, partial_page=False)
         fits = n > 0 and _fits(groups, matches, start + n)
     if not fits:
-        return 0
+        return Admission(start, 0)
     for group, m in zip(groups, matches):
         group.map_match(seq, hashes, m, start + n)
-    seq.num_computed = start
     if not seq.prefix_counted:
-        seq.prefix_counted = True
-        seq.cached_tokens = start
         first.counters.prefix_queries += len(seq.token_ids)
         first.counters.prefix_hits += start
         first.prefix.record_lookup(len(seq.token_ids), start)
-    return n
+    return Admission(start, n)

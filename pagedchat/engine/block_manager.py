@@ -19,7 +19,7 @@ until end_step; a swapped-out sequence's CPU table holds exactly the CPU pages t
 
 from __future__ import annotations
 
-from pagedchat.engine.admission import Match, admit
+from pagedchat.engine.admission import Admission, Match, admit
 from pagedchat.engine.checks import require
 from pagedchat.engine.cpu_tier import CpuTier
 from pagedchat.engine.page_pool import PagePool
@@ -114,9 +114,9 @@ class BlockManager:
         self.cpu.reconcile({p for table in cpu_tables for p in mapped(table)})
 
     # ---- sequences -------------------------------------------------------------------------------------
-    def admit(self, seq: Sequence, token_budget: int) -> int:
+    def admit(self, seq: Sequence, token_budget: int) -> Admission:
         """Map seq's cached prefix and take pages for its first chunk: engine/admission.py's admit, with this
-        group alone. Returns the tokens to compute this step, or 0 (and changes nothing) without room."""
+        group alone."""
         return admit((self,), seq, token_budget)
 
     def _table(self, seq: Sequence) -> PageTable:
@@ -266,8 +266,10 @@ class BlockManager:
                 self.prefix.publish(page, own.page_hashes, i, seq.token_ids)
 
     def free_seq(self, seq: Sequence) -> None:
-        """Let go of seq's pages. The end of the chain goes first, so it is also evicted first."""
+        """Let go of seq's pages, and of its hashes of them (one preempted for recompute is admitted anew). The
+        end of the chain goes first, so it is also evicted first."""
         own = self._table(seq)
+        own.page_hashes = []
         for page in reversed(mapped(own.block_table)):
             self.pool.unref(page)
         own.block_table = []
@@ -285,12 +287,13 @@ class BlockManager:
         self._share(parent, child, self.pages_for(num_tokens), num_tokens)
 
     def _share(self, parent: Sequence, child: Sequence, pages: int, num_tokens: int) -> None:
+        """The core sets the child's num_computed first: a window group releases what lies before it."""
+        require(child.num_computed == num_tokens, "a forked sequence's computed count was not set first")
         src, own = self._table(parent), self._table(child)
         own.block_table = list(src.block_table[:pages])
         for page in mapped(own.block_table):
             self.pool.ref(page)
         own.page_hashes = list(src.page_hashes[:num_tokens // self.block_size])
-        child.num_computed = num_tokens
         self.release_outside_window(child)
 
     # ---- preemption --------------------------------------------------------------------------------------

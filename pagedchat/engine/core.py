@@ -129,9 +129,11 @@ class EngineCore:
             if self._live.get(sib.request_id) is not sib:
                 continue  # cancelled meanwhile
             if computed and len(self.scheduler.running) < self.scheduler.max_seqs:
-                self.pages.fork_prefix(parent, sib, parent.num_prompt_tokens - 1)
+                shared = parent.num_prompt_tokens - 1
+                self.scheduler.set_computed(sib, shared)
+                self.pages.fork_prefix(parent, sib, shared)
                 sib.prefix_counted = True
-                sib.cached_tokens = parent.num_prompt_tokens - 1
+                sib.cached_tokens = shared
                 self.scheduler.add_running(sib)
             else:
                 self.scheduler.add(sib)
@@ -156,6 +158,7 @@ class EngineCore:
                 return self._finish(child, FinishReason.ERROR, str(exc))
         if parent is not None and parent.status is SeqStatus.RUNNING and \
                 len(self.scheduler.running) < self.scheduler.max_seqs:
+            self.scheduler.set_computed(child, parent.num_computed)
             self.pages.fork(parent, child)
             child.prefix_counted = True
             child.cached_tokens = parent.num_computed
@@ -237,7 +240,7 @@ class EngineCore:
         accepted = 0
         while accepted < len(draft) and rows[accepted].token == draft[accepted]:
             accepted += 1
-        seq.num_computed -= len(draft) - accepted
+        self.scheduler.set_computed(seq, seq.num_computed - (len(draft) - accepted))
         self.pages.roll_back(seq)
         seq.drafted += len(draft)
         seq.accepted += accepted
@@ -252,7 +255,7 @@ class EngineCore:
         n = item.num_tokens
         if seq.num_computed < seq.num_prompt_tokens:
             seq.prefilled_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
-        seq.num_computed += n
+        self.scheduler.set_computed(seq, seq.num_computed + n)
         if not rows:  # a prefill chunk short of the prompt's end
             self.fault(Phase.BOOKKEEPING, seq.request_id)
             return None
@@ -318,10 +321,11 @@ class EngineCore:
         """Release seq's pages at once and build its final update (text: what this step already decoded)."""
         if seq.request_id in self._pending:  # ended before its prompt was computed
             self._release_siblings(seq)
-        text += self.detokenizer.flush(seq)
+        rest, whole = self.detokenizer.finish(seq)
+        text += rest
         seq.finish_reason = reason
         seq.error = error
-        outcome = seq.outcome()
+        outcome = seq.outcome(whole)
         self.scheduler.finish(seq)
         if self._live.get(seq.request_id) is seq:
             del self._live[seq.request_id]

@@ -71,11 +71,14 @@ class RequestHandle:
             except Exception:  # a broken listener must not stop the engine
                 log.exception("on_update callback failed for %s", self.request_id)
 
-    def _final_update(self, reason: FinishReason | None = None, error: str | None = None) -> Update:
-        """A final update with what the request has so far, ending it with reason (default: the reason the
-        engine gave it). Built under the engine's lock, so that the sequence does not move meanwhile."""
+    def _final_update(self, text: tuple[str, str], reason: FinishReason | None = None,
+                      error: str | None = None) -> Update:
+        """A final update with what the request has so far (text: the detokenizer's finish(), what is left to
+        stream and the whole), ending it with reason (default: the reason the engine gave it). Built under the
+        engine's lock, so that the sequence does not move meanwhile."""
         seq = self._seq
-        outcome = seq.outcome()
+        rest, whole = text
+        outcome = seq.outcome(whole)
         if reason is not None:
             outcome = dataclasses.replace(outcome, finish_reason=reason, error=error)
-        return seq.update(seq.text[seq.emitted:], outcome=outcome)
+        return seq.update(rest, outcome=outcome)

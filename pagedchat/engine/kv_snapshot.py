@@ -154,9 +154,10 @@ def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: Ca
              weight_bytes: int = 0, weight_precision: str = "", kv_dtype: str = "") -> MemorySnapshot:
     block_manager = pages.first
     seqs = scheduler.all_seqs()
+    group = block_manager.group  # the first group's tables: what the snapshot describes
     owners: dict[int, list[str]] = {}
     for seq in seqs:
-        for page in seq.block_table:
+        for page in seq.table(group).block_table:
             if page != NULL_PAGE:
                 owners.setdefault(page, []).append(seq.request_id)
     recent = list(block_manager.prefix.recent_lookups)
@@ -171,7 +172,8 @@ def snapshot(pages: PageGroups, scheduler: Scheduler, max_context: int, plan: Ca
         page_states=block_manager.pool.page_states(),
         shared_pages={p: ids for p, ids in owners.items() if len(ids) > 1},
         seqs={s.request_id: SequenceMemory(s.request_id, s.status.value, len(s.token_ids), s.num_computed,
-                                           list(s.block_table), len(s.cpu_table), s.cached_tokens) for s in seqs},
+                                           list(s.table(group).block_table), len(s.table(group).cpu_table),
+                                           s.cached_tokens) for s in seqs},
         cpu_total=block_manager.cpu.num_pages,
         cpu_cached=block_manager.cpu.num_cached(),
         cpu_swapped=block_manager.cpu.num_held(),

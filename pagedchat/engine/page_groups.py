@@ -10,7 +10,7 @@ behaves exactly as a lone BlockManager. No torch here.
 
 from __future__ import annotations
 
-from pagedchat.engine.admission import admit
+from pagedchat.engine.admission import Admission, admit
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.pages import CopyPlan, Damage, MemoryCounters
 from pagedchat.engine.sequence import Sequence
@@ -46,7 +46,7 @@ class PageGroups:
         return need if most is None else min(need, most)
 
     # ---- sequences -------------------------------------------------------------------------------------
-    def admit(self, seq: Sequence, token_budget: int) -> int:
+    def admit(self, seq: Sequence, token_budget: int) -> Admission:
         return admit(self.groups, seq, token_budget)
 
     def prepare_write(self, seq: Sequence, n: int) -> bool:

@@ -19,7 +19,9 @@ with and rolls back the pages of the rest. Drafts come out of the prefill budget
 is dropped for that step unless the pool keeps two free pages for every running sequence beside it.
 
 The scheduler is the one writer of a sequence's status (as nano-vllm's): it moves a sequence between its
-queues and sets the status with the move, the end included (finish). Everything else only reads it.
+queues and sets the status with the move, the end included (finish). Everything else only reads it. Likewise
+num_computed moves in set_computed alone: the scheduler's admissions and preemptions call it, and the core's
+steps, verified drafts and forks (tests/engine/test_scheduler.py holds both rules).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Scheduler:
             self.running.remove(seq)
         self.pages.free_seq(seq)
         seq.status = SeqStatus.FINISHED
+
+    def set_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """seq's first num_tokens tokens have their K/V in the cache."""
+        seq.num_computed = num_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
@@ -181,10 +187,9 @@ class Scheduler:
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
         else:
-            self.pages.free_seq(seq)
+            self.pages.free_seq(seq)  # its pages and hashes, in every group
             self.pages.counters.recomputes += 1
-            seq.num_computed = 0
-            seq.page_hashes = []
+            self.set_computed(seq, 0)
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
 
@@ -198,13 +203,23 @@ class Scheduler:
                     return
                 self.swapped.remove(seq)
             else:
-                n = self.pages.admit(seq, budget)
+                n = self._admit(seq, budget)
                 if n == 0:
                     return
                 self.waiting.remove(seq)
             self._insert_running(seq)
             self._schedule(plan, seq, n)
             budget -= n
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit a waiting seq with its cached prefix: the tokens it computes this step, 0 if it has no room."""
+        admission = self.pages.admit(seq, budget)
+        if admission.num_tokens:
+            self.set_computed(seq, admission.start)
+            if not seq.prefix_counted:  # its first admission: what the prefix cache served it
+                seq.prefix_counted = True
+                seq.cached_tokens = admission.start
+        return admission.num_tokens
 
     def _insert_running(self, seq: Sequence) -> None:
         """Keep running in arrival order: the oldest are scheduled first."""

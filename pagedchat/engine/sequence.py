@@ -40,7 +40,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     group: str = ""                      # the request it answers: the n replies to one prompt share the first's id
     status: SeqStatus = SeqStatus.WAITING  # written by the scheduler alone (engine/scheduler.py)
-    num_computed: int = 0                # leading tokens whose K/V are in the cache
+    num_computed: int = 0                # leading tokens whose K/V are in the cache (Scheduler.set_computed)
     tables: list[PageTable] = field(default_factory=lambda: [PageTable()])  # one per layer group
     generator: torch.Generator | None = None
     matcher: object | None = None        # llguidance.LLMatcher of a constrained reply (structured.py)
@@ -51,11 +51,6 @@ class Sequence:
     prefilled_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    text: str = ""
-    # Incremental detokenisation over the output ids (see Detokenizer).
-    prefix_offset: int = 0
-    read_offset: int = 0
-    emitted: int = 0                     # characters of text already streamed
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
     # Speculative decoding (engine/ngram.py): the drafter's index of its tokens, its next draft's length, and
@@ -64,31 +59,6 @@ class Sequence:
     draft_len: int | None = None
     drafted: int = 0
     accepted: int = 0
-
-    # The first group's table (the global layers' where the model has any): what a one-group model has.
-    @property
-    def block_table(self) -> list[int]:
-        return self.tables[0].block_table
-
-    @block_table.setter
-    def block_table(self, pages: list[int]) -> None:
-        self.tables[0].block_table = pages
-
-    @property
-    def page_hashes(self) -> list[int]:
-        return self.tables[0].page_hashes
-
-    @page_hashes.setter
-    def page_hashes(self, hashes: list[int]) -> None:
-        self.tables[0].page_hashes = hashes
-
-    @property
-    def cpu_table(self) -> list[int]:
-        return self.tables[0].cpu_table
-
-    @cpu_table.setter
-    def cpu_table(self, pages: list[int]) -> None:
-        self.tables[0].cpu_table = pages
 
     @property
     def request(self) -> str:
@@ -103,7 +73,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, {self.status.value}, tokens={len(self.token_ids)}, "
-                f"computed={self.num_computed}, pages={self.block_table})")
+                f"computed={self.num_computed}, pages={self.tables[0].block_table})")
 
     @property
     def output_ids(self) -> list[int]:
@@ -132,11 +102,12 @@ class Sequence:
                        time_to_first_token=ttft, decode_tokens_per_s=tps, drafted_tokens=self.drafted,
                        accepted_tokens=self.accepted)
 
-    def outcome(self) -> Outcome:
-        """Everything it has: the final Outcome once it has a finish reason."""
-        return replace(self.figures(), text=self.text, finish_reason=self.finish_reason, error=self.error,
+    def outcome(self, text: str) -> Outcome:
+        """Everything it has, with its reply's text (the detokenizer's): the final Outcome once it has a finish
+        reason."""
+        return replace(self.figures(), text=text, finish_reason=self.finish_reason, error=self.error,
                        prompt_token_ids=self.token_ids[:self.num_prompt_tokens], token_ids=list(self.output_ids),
-                       pages=tuple(self.block_table), logprobs=tuple(self.sampled))
+                       pages=tuple(self.tables[0].block_table), logprobs=tuple(self.sampled))
 
     def update(self, text: str, token_ids=(), logprobs=(), outcome: Outcome | None = None) -> Update:
         """What a step added; a fork's first also says what it inherited."""

@@ -380,6 +380,7 @@ def test_gguf_file_found(tmp_path, monkeypatch):
     assert llamacpp.gguf_file(None, tmp_path / "keep") == default / "kept.gguf"
 
 
+@pytest.mark.slow  # loads and runs llama.cpp itself: the other llamacpp tests stand in for it in the fast run
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (CI never builds it)")
 def test_llamacpp_runs_the_same_tokens_for_real(tiny_llama, tmp_path):
     """On a tiny GGUF: every chat gets exactly max_tokens tokens, the shared prefix decoded once."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from fake_engine import PageContents, make_seq, toks
+from fake_engine import PageContents, admit_waiting, make_seq, toks
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.pages import chain_hashes
 from pagedchat.engine.sequence import Sequence
@@ -16,9 +16,22 @@ from pagedchat.engine.sequence import Sequence
 BS = 16
 
 
+def table_of(seq: Sequence) -> list[int]:
+    """seq's block table in the lone group these tests run."""
+    return seq.table(0).block_table
+
+
+def hashes_of(seq: Sequence) -> list[int]:
+    return seq.table(0).page_hashes
+
+
+def cpu_of(seq: Sequence) -> list[int]:
+    return seq.table(0).cpu_table
+
+
 def prefill(bm: BlockManager, seq: Sequence, budget: int = 10**6) -> int:
     """What the scheduler and engine do for one admission step (no model)."""
-    n = bm.admit(seq, budget)
+    n = admit_waiting(bm, seq, budget)
     if n:
         bm.register_full_pages(seq, seq.num_computed + n)
         seq.num_computed += n
@@ -44,7 +57,7 @@ def state(bm: BlockManager):
 
 
 def seq_state(seq: Sequence):
-    return (list(seq.block_table), list(seq.page_hashes), seq.num_computed, list(seq.cpu_table), seq.prefix_counted)
+    return (list(table_of(seq)), list(hashes_of(seq)), seq.num_computed, list(cpu_of(seq)), seq.prefix_counted)
 
 
 # ---- prefix sharing and the cached pool ----------------------------------------------------------------------
@@ -52,14 +65,14 @@ def test_shared_prefix_maps_three_pages_and_takes_one():
     bm = BlockManager(16, BS)
     common = toks(48)
     a, b = make_seq(common + toks(7, 1), "a"), make_seq(common + toks(5, 2), "b")
-    assert prefill(bm, a) == 55 and len(a.block_table) == 4
+    assert prefill(bm, a) == 55 and len(table_of(a)) == 4
     assert prefill(bm, b) == 5, "only the 5 tokens past the shared pages are computed"
-    assert b.block_table[:3] == a.block_table[:3]
-    assert b.block_table[3] not in a.block_table
-    assert [bm.pool.pages[p].ref for p in a.block_table] == [2, 2, 2, 1] and bm.pool.pages[b.block_table[3]].ref == 1
+    assert table_of(b)[:3] == table_of(a)[:3]
+    assert table_of(b)[3] not in table_of(a)
+    assert [bm.pool.pages[p].ref for p in table_of(a)] == [2, 2, 2, 1] and bm.pool.pages[table_of(b)[3]].ref == 1
     assert b.cached_tokens == 48 and bm.counters.prefix_hits == 48 and bm.counters.prefix_queries == 55 + 53
     assert bm.pool.num_available() == 16 - 5
-    bm.check_invariants([a.block_table, b.block_table])
+    bm.check_invariants([table_of(a), table_of(b)])
 
 
 def test_last_prompt_token_is_always_computed():
@@ -88,38 +101,38 @@ def test_prefix_inside_a_page_is_copied_not_recomputed():
     bm.take_ops()
     b = make_seq(system + toks(6, 2), "b")
     assert prefill(bm, b) == 6 and b.cached_tokens == 20
-    assert b.block_table[0] == a.block_table[0] and b.block_table[1] not in a.block_table
-    assert bm.take_ops().cow == [(a.block_table[1], b.block_table[1])]
-    assert bm.pool.pages[a.block_table[1]].ref == 2  # a's own reference and the pin
-    bm.check_invariants([a.block_table, b.block_table])
+    assert table_of(b)[0] == table_of(a)[0] and table_of(b)[1] not in table_of(a)
+    assert bm.take_ops().cow == [(table_of(a)[1], table_of(b)[1])]
+    assert bm.pool.pages[table_of(a)[1]].ref == 2  # a's own reference and the pin
+    bm.check_invariants([table_of(a), table_of(b)])
     bm.end_step()
-    assert bm.pool.pages[a.block_table[1]].ref == 1
-    bm.check_invariants([a.block_table, b.block_table])
+    assert bm.pool.pages[table_of(a)[1]].ref == 1
+    bm.check_invariants([table_of(a), table_of(b)])
     # A cached page with no owner left is pinned the same way, then goes back to the cached pool.
-    source = a.block_table[1]
+    source = table_of(a)[1]
     bm.free_seq(a)
     c = make_seq(system + toks(3, 3), "c")
     assert prefill(bm, c) == 3 and c.cached_tokens == 20
-    assert a.block_table == [] and not bm.pool.evictable, "the pinned source is not evictable while its copy is pending"
+    assert table_of(a) == [] and not bm.pool.evictable, "the pinned source is not evictable while its copy is pending"
     bm.end_step()
     assert list(bm.pool.evictable) == [source]
-    bm.check_invariants([b.block_table, c.block_table])
+    bm.check_invariants([table_of(b), table_of(c)])
 
 
 def test_hit_on_freed_cached_pages_takes_them_out_of_the_pool():
     bm = BlockManager(8, BS)
     a = make_seq(toks(40), "a")
     prefill(bm, a)
-    full = a.block_table[:2]
+    full = table_of(a)[:2]
     bm.free_seq(a)
     assert list(bm.pool.evictable) == full[::-1], "hashed pages stay cached, chain end first"
-    assert a.block_table == [] and bm.pool.num_available() == 8
+    assert table_of(a) == [] and bm.pool.num_available() == 8
     b = make_seq(toks(40) + [7], "b")
     assert prefill(bm, b) == 41 - 32
-    assert b.block_table[:2] == full and not bm.pool.evictable
-    assert all(p not in bm.pool.free for p in b.block_table)
+    assert table_of(b)[:2] == full and not bm.pool.evictable
+    assert all(p not in bm.pool.free for p in table_of(b))
     assert [bm.pool.pages[p].ref for p in full] == [1, 1] and bm.pool.num_available() == 8 - 3
-    bm.check_invariants([b.block_table])
+    bm.check_invariants([table_of(b)])
 
 
 def test_failed_allocations_change_nothing():
@@ -135,7 +148,7 @@ def test_failed_allocations_change_nothing():
     # admit: shares a's two full pages, then needs 5 pages of its own; 3 are available
     big = make_seq(toks(32) + toks(80, 9), "big")
     before, before_seq = state(bm), seq_state(big)
-    assert bm.admit(big, 10**6) == 0
+    assert admit_waiting(bm, big) == 0
     assert state(bm) == before and seq_state(big) == before_seq and big.cached_tokens == 0
 
     # prepare_write: a wants 5 more pages at once
@@ -169,15 +182,15 @@ def test_reused_page_loses_its_old_hash():
     bm = BlockManager(4, BS)
     a = make_seq(toks(40), "a")
     prefill(bm, a)
-    old = dict(zip(a.page_hashes, a.block_table))
+    old = dict(zip(hashes_of(a), table_of(a)))
     bm.free_seq(a)
     assert set(old) <= set(bm.prefix.cached)
     b = make_seq(toks(64, 1), "b")  # four pages of other tokens: both cached pages are reused
     prefill(bm, b)
     assert bm.counters.evictions == 2
     for h, page in old.items():
-        assert h not in bm.prefix.cached and page in b.block_table
-    assert all(bm.pool.pages[p].hash == h for p, h in zip(b.block_table, b.page_hashes))
+        assert h not in bm.prefix.cached and page in table_of(b)
+    assert all(bm.pool.pages[p].hash == h for p, h in zip(table_of(b), hashes_of(b)))
     bm.free_seq(b)
     again = make_seq(toks(40), "again")
     assert prefill(bm, again) == 40 and again.cached_tokens == 0, "nothing of a may hit any more"
@@ -188,15 +201,15 @@ def test_eviction_order_lru_and_chain_end_first():
     a, b = make_seq(toks(49, 1), "a"), make_seq(toks(33, 2), "b")
     prefill(bm, a)
     prefill(bm, b)
-    a_pages, b_pages = a.block_table[:3], b.block_table[:2]
-    old_hashes = set(a.page_hashes) | set(b.page_hashes)
+    a_pages, b_pages = table_of(a)[:3], table_of(b)[:2]
+    old_hashes = set(hashes_of(a)) | set(hashes_of(b))
     bm.free_seq(a)
     bm.free_seq(b)
     assert list(bm.pool.evictable) == [a_pages[2], a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
     # using a's first page again makes it the most recently used
     c = make_seq(toks(16, 1) + [3], "c")
     prefill(bm, c)
-    assert c.block_table[0] == a_pages[0]
+    assert table_of(c)[0] == a_pages[0]
     bm.free_seq(c)
     order = [a_pages[2], a_pages[1], b_pages[1], b_pages[0], a_pages[0]]
     assert list(bm.pool.evictable) == order
@@ -208,7 +221,7 @@ def test_eviction_order_lru_and_chain_end_first():
         hog.token_ids += toks(BS, 20 + step)
         assert bm.prepare_write(hog, BS)
         hog.num_computed += BS
-        evicted.append(hog.block_table[-1])
+        evicted.append(table_of(hog)[-1])
     assert evicted == order and bm.counters.evictions == 5 and not old_hashes & set(bm.prefix.cached)
 
 
@@ -217,21 +230,21 @@ def test_decode_append_takes_a_page_only_at_a_boundary():
     bm = BlockManager(8, BS)
     seq = make_seq(toks(20), "d")
     prefill(bm, seq)
-    assert len(seq.block_table) == 2 and len(seq.page_hashes) == 1
+    assert len(table_of(seq)) == 2 and len(hashes_of(seq)) == 1
     for token in range(12):  # positions 20..31: inside page 1
         available = bm.pool.num_available()
         decode(bm, seq, token)
-        assert len(seq.block_table) == 2 and bm.pool.num_available() == available
+        assert len(table_of(seq)) == 2 and bm.pool.num_available() == available
         filled = seq.num_computed == 32
-        assert len(seq.page_hashes) == (2 if filled else 1)
-    page1 = seq.block_table[1]
-    assert bm.pool.pages[page1].hash == seq.page_hashes[1] == chain_hashes(seq.token_ids, BS, 2)[1]
-    assert bm.prefix.cached[seq.page_hashes[1]] == page1
+        assert len(hashes_of(seq)) == (2 if filled else 1)
+    page1 = table_of(seq)[1]
+    assert bm.pool.pages[page1].hash == hashes_of(seq)[1] == chain_hashes(seq.token_ids, BS, 2)[1]
+    assert bm.prefix.cached[hashes_of(seq)[1]] == page1
     available = bm.pool.num_available()
     decode(bm, seq, 99)  # position 32: a new page
-    assert len(seq.block_table) == 3 and bm.pool.num_available() == available - 1
-    assert bm.pool.pages[seq.block_table[2]].hash is None
-    bm.check_invariants([seq.block_table])
+    assert len(table_of(seq)) == 3 and bm.pool.num_available() == available - 1
+    assert bm.pool.pages[table_of(seq)[2]].hash is None
+    bm.check_invariants([table_of(seq)])
 
 
 # ---- fork and copy-on-write ----------------------------------------------------------------------------------
@@ -241,31 +254,32 @@ def forked(num_tokens: int) -> tuple[BlockManager, Sequence, Sequence]:
     parent = make_seq(toks(num_tokens), "parent")
     prefill(bm, parent)
     child = make_seq(parent.token_ids, "child")
+    child.num_computed = parent.num_computed  # as the core does before a fork
     bm.fork(parent, child)
     return bm, parent, child
 
 
 def test_fork_shares_every_page_and_copies_on_first_write():
     bm, parent, child = forked(40)
-    assert child.block_table == parent.block_table and child.num_computed == 40
-    assert [bm.pool.pages[p].ref for p in parent.block_table] == [2, 2, 2], "the partial last page is shared too"
-    bm.check_invariants([parent.block_table, child.block_table])
+    assert table_of(child) == table_of(parent) and child.num_computed == 40
+    assert [bm.pool.pages[p].ref for p in table_of(parent)] == [2, 2, 2], "the partial last page is shared too"
+    bm.check_invariants([table_of(parent), table_of(child)])
     bm.take_ops()
 
-    shared = list(child.block_table)
+    shared = list(table_of(child))
     child.token_ids.append(5)
     assert bm.prepare_write(child, 1)
     ops = bm.take_ops()
     assert len(ops.cow) == 1 and ops.cow[0][0] == shared[2]
     new = ops.cow[0][1]
-    assert child.block_table == shared[:2] + [new], "only the written index changes"
-    assert parent.block_table == shared and new not in shared
+    assert table_of(child) == shared[:2] + [new], "only the written index changes"
+    assert table_of(parent) == shared and new not in shared
     assert [bm.pool.pages[p].ref for p in shared] == [2, 2, 1] and bm.pool.pages[new].ref == 1
     assert bm.counters.cow_copies == 1
     # the parent now owns its partial page alone: no copy
     parent.token_ids.append(6)
     assert bm.prepare_write(parent, 1) and not bm.take_ops().cow
-    bm.check_invariants([parent.block_table, child.block_table])
+    bm.check_invariants([table_of(parent), table_of(child)])
     bm.free_seq(parent)
     bm.free_seq(child)
     bm.check_invariants([])
@@ -277,7 +291,7 @@ def test_fork_at_a_page_boundary_needs_no_copy():
     child.token_ids.append(1)
     assert bm.prepare_write(child, 1)
     ops = bm.take_ops()
-    assert not ops.cow and child.block_table[:2] == parent.block_table and len(child.block_table) == 3
+    assert not ops.cow and table_of(child)[:2] == table_of(parent) and len(table_of(child)) == 3
 
 
 # ---- duplicates: kept, not merged ----------------------------------------------------------------------------
@@ -291,19 +305,19 @@ def test_duplicate_pages_are_kept_private_and_freed_uncached():
         assert bm.prepare_write(seq, 30)
         bm.register_full_pages(seq, 40)
         seq.num_computed = 40
-    assert not set(a.block_table) & set(b.block_table)
-    assert a.page_hashes == b.page_hashes
-    assert [bm.prefix.cached[h] for h in a.page_hashes] == a.block_table[:2]
-    assert all(bm.pool.pages[p].hash is None for p in b.block_table), "b's duplicate pages are not advertised"
-    assert all(bm.pool.pages[p].ref == 1 for p in a.block_table + b.block_table)
-    a_full = a.block_table[:2]
+    assert not set(table_of(a)) & set(table_of(b))
+    assert hashes_of(a) == hashes_of(b)
+    assert [bm.prefix.cached[h] for h in hashes_of(a)] == table_of(a)[:2]
+    assert all(bm.pool.pages[p].hash is None for p in table_of(b)), "b's duplicate pages are not advertised"
+    assert all(bm.pool.pages[p].ref == 1 for p in table_of(a) + table_of(b))
+    a_full = table_of(a)[:2]
     bm.free_seq(b)
     assert not bm.pool.evictable and len(bm.pool.free) == 8 - 3, "duplicates go straight back to the free pool"
     bm.free_seq(a)
     assert list(bm.pool.evictable) == a_full[::-1]
     # a third request with that prompt maps a's pages
     c = make_seq(toks(40), "c")
-    assert prefill(bm, c) == 8 and c.block_table[:2] == a_full
+    assert prefill(bm, c) == 8 and table_of(c)[:2] == a_full
 
 
 # ---- swapping and the CPU tier -------------------------------------------------------------------------------
@@ -311,20 +325,20 @@ def test_swap_out_and_in_remaps_cached_pages_without_copying():
     bm = BlockManager(8, BS, num_cpu_pages=4)
     a = make_seq(toks(40), "a")
     prefill(bm, a)
-    pages = list(a.block_table)
+    pages = list(table_of(a))
     assert bm.swap_out(a)
     ops = bm.take_ops()
-    assert [g for g, _ in ops.swap_out] == pages and len(a.cpu_table) == 3 and not a.block_table
-    assert bm.cpu.held_pages() == set(a.cpu_table) and bm.counters.swap_outs == 1
+    assert [g for g, _ in ops.swap_out] == pages and len(cpu_of(a)) == 3 and not table_of(a)
+    assert bm.cpu.held_pages() == set(cpu_of(a)) and bm.counters.swap_outs == 1
     assert list(bm.pool.evictable) == pages[:2][::-1], "its hashed pages stay cached on the GPU"
     assert bm.swap_in(a, 1)
     ops = bm.take_ops()
-    assert a.block_table[:2] == pages[:2], "still-cached full pages are mapped again"
-    assert len(ops.swap_in) == 1 and ops.swap_in[0][1] == a.block_table[2]
+    assert table_of(a)[:2] == pages[:2], "still-cached full pages are mapped again"
+    assert len(ops.swap_in) == 1 and ops.swap_in[0][1] == table_of(a)[2]
     assert not bm.cpu.held_pages() and len(bm.cpu.free_pages()) < 4, "the read CPU page is freed after the step"
     bm.end_step()
     assert len(bm.cpu.free_pages()) == 4
-    bm.check_invariants([a.block_table])
+    bm.check_invariants([table_of(a)])
 
 
 def test_swap_in_makes_room_for_the_next_tokens():
@@ -333,15 +347,15 @@ def test_swap_in_makes_room_for_the_next_tokens():
     s = make_seq(toks(32), "s")
     prefill(bm, s)
     s.token_ids.append(7)  # sampled, not computed yet
-    old = list(s.block_table)
+    old = list(table_of(s))
     assert bm.swap_out(s)
     bm.take_ops()
     bm.end_step()
     available = bm.pool.num_available()
     assert bm.swap_in(s, 1)
-    assert s.block_table[:2] == old and len(s.block_table) == 3, "2 cached pages mapped again, 1 new page"
-    assert bm.pool.num_available() == available - 3 and bm.pool.pages[s.block_table[2]].ref == 1
-    bm.check_invariants([s.block_table])
+    assert table_of(s)[:2] == old and len(table_of(s)) == 3, "2 cached pages mapped again, 1 new page"
+    assert bm.pool.num_available() == available - 3 and bm.pool.pages[table_of(s)[2]].ref == 1
+    bm.check_invariants([table_of(s)])
 
 
 def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
@@ -358,8 +372,8 @@ def test_evicted_cached_pages_are_offloaded_and_swapped_back_in():
     again = make_seq(toks(33) + [5], "again")
     assert prefill(bm, again) == 34 - 32 and again.cached_tokens == 32
     ops = bm.take_ops()
-    assert len(ops.swap_in) == 2 and [g for _, g in ops.swap_in] == again.block_table[:2]
-    assert [bm.pool.pages[p].hash for p in again.block_table[:2]] == again.page_hashes[:2]
+    assert len(ops.swap_in) == 2 and [g for _, g in ops.swap_in] == table_of(again)[:2]
+    assert [bm.pool.pages[p].hash for p in table_of(again)[:2]] == hashes_of(again)[:2]
 
 
 def test_swap_in_of_cached_pages_is_not_overwritten_by_offloads():
@@ -396,13 +410,13 @@ def test_offloading_a_page_already_on_the_cpu_tier_keeps_one_copy():
     bm.end_step()
     hog = make_seq(toks(64, 1), "hog")
     sim.prefill(hog)  # evicts s's two cached pages to the CPU tier
-    assert bm.counters.offloads == 2 and set(s.page_hashes) <= set(bm.cpu.cached_pages())
+    assert bm.counters.offloads == 2 and set(hashes_of(s)) <= set(bm.cpu.cached_pages())
     bm.free_seq(hog)
     assert bm.swap_in(s, 1)
     sim.apply(bm.take_ops())
     bm.end_step()
     sim.check(s, 33)
-    assert all(bm.prefix.cached.get(h) == p for h, p in zip(s.page_hashes, s.block_table))
+    assert all(bm.prefix.cached.get(h) == p for h, p in zip(hashes_of(s), table_of(s)))
     bm.free_seq(s)
     check_cpu(bm)
     for salt in range(2, 8):  # churn through every GPU and CPU page

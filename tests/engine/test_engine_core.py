@@ -135,7 +135,7 @@ def test_a_planning_fault_fails_the_sequence_its_uncopied_swap_out_would_have_sa
     faults.arm(Phase.SCHEDULE, when=lambda: bool(eng.sched.plan.ops.swap_out))
     eng.drain()
     assert faults.fired, "no step swapped a sequence out"
-    swapped = [s for s in eng.sched.all_seqs() if s.cpu_table]
+    swapped = [s for s in eng.sched.all_seqs() if s.table(0).cpu_table]
     assert not swapped and errors(eng) and set(eng.ended) == set(ids)
     for rid in set(ids) - errors(eng):
         prompt, out = eng.done[rid]

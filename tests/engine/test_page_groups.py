@@ -3,7 +3,7 @@ what the window passed, moved together through admission, prefix sharing, forks,
 
 from __future__ import annotations
 
-from fake_engine import make_seq, toks
+from fake_engine import admit_waiting, make_seq, toks
 
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.pages import chain_hashes
@@ -35,7 +35,7 @@ def step(pages: PageGroups, seq, n: int) -> None:
 
 
 def admit(pages: PageGroups, seq, budget: int) -> int:
-    n = pages.admit(seq, budget)
+    n = admit_waiting(pages, seq, budget)
     assert n > 0
     compute(pages, seq, n)
     return n
@@ -66,7 +66,8 @@ def test_the_window_group_releases_what_its_window_passed_and_the_global_group_k
         assert window_table[:len(window_table) - len(live(window_table))] == [NULL_PAGE] * (
             len(window_table) - len(live(window_table))), "released entries are a leading run"
         pages.check_invariants([seq])
-    assert live(seq.block_table) == seq.block_table and len(seq.block_table) == 11, "global layers keep all"
+    global_table = seq.table(0).block_table
+    assert live(global_table) == global_table and len(global_table) == 11, "global layers keep all"
     assert pages.prepare_write(seq, 1)
     # The next token (position 41) sees 36..41: pages 9 and 10; its write released pages 0..8.
     assert seq.table(1).block_table[:9] == [NULL_PAGE] * 9
@@ -86,12 +87,12 @@ def test_a_prompt_shared_past_the_window_needs_only_the_window_groups_pages_in_r
     assert all(h in pages.groups[0].prefix.cached for h in hashes)
 
     b = make_seq(prefix + [7, 8, 9], "b")
-    n = pages.admit(b, 64)
+    n = admit_waiting(pages, b, 64)
     assert b.num_computed == 32 and n == 3 and b.cached_tokens == 32
     # B computes from position 32: its window reaches back to 27, page 6; pages 0..5 are not mapped at all.
     assert b.table(1).block_table[:6] == [NULL_PAGE] * 6
     assert [window.pool.pages[p].hash for p in b.table(1).block_table[6:8]] == hashes[6:8]
-    assert b.block_table[:8] == [pages.groups[0].prefix.cached[h] for h in hashes]
+    assert b.table(0).block_table[:8] == [pages.groups[0].prefix.cached[h] for h in hashes]
     pages.check_invariants([b])
 
 
@@ -104,14 +105,14 @@ def test_a_window_group_that_lacks_a_page_in_reach_lowers_the_match_for_every_gr
     admit(pages, filler, 20)
     served = [i for i, h in enumerate(hashes) if h in window.prefix.cached]
     b = make_seq(prefix + [7], "b")
-    pages.admit(b, 64)
+    admit_waiting(pages, b, 64)
     # The longest match is the one whose pages in reach the window group still holds, shorter than the
     # global group's, and the global group maps only that much too.
     assert b.num_computed % BS == 0 and b.num_computed < 32
     start = b.num_computed // BS
     first = max(0, b.num_computed - WINDOW + 1) // BS
     assert all(i in served for i in range(first, start))
-    assert len(b.block_table) == len(b.table(1).block_table)
+    assert len(b.table(0).block_table) == len(b.table(1).block_table)
     pages.check_invariants([filler, b])
 
 
@@ -121,6 +122,7 @@ def test_a_fork_shares_the_live_window_pages_and_the_released_entries_stay_relea
     admit(pages, parent, 30)
     assert pages.prepare_write(parent, 1)  # releases what position 30's window passed
     child = make_seq(toks(30), "c")
+    child.num_computed = parent.num_computed  # as the core does before a fork
     pages.fork(parent, child)
     assert child.table(1).block_table == parent.table(1).block_table
     assert NULL_PAGE in child.table(1).block_table
@@ -167,4 +169,4 @@ def test_a_failed_step_fails_the_sequence_whose_window_pages_it_was_copying_and_
     assert any(d.touches(seq) for d in damage) and not any(d.touches(other) for d in damage)
     pages.free_seq(seq)
     pages.repair([other])
-    assert pages.pages_used() == [len(other.block_table), len(live(other.table(1).block_table))]
+    assert pages.pages_used() == [len(other.table(0).block_table), len(live(other.table(1).block_table))]

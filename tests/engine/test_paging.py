@@ -62,7 +62,7 @@ def drain(engine: Engine, limit: int = 5000, check=None) -> int:
 
 
 def live_tables(engine: Engine) -> list[list[int]]:
-    return [s.block_table for s in engine.scheduler.all_seqs()]
+    return [s.table(0).block_table for s in engine.scheduler.all_seqs()]
 
 
 _reference: dict[tuple, list[int]] = {}

@@ -1,17 +1,39 @@
-"""The scheduler as the one writer of a sequence's status (engine/scheduler.py)."""
+"""The scheduler as the one writer of a sequence's status and num_computed (engine/scheduler.py), and its fair
+share of the batch per request."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 from fake_engine import FakeEngine, isolated, make_seq, toks
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.scheduler import Scheduler
-from pagedchat.engine.sequence import SeqStatus
+from pagedchat.engine.detokenizer import ReplyText
+from pagedchat.engine.sequence import SeqStatus, Sequence
 
-ENGINE = Path(__file__).resolve().parents[2] / "pagedchat" / "engine"
+PACKAGE = Path(__file__).resolve().parents[2] / "pagedchat"
+ENGINE = PACKAGE / "engine"
+# A sequence's counters: moved by the core's steps and the scheduler's admissions alone.
+COUNTERS = {"num_computed", "cached_tokens", "prefilled_tokens", "prefix_counted", "drafted", "accepted"}
+
+
+def attribute_writes(names: set[str]) -> set[tuple[str, str, str]]:
+    """(module, function, attribute) of every assignment to an attribute of one of these names in the package."""
+    writes = set()
+    for path in PACKAGE.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                for t in targets:
+                    for leaf in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(leaf, ast.Attribute) and leaf.attr in names:
+                            writes.add((str(path.relative_to(PACKAGE)), fn.name, leaf.attr))
+    return writes
 
 
 def test_each_queue_move_sets_the_status_and_finish_ends_it():
@@ -31,7 +53,7 @@ def test_each_queue_move_sets_the_status_and_finish_ends_it():
     assert new.status is SeqStatus.SWAPPED and scheduler.swapped[0] is new
     scheduler.finish(new)
     assert new.status is SeqStatus.FINISHED and new not in scheduler.all_seqs()
-    assert not new.cpu_table and not pages.first.cpu.held_pages()
+    assert not new.table(0).cpu_table and not pages.first.cpu.held_pages()
 
 
 def test_only_the_scheduler_writes_a_sequence_status():
@@ -42,6 +64,35 @@ def test_only_the_scheduler_writes_a_sequence_status():
             if any(isinstance(t, ast.Attribute) and t.attr == "status" for t in targets):
                 writers.add(path.name)
     assert writers == {"scheduler.py"}
+
+
+def test_num_computed_moves_in_one_method_and_counters_in_the_core_and_the_scheduler():
+    writes = attribute_writes(COUNTERS)
+    assert {w for w in writes if w[2] == "num_computed"} == {("engine/scheduler.py", "set_computed", "num_computed")}
+    assert {module for module, _, _ in writes} == {"engine/core.py", "engine/scheduler.py"}
+
+
+def test_a_sequence_keeps_no_decoding_state():
+    """The reply's text and the incremental decode's offsets are the detokenizer's (engine/detokenizer.py)."""
+    kept = {f.name for f in dataclasses.fields(Sequence)}
+    assert not kept & {f.name for f in dataclasses.fields(ReplyText)}
+
+
+def test_a_preemption_for_recompute_forgets_the_hashes_of_every_layer_group():
+    """With no CPU tier the victim gives back its pages in both groups, and its hashes too: it is admitted anew."""
+    pages = PageGroups((BlockManager(10, 4), BlockManager(10, 4, group=1, window=6)))
+    scheduler = Scheduler(pages, max_tokens_per_step=64, max_seqs=4)
+    old, new = make_seq(toks(16), "old"), make_seq(toks(16, 1), "new")
+    for seq in (old, new):
+        scheduler.add(seq)
+    for item in scheduler.schedule().scheduled:
+        scheduler.set_computed(item.seq, item.seq.num_computed + item.num_tokens)
+    pages.end_step()
+    assert all(seq.table(g).page_hashes for seq in (old, new) for g in (0, 1))
+    old.token_ids += toks(12, 2)  # old needs three pages more than the global pool has left: new goes
+    scheduler.schedule()
+    assert new.status is SeqStatus.WAITING and new.num_computed == 0 and pages.counters.recomputes == 1
+    assert [new.table(g).page_hashes for g in (0, 1)] == [[], []]
 
 
 # ---- a fair share for every request ----------------------------------------------------------------------------

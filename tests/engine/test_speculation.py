@@ -59,9 +59,9 @@ def test_rejected_drafts_pages_return_and_no_hash_covers_them():
     for _ in range(4):
         eng.step()
         seq = eng.core.sequence(rid)
-        assert len(seq.block_table) == eng.bm.pages_for(seq.num_computed)
-        assert len(seq.page_hashes) == seq.num_computed // 4
-        assert eng.bm.pool.num_available() == eng.bm.num_pages - len(seq.block_table)
+        assert len(seq.table(0).block_table) == eng.bm.pages_for(seq.num_computed)
+        assert len(seq.table(0).page_hashes) == seq.num_computed // 4
+        assert eng.bm.pool.num_available() == eng.bm.num_pages - len(seq.table(0).block_table)
     counters = eng.bm.counters
     assert counters.rolled_back == 2 and counters.accepted == 0
     assert counters.drafted == 8 + 1 + 1, "after a rejection the next draft is one token"

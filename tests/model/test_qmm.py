@@ -235,6 +235,7 @@ def test_auto_is_the_cpus_best_level_as_unset_is(value, monkeypatch):
         qmm.ensure()
 
 
+@pytest.mark.slow  # compiles the library a second time (the session's build tests the sources)
 def test_a_library_built_for_lower_levels_runs_only_those(tmp_path):
     """Built with AVX2 and portable only (what a build for an AVX2 machine holds), the library offers just
     those, whatever this CPU has: in a fresh process, since a library cannot be unloaded."""

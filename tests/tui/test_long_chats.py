@@ -99,6 +99,7 @@ async def test_a_chat_of_many_thousand_messages_opens_at_once_mounting_a_screenf
         assert rss_mb() - before < GROWTH_MB
 
 
+@pytest.mark.slow  # every page of 400 messages up and down: the other tests here load a page each way
 async def test_scrolling_to_the_top_loads_older_messages_in_place_and_back_down(tmp_path):
     count = 400
     app = long_chat_app(tmp_path, count)
@@ -146,6 +147,7 @@ async def test_a_search_hit_on_an_old_message_opens_there(tmp_path):
         assert "a question about aardvarks" in screen_text(app)
 
 
+@pytest.mark.slow  # 180 key presses across page loads: test_focus and test_rewrites walk short chats
 async def test_the_message_walk_reaches_every_message_of_a_long_chat(tmp_path):
     count = 90
     app = long_chat_app(tmp_path, count)

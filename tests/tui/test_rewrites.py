@@ -23,6 +23,7 @@ from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.compare import CompareScreen, CompareSetupScreen
 from pagedchat.tui.screens.modals import EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
+from slow_cases import slow_after
 from tui_support import ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
@@ -215,7 +216,8 @@ async def key_or_palette(pilot, by_keys: bool, key: str, command: str) -> None:
         await palette(pilot, command)
 
 
-@pytest.mark.parametrize("how", ["keys", "palette"])
+# The quick run rewrites by keys; by the palette takes about four times as long.
+@pytest.mark.parametrize("how", slow_after(["keys", "palette"]))
 async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, how):
     app = scripted_app(tmp_path)
     by_keys = how == "keys"
