@@ -1,8 +1,9 @@
-"""Several tabs streaming at once: their replies' snapshots go to disk together (issue 36: a key typed while
-four tabs streamed waited on the commits)."""
+"""Several tabs streaming at once: their replies' snapshots go to disk together, and a tab not shown renders
+nothing until it is shown (issue 36: a key typed while four tabs streamed waited on both)."""
 
 from __future__ import annotations
 
+from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.store import DB_NAME, Store
 from tui_support import quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
@@ -51,3 +52,20 @@ async def test_two_streaming_tabs_are_saved_in_the_same_writes(tmp_path):
         assert together >= 3, seen
         assert alone <= 1, seen   # the second reply's own first save, at its start, may fall alone
 
+
+async def test_a_tab_not_shown_catches_up_when_shown(tmp_path):
+    app = scripted_app(tmp_path, [LONG, LONG], chunks=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        first = await start_reply(pilot, "one")
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+        view = app.chat_view(first).view_at(first.reply.index)
+        await pilot.pause(0.5)
+        hidden = view.body.source
+        await pilot.pause(0.5)
+        assert view.body.source == hidden and first.reply.tokens > 0   # streams on, renders nothing
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.active_session is first, "the first tab again")
+        await wait_for(pilot, lambda: len(view.body.source) > len(hidden), "the shown tab to catch up")
+        assert isinstance(view, MessageView) and view.streaming
