@@ -157,6 +157,11 @@ class MessageView(Vertical, can_focus=True):
     def settled(self) -> Vertical:
         return self.query_one(".settled", Vertical)
 
+    @property
+    def shown_source(self) -> str:
+        """The Markdown this view shows, controls made visible: the settled part's, then the live widget's."""
+        return self._settled_text + self.body.source
+
     async def _show(self, text: str) -> None:
         """The whole text in the Markdown widget, nothing settled."""
         await self.settled.remove_children()
@@ -253,7 +258,7 @@ class MessageView(Vertical, can_focus=True):
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
-            await self._put(self._settled_text + self.body.source + visible_controls(text))
+            await self._put(self.shown_source + visible_controls(text))
         # Timed to the end of the screen update it causes: the layout and the drawing are most of its cost.
         self.call_after_refresh(self._flushed, started, self._flush_timer)
 

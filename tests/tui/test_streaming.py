@@ -48,9 +48,11 @@ class OneMessage(App):
 
 
 def shown_text(view: MessageView) -> str:
-    """What the view shows: its settled parts' text, then the live Markdown's."""
+    """What the view shows: its settled parts' text, then the live Markdown's (read from the widgets)."""
     settled = view.settled.query(Static).results(Static)
-    return "".join(part.content.markup for part in settled) + view.body.source
+    shown = "".join(part.content.markup for part in settled) + view.body.source
+    assert shown == view.shown_source
+    return shown
 
 
 async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_without_a_reparse():
