@@ -2,7 +2,8 @@
 
 These widgets know nothing about the engine. The chat feeds a reply's text in with MessageView.feed() as
 updates arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
-of the machine the engine runs on, and finish() replaces the streamed document with one full parse. Every piece
+of the machine the engine runs on, and only while the view is displayed (a tab not in view renders when shown);
+finish() puts the final text the same way, keeping what settled. Every piece
 of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
 the text exactly as written.
 """
