@@ -245,6 +245,8 @@ class PagedChatApp(App):
             view = None if self._exiting else self.chats.view_for_request(request_id)
             if view is not None:  # else a closed chat or an abandoned reply: the backend was told to cancel it
                 await view.take(updates)
+        if not self._exiting:
+            self.chats.snapshot_replies()
         self.saver.flush()
 
     def _chat_changed(self, session: ChatSession) -> None:

@@ -257,8 +257,6 @@ class ChatView(Vertical):
             return
         if view is not None:
             view.feed(fed.text, fed.tokens)
-        if time.monotonic() - reply.saved_at >= SAVE_EVERY_S:
-            self.save_reply()
 
     async def _finish(self, outcome: Outcome) -> None:
         """The final update: render the whole reply once, record its outcome and stats, then mark the chat idle."""

@@ -2,7 +2,8 @@
 
 These widgets know nothing about the engine. The chat feeds a reply's text in with MessageView.feed() as
 updates arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
-of the machine the engine runs on, and finish() replaces the streamed document with one full parse. Every piece
+of the machine the engine runs on, and only while the view is displayed (a tab not in view renders when shown);
+finish() puts the final text the same way, keeping what settled. Every piece
 of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
 the text exactly as written.
 """
@@ -19,6 +20,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.timer import Timer
 from rich.markdown import Markdown as RichMarkdown
+from textual.widget import Widget
 from textual.widgets import Label, Markdown, Static, TextArea
 
 from pagedchat.engine.records import Outcome
@@ -33,6 +35,7 @@ from pagedchat.tui.streaming import settle_point
 # docs/bench.md#the-app-against-its-engine---app.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
+CATCH_UP_S = 0.01     # a view just shown renders what it queued at once (Textual takes no timer of 0)
 RENDER_SPACING = 20
 # TextArea re-wraps an edited line whole on every key, and re-cuts it whole for each screen row it draws: with a
 # line past this many characters the input scrolls sideways instead, and a key costs what the line's length does.
@@ -135,6 +138,8 @@ class MessageView(Vertical, can_focus=True):
         self._streamed_tokens = streamed or 0
         self._doing = ""            # the stats line while streaming, before its marks
         self._stalled = False       # the engine has stopped answering
+        self._settled_text = ""     # the text the settled Statics show, in order
+        self._unrendered: str | None = None   # a final text that waits for the view to be shown
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
@@ -153,19 +158,37 @@ class MessageView(Vertical, can_focus=True):
     def settled(self) -> Vertical:
         return self.query_one(".settled", Vertical)
 
+    @property
+    def shown_source(self) -> str:
+        """The Markdown this view shows, controls made visible: the settled part's, then the live widget's."""
+        return self._settled_text + self.body.source
+
     async def _show(self, text: str) -> None:
         """The whole text in the Markdown widget, nothing settled."""
         await self.settled.remove_children()
+        self._settled_text = ""
         await self.body.update(visible_controls(text))
 
-    async def _settle(self) -> None:
-        """Move the live Markdown's blocks above its last few into a Static that renders them once: the screen's
-        layout then walks a handful of widgets, however long the reply."""
-        source = self.body.source
-        cut = settle_point(source)
-        if cut:
-            await self.settled.mount(Static(RichMarkdown(source[:cut]), classes="settled-part"))
-            await self.body.update(source[cut:])
+    async def _put(self, text: str) -> None:
+        """Show text (controls already made visible) as the streamed document: what has settled stays, what is
+        above the last safe cut (streaming.py) settles into a Static that renders it once, and the rest is the
+        live Markdown, appended to where it only grew. The screen's layout then walks a handful of widgets
+        however long the reply, and text that settles at once (a hidden tab's, shown again) never becomes
+        Markdown widgets first."""
+        if not text.startswith(self._settled_text):
+            await self.settled.remove_children()
+            self._settled_text = ""
+        rest = text[len(self._settled_text):]
+        if cut := settle_point(rest):
+            await self.settled.mount(Static(RichMarkdown(rest[:cut]), classes="settled-part"))
+            self._settled_text += rest[:cut]
+            rest = rest[cut:]
+        live = self.body.source
+        if not cut and rest.startswith(live):
+            if rest != live:
+                await self.body.append(rest[len(live):])
+        else:
+            await self.body.update(rest)
 
     def set_stats(self, text: str) -> None:
         for label in self.query(".stats").results(Label):
@@ -181,6 +204,7 @@ class MessageView(Vertical, can_focus=True):
         if prefix:
             await self._show(prefix)
         self._streaming = True
+        self._unrendered = None
         self._flush_gap = FLUSH_S
         self._streamed_tokens = 0
         self._stalled = False
@@ -203,12 +227,24 @@ class MessageView(Vertical, can_focus=True):
             self._show_live(self._doing)
 
     def feed(self, text: str, tokens: int) -> None:
-        """Queue text for the next flush; cheap, called once per batch of updates."""
+        """Queue text for the next flush; cheap, called once per batch of updates. A view nobody can see (its
+        tab is not the one shown) only queues: it renders what came when it is shown (on_show)."""
         self._streamed_tokens += tokens
         if text:
             self._pending.append(text)
-        if self._flush_timer is None:
+        if self._flush_timer is None and self.shown:
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
+
+    @property
+    def shown(self) -> bool:
+        """Displayed: neither this view nor a container above it (another tab's pane) is hidden."""
+        return all(node.display for node in self.ancestors_with_self if isinstance(node, Widget))
+
+    def on_show(self) -> None:
+        if self._streaming and self._pending and self._flush_timer is None:
+            self._flush_timer = self.set_timer(CATCH_UP_S, self._flush)
+        elif self._unrendered is not None:
+            self.call_later(self._put_final)
 
     def _progress(self) -> str:
         return f"generating · {self._streamed_tokens} tokens"
@@ -223,8 +259,7 @@ class MessageView(Vertical, can_focus=True):
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
-            await self.body.append(visible_controls(text))
-            await self._settle()
+            await self._put(self.shown_source + visible_controls(text))
         # Timed to the end of the screen update it causes: the layout and the drawing are most of its cost.
         self.call_after_refresh(self._flushed, started, self._flush_timer)
 
@@ -234,11 +269,13 @@ class MessageView(Vertical, can_focus=True):
         self._flush_gap = min(MAX_FLUSH_S, max(FLUSH_S, RENDER_SPACING * (time.thread_time() - started)))
         # Cleared only now: text fed meanwhile waits for the next flush instead of racing this one.
         self._flush_timer = None
-        if self._pending and self._streaming:
+        if self._pending and self._streaming and self.shown:
             self._flush_timer = self.set_timer(self._flush_gap, self._flush)
 
     async def finish(self, content: str, stats: Outcome | None) -> None:
-        """End streaming with one full parse of the final text and the stats line."""
+        """End streaming: the final text and the stats line. What has settled stays (re-parsing a long reply
+        whole held the main thread, keys included, for a long moment at every reply's end); a view nobody can
+        see renders it when it is shown."""
         if self._flush_timer is not None:
             self._flush_timer.stop()
             self._flush_timer = None
@@ -246,8 +283,15 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = False
         self.message.content = content
         self.message.stats = stats
-        await self._show(content)
         self.set_stats(stats_line(stats) if stats else "")
+        self._unrendered = content
+        if self.shown:
+            await self._put_final()
+
+    async def _put_final(self) -> None:
+        content, self._unrendered = self._unrendered, None
+        if content is not None:
+            await self._put(visible_controls(content))
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:

@@ -6,6 +6,7 @@ branch behaves like one opened with ctrl+n.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +17,7 @@ from pagedchat.text import visible_controls
 from pagedchat.tui.backend_link import BackendLink
 from pagedchat.tui.bridge import UpdateInbox
 from pagedchat.tui.chat_widgets import MessageView
-from pagedchat.tui.chat_view import ChatServices, ChatView
+from pagedchat.tui.chat_view import SAVE_EVERY_S, ChatServices, ChatView
 from pagedchat.tui.history import PromptHistory
 from pagedchat.tui.inspector import ChatPages
 from pagedchat.tui.conversation import ChatRecord
@@ -79,6 +80,17 @@ class ChatTabs:
 
     def generating(self) -> int:
         return sum(1 for s in self.sessions.values() if s.busy)
+
+    def snapshot_replies(self) -> None:
+        """Mark every live reply's snapshot for the next write once the oldest is SAVE_EVERY_S old: all the
+        tabs' replies then go in one transaction, not one each at its own moment. A commit waits on the disk
+        (fsyncs) on the UI thread, and a key typed meanwhile waits with it."""
+        live = [s for s in self.sessions.values() if s.reply.taking and s.reply.index is not None]
+        if not live or time.monotonic() - min(s.reply.saved_at for s in live) < SAVE_EVERY_S:
+            return
+        for session in live:
+            if (view := self.view(session)) is not None:
+                view.save_reply()
 
     async def restore(self, records: list[ChatRecord], active_id: str | None) -> None:
         for record in records:

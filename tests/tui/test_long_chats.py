@@ -183,10 +183,10 @@ async def test_a_reply_scrolled_out_of_the_list_streams_on_when_scrolled_back(tm
             await load_newer(pilot, chat)
         view = chat.view_at(reply)
         assert session.busy and view.streaming
-        shown = len(view.body.source)
-        await wait_for(pilot, lambda: len(view.body.source) > shown, "the reply growing in its new view")
+        shown = len(view.shown_source)
+        await wait_for(pilot, lambda: len(view.shown_source) > shown, "the reply growing in its new view")
 
         await pilot.press("escape")
         await wait_for(pilot, lambda: not session.busy, "the reply stopped")
-        assert view.body.source == session.record.messages[reply].content
+        assert view.shown_source == session.record.messages[reply].content
         assert "stopped" in str(view.query_one(".stats").content)

@@ -64,7 +64,7 @@ async def screen_is_disk(pilot) -> dict[str, list[tuple[str, str]]]:
         await view.populate()
         views = view.views
         assert [v.index for v in views] == list(range(len(views)))
-        shown[session.id] = [(v.message.role, v.body.source) for v in views]
+        shown[session.id] = [(v.message.role, v.shown_source) for v in views]
         # The record behind the screen is the same text (the screen shows controls as pictures).
         assert [(m.role, visible_controls(m.content)) for m in session.record.messages] == shown[session.id]
     reader = Store.read_only(app.store.path)

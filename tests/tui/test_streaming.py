@@ -47,7 +47,15 @@ class OneMessage(App):
             yield MessageView(ChatMessage("assistant", ""), 0)
 
 
-async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_as_one():
+def shown_text(view: MessageView) -> str:
+    """What the view shows: its settled parts' text, then the live Markdown's (read from the widgets)."""
+    settled = view.settled.query(Static).results(Static)
+    shown = "".join(part.content.markup for part in settled) + view.body.source
+    assert shown == view.shown_source
+    return shown
+
+
+async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_without_a_reparse():
     text = guide(40)
     app = OneMessage()
     async with app.run_test(size=(140, 45)) as pilot:
@@ -59,11 +67,55 @@ async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_as_one
             await pilot.pause(0.12)   # past the flush timer, so each feed is rendered
             most_live_lines = max(most_live_lines, view.body.source.count("\n"))
         await pilot.pause(1.2)   # the last flush
-        settled = view.settled.query(Static).results(Static)
-        shown = "".join(part.content.markup for part in settled)
-        assert shown + view.body.source == text
+        assert shown_text(view) == text
         assert most_live_lines <= 2 * SETTLE_LINES
+        parts = list(view.settled.children)
         await view.finish(text, None)
-        assert not view.settled.children
-        assert view.body.source == text
+        # The parts that settled stay as they were: a long reply's end is not one long parse of it whole.
+        assert list(view.settled.children) == parts
+        assert shown_text(view) == text
+        assert view.body.source.count("\n") <= SETTLE_LINES
         assert len(view.query(Markdown)) == 1
+
+
+class HiddenMessage(App):
+    """A message in a container that can be hidden, as a tab not shown hides its chat."""
+
+    def compose(self):
+        with VerticalScroll(id="pane"):
+            yield MessageView(ChatMessage("assistant", ""), 0)
+
+
+async def test_a_hidden_reply_renders_nothing_until_shown_then_all_at_once_settled():
+    text = guide(40)
+    app = HiddenMessage()
+    async with app.run_test(size=(140, 45)) as pilot:
+        view = app.query_one(MessageView)
+        await view.start_stream()
+        app.query_one("#pane").display = False
+        await pilot.pause()
+        for start in range(0, len(text), 400):
+            view.feed(text[start:start + 400], 80)
+            await pilot.pause(0.15)
+        assert shown_text(view) == ""   # no Markdown work for a view nobody sees
+        app.query_one("#pane").display = True
+        await pilot.pause(0.3)
+        assert shown_text(view) == text
+        assert view.body.source.count("\n") <= SETTLE_LINES   # the catch-up settled: a few widgets, not hundreds
+
+
+async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
+    text = guide(30)
+    app = HiddenMessage()
+    async with app.run_test(size=(140, 45)) as pilot:
+        view = app.query_one(MessageView)
+        await view.start_stream()
+        app.query_one("#pane").display = False
+        await pilot.pause()
+        view.feed(text[:200], 20)
+        await view.finish(text, None)
+        assert shown_text(view) == ""
+        app.query_one("#pane").display = True
+        await pilot.pause(0.3)
+        assert shown_text(view) == text
+        assert not view.streaming

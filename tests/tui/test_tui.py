@@ -68,13 +68,13 @@ async def test_send_streams_a_reply_with_stats(config):
         assert session.busy and session.record.title == "hello there"
         view = app.chat_view(session).view_at(1)
         # Streaming: text shows up in the Markdown widget while the request is still running.
-        await wait_for(pilot, lambda: view.body.source.strip() and session.busy, "streamed text")
-        streamed = view.body.source
+        await wait_for(pilot, lambda: view.shown_source.strip() and session.busy, "streamed text")
+        streamed = view.shown_source
         throttle.stop()
         await replied(pilot, session)
         reply = session.record.messages[-1]
         assert reply.content.startswith(streamed) and len(reply.content) > len(streamed)
-        assert view.body.source == visible_controls(reply.content) and not view.streaming
+        assert view.shown_source == visible_controls(reply.content) and not view.streaming
         stats = reply.stats
         assert stats.generated_tokens == LONG and stats.finish_reason == "length"
         assert stats.prompt_tokens > 0 and stats.time_to_first_token is not None and stats.decode_tokens_per_s > 0

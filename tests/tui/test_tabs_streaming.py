@@ -1,0 +1,71 @@
+"""Several tabs streaming at once: their replies' snapshots go to disk together, and a tab not shown renders
+nothing until it is shown (issue 36: a key typed while four tabs streamed waited on both)."""
+
+from __future__ import annotations
+
+from pagedchat.tui.chat_widgets import MessageView
+from pagedchat.tui.store import DB_NAME, Store
+from tui_support import quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
+
+SIZE = (140, 45)
+LONG = "a long answer " * 400   # with chunks=400, streams for eight seconds or so
+
+
+async def start_reply(pilot, text: str):
+    app = pilot.app
+    session = app.active_session
+    prompt = app.active_chat.prompt
+    prompt.focus()
+    prompt.text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: session.reply.tokens > 0, "the reply to stream")
+    return session
+
+
+def saved_lengths(app) -> dict[str, int]:
+    """Each chat's last message as saved: its length, by chat id."""
+    store = Store.read_only(app.config.data_dir / DB_NAME)
+    try:
+        return {c.id: len(c.messages[-1].content) for c in store.load_chats() if c.messages}
+    finally:
+        store.close()
+
+
+async def test_two_streaming_tabs_are_saved_in_the_same_writes(tmp_path):
+    app = scripted_app(tmp_path, [LONG, LONG], chunks=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        first = await start_reply(pilot, "one")
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+        second = await start_reply(pilot, "two")
+        seen = []
+        while first.busy and second.busy:
+            lengths = saved_lengths(app)
+            pair = (lengths.get(first.id, 0), lengths.get(second.id, 0))
+            if not seen or pair != seen[-1]:
+                seen.append(pair)
+            await pilot.pause(0.02)
+        changes = [(a != c, b != d) for (a, b), (c, d) in zip(seen, seen[1:])]
+        together = changes.count((True, True))
+        alone = len(changes) - together
+        assert together >= 3, seen
+        assert alone <= 1, seen   # the second reply's own first save, at its start, may fall alone
+
+
+async def test_a_tab_not_shown_catches_up_when_shown(tmp_path):
+    app = scripted_app(tmp_path, [LONG, LONG], chunks=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        first = await start_reply(pilot, "one")
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+        view = app.chat_view(first).view_at(first.reply.index)
+        await pilot.pause(0.5)
+        hidden = view.body.source
+        await pilot.pause(0.5)
+        assert view.body.source == hidden and first.reply.tokens > 0   # streams on, renders nothing
+        await pilot.press("ctrl+pageup")
+        await wait_for(pilot, lambda: app.active_session is first, "the first tab again")
+        await wait_for(pilot, lambda: len(view.body.source) > len(hidden), "the shown tab to catch up")
+        assert isinstance(view, MessageView) and view.streaming
