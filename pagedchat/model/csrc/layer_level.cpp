@@ -14,8 +14,7 @@
 //
 // The loops run over eight floats at a time in a vector type the compiler maps onto whatever vectors the level
 // has; the sums keep one order whatever the level, so every SIMD level gives the same numbers bit for bit
-// (attention's multiply-adds are fused there, not on the portable level). As in
-// qmm_level.cpp, nothing here may use an inline function of a header shared with other levels.
+// (attention's multiply-adds are fused there, not on the portable level). qmm.h's inline rule holds here.
 
 #include <stdint.h>
 
@@ -29,16 +28,8 @@
 namespace qmm {
 namespace {
 
-// f8 and its helpers are lanes.h's; bfloat16 keys and values arrive as eight halves.
+// f8, SHUFFLE and top are lanes.h's; bfloat16 keys and values arrive as eight halves.
 typedef uint16_t h8 __attribute__((vector_size(16)));
-
-// Lanes of two vectors picked by constant indices (8 and up: the second's): GCC's own builtin, which every GCC
-// with the vector extension has (__builtin_shufflevector came in GCC 12), and Clang's.
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i8{__VA_ARGS__})
-#endif
 
 inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
   h8 h;
@@ -75,11 +66,6 @@ inline float row_scale(const int8_t* row, int64_t d) {
 
 // The lanes' sum, always in this order.
 inline float sum(f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-inline float top(f8 v) {
-  float m = v[0];
-  for (int j = 1; j < LANES; ++j) m = v[j] > m ? v[j] : m;
-  return m;
-}
 
 template <typename E>
 inline float dot(const float* q, const E* k, int64_t d) {

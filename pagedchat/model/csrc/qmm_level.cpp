@@ -1,5 +1,5 @@
 // One instruction-set level of pagedchat's quantized matmul, built once per level with that level's flags
-// (QMM_NAME and QMM_SYMBOL name it; see pagedchat/model/qmm.py), all levels in one library.
+// (QMM_SYMBOL names it: a symbol of qmm.h's QMM_LEVELS), all levels in one library.
 //
 // The method is llama.cpp's (ggml-cpu quants.c): activations are quantized to int8 per 32 inputs, and each
 // weight block meets them in integer dot products, its scale applied once per block. What differs is the
@@ -7,9 +7,8 @@
 // c per 16 weights: w = a u + c), once per weight row for all activation rows of the call. One dot kernel then
 // serves every type, and a batch of chats pays for the unpacking once, not once per chat.
 //
-// Nothing here may use an inline function from a header shared with other levels (the standard library's
-// templates, say): the linker keeps one copy of such a function, maybe one built for a wider level than the CPU
-// has. Intrinsics are always inlined, and everything else is static to this file.
+// qmm.h's inline rule holds here: nothing with vague linkage (an inline function or template shared with other
+// levels); intrinsics are always inlined, and everything else is internal to this file.
 
 #include "lanes.h"
 #include "qmm.h"
@@ -19,7 +18,7 @@
 #endif
 
 #ifndef QMM_SYMBOL
-#error "build with -DQMM_SYMBOL=<level> -DQMM_NAME=\"<name>\""
+#error "build with -DQMM_SYMBOL=<level>"
 #endif
 
 namespace qmm {
@@ -214,24 +213,9 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 typedef int8_t b8 __attribute__((vector_size(8)));
 typedef int8_t b32 __attribute__((vector_size(32)));
 
-// Lanes picked by constant indices: GCC's own builtin, which every GCC with the vector extension has, or Clang's.
-#if defined(__clang__)
-#define PICK(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define PICK(v, ...) __builtin_shuffle(v, i8{__VA_ARGS__})
-#endif
-
-// The largest lane, halving the vector three times.
-inline float largest(f8 v) {
-  v = v > PICK(v, 4, 5, 6, 7, 0, 1, 2, 3) ? v : PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v > PICK(v, 2, 3, 0, 1, 6, 7, 4, 5) ? v : PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v = v > PICK(v, 1, 0, 3, 2, 5, 4, 7, 6) ? v : PICK(v, 1, 0, 3, 2, 5, 4, 7, 6);
-  return v[0];
-}
-
 inline int total(i8 v) {
-  v += PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   return v[0] + v[1];
 }
 
@@ -261,7 +245,7 @@ __attribute__((always_inline)) inline float quantize_block(const float* xb, int8
     const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(v[l]) & 0x7FFFFFFFu);
     most = a > most ? a : most;
   }
-  const float amax = largest(most);
+  const float amax = top(most);
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   i8 c[4];
   for (int l = 0; l < 4; ++l) {
@@ -1102,7 +1086,7 @@ constexpr auto PANELS = matmul_panels;
 constexpr decltype(Level::matmul_panels) PANELS = nullptr;
 #endif
 
-extern const Level QMM_SYMBOL = {QMM_NAME,          quantize,          matmul,         PANELS,
+extern const Level QMM_SYMBOL = {quantize,          matmul,          PANELS,
                                  dequantize,        QMM_LOCAL(attend), QMM_LOCAL(norm), QMM_LOCAL(silu_mul),
                                  QMM_LOCAL(rope_write), QMM_LOCAL(argmax)};
 
