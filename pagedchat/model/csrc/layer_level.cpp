@@ -428,6 +428,17 @@ void rope_write_rows(const RopeArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// f(E{}) for the element type E of PageType page's rows: the one switch over the page types.
+template <class F>
+void by_page(int page, const F& f) {
+  if (page == PAGE_BF16)
+    f(uint16_t{});
+  else if (page == PAGE_INT8)
+    f(int8_t{});
+  else
+    f(float{});
+}
+
 }  // namespace
 
 void QMM_LOCAL(argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out) {
@@ -443,24 +454,14 @@ void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1
 }
 
 void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
-  if (a.page == PAGE_BF16)
-    rope_write_rows<uint16_t>(a, t0, t1);
-  else if (a.page == PAGE_INT8)
-    rope_write_rows<int8_t>(a, t0, t1);
-  else
-    rope_write_rows<float>(a, t0, t1);
+  by_page(a.page, [&](auto e) { rope_write_rows<decltype(e)>(a, t0, t1); });
 }
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   for (int64_t u = unit0; u < unit1; ++u) {
     const int64_t b0 = u / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
     const Chunk c{b0, b1, u % a.kv_heads};
-    if (a.page == PAGE_BF16)
-      attend_unit<uint16_t>(a, c, scratch);
-    else if (a.page == PAGE_INT8)
-      attend_unit<int8_t>(a, c, scratch);
-    else
-      attend_unit<float>(a, c, scratch);
+    by_page(a.page, [&](auto e) { attend_unit<decltype(e)>(a, c, scratch); });
   }
 }
 

@@ -65,20 +65,16 @@ void by_type(int type, F f) {
 #undef QMM_TYPE_CASE
 }
 
-// A block's values and bytes; 0 where the type is not one of Type's.
-constexpr int64_t block_values(int type) {
-#define QMM_TYPE_VALUES(name, id, values, bytes) \
-  if (type == name) return values;
-  QMM_TYPES(QMM_TYPE_VALUES)
-#undef QMM_TYPE_VALUES
-  return 0;
-}
-constexpr int64_t block_bytes(int type) {
-#define QMM_TYPE_BYTES(name, id, values, bytes) \
-  if (type == name) return bytes;
-  QMM_TYPES(QMM_TYPE_BYTES)
-#undef QMM_TYPE_BYTES
-  return 0;
+// A type's block: its values and bytes ({0, 0} where the type is not one of Type's).
+struct BlockShape {
+  int64_t values, bytes;
+};
+constexpr BlockShape block_shape(int type) {
+#define QMM_TYPE_SHAPE(name, id, values, bytes) \
+  if (type == name) return {values, bytes};
+  QMM_TYPES(QMM_TYPE_SHAPE)
+#undef QMM_TYPE_SHAPE
+  return {0, 0};
 }
 }  // namespace
 

@@ -30,6 +30,24 @@ inline uint32_t u32(const uint8_t* p) {
   return v;
 }
 
+// A tile's height, as by_rows passes it.
+template <int R>
+struct Rows {
+  static constexpr int value = R;
+};
+
+// f(Rows<m>{}) for 0 < m <= MAX: a row count known at run time as the height a tile's loops are unrolled for.
+template <int MAX, class F>
+inline void by_rows(int64_t m, const F& f) {
+  if constexpr (MAX > 0) {
+    if (m == MAX) {
+      f(Rows<MAX>{});
+    } else {
+      by_rows<MAX - 1>(m, f);
+    }
+  }
+}
+
 inline float f16(const uint8_t* p) {
   uint16_t h;
   __builtin_memcpy(&h, p, 2);
@@ -759,6 +777,24 @@ struct Buffered : Packed<T> {
   }
 };
 
+// acc[r] += activation row i0 + r's dots with block j's unit h (dot(r), in int32 lanes) times their scales, then
+// the unit's offsets: the float part of every panel tile, the AMX tiles' too, so that their sums are the same bits.
+template <int R, class S, class Dot>
+__attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const typename S::Terms& terms,
+                                                    const Activations& x, int64_t i0, int64_t j, int h,
+                                                    const Dot& dot) {
+  using V = PanelIsa;
+  const int64_t k = x.k, m = x.m;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    acc[r] = V::fmadd(V::cvt(dot(r)), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
+  if constexpr (S::OFFSET) {
+    const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
+  }
+}
+
 // R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
 // the sums carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as
 // one pass over every block).
@@ -766,7 +802,7 @@ template <int R, class S>
 void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
                 bool fetch) {
   using V = PanelIsa;
-  const int64_t k = x.k, m = x.m;
+  const int64_t k = x.k;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
   for (int64_t j = j0; j < j1; ++j) {
@@ -774,33 +810,11 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
     for (int h = 0; h < S::UNITS; ++h) {
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
       for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-      const auto terms = s.terms(j, h);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
-        acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
-      }
-      if constexpr (S::OFFSET) {
-        const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
-      }
+      add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
+                     [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
-}
-
-// The tile of exactly m <= R rows.
-template <int R, class S>
-void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, int64_t j0,
-                   int64_t j1, bool fetch) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      panel_tile<R>(s, x, i0, y, ldy, j0, j1, fetch);
-    } else {
-      panel_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1, fetch);
-    }
-  }
 }
 
 // Every tile of TILE activation rows against a panel's lane groups (one source each, Packed or Buffered), over
@@ -811,8 +825,10 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
   for (int64_t i = 0; i < m; i += TILE)
     for (int g = 0; g < GROUPS; ++g)
-      panel_tile_of<TILE>(groups[g], x, i, m - i < TILE ? m - i : TILE, y + PanelIsa::ROWS * g, ldy, j0, j1,
-                          fetch && i == 0 && g == 0);
+      by_rows<TILE>(m - i < TILE ? m - i : TILE, [&](auto rows) {
+        panel_tile<decltype(rows)::value>(groups[g], x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
+                                          fetch && i == 0 && g == 0);
+      });
 }
 
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
@@ -889,7 +905,7 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
   using S = Buffered<T>;
   constexpr int64_t CHUNK = 8;
   constexpr int UNIT_BYTES = 4 * S::N;
-  const int64_t k = x.k, m = x.m;
+  const int64_t k = x.k;
   alignas(64) int32_t dots[CHUNK * S::UNITS][AMX_TILE_ROWS][16];
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
@@ -905,32 +921,12 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
       }
     for (int64_t j = c0; j < c1; ++j)
       for (int h = 0; h < S::UNITS; ++h) {
-        const auto terms = s.terms(j, h);
         const int32_t(*dot)[16] = dots[(j - c0) * S::UNITS + h];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          acc[r] = V::fmadd(V::cvt(V::loadu(reinterpret_cast<const uint8_t*>(dot[r]))),
-                            V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
-        if constexpr (S::OFFSET) {
-          const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
-        }
+        add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
+                       [&](int r) { return V::loadu(reinterpret_cast<const uint8_t*>(dot[r])); });
       }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
-}
-
-template <int R, int T>
-void amx_tile_of(const Buffered<T>& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy,
-                 int64_t j0, int64_t j1) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      amx_tile<R>(s, x, i0, y, ldy, j0, j1);
-    } else {
-      amx_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1);
-    }
-  }
 }
 
 // packed_rows' buffered loop with AMX tiles: each panel's codes decoded once a span into the buffer the tiles
@@ -954,7 +950,7 @@ void amx_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
           configure_tiles(rows, 4 * Buffered<T>::N);
           configured = rows;
         }
-        amx_tile_of<AMX_TILE_ROWS>(s, x, i, rows, y + n, ldy, j0, j1);
+        by_rows<AMX_TILE_ROWS>(rows, [&](auto r) { amx_tile<decltype(r)::value>(s, x, i, y + n, ldy, j0, j1); });
       }
     }
   }
@@ -981,18 +977,6 @@ void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, in
 
 #endif
 
-// The last m < ROWS rows: the tile of exactly that height.
-template <int T, int R>
-void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      tile<T, R>(row, x, i0, y, ldy);
-    } else {
-      rest<T, R - 1>(row, x, i0, m, y, ldy);
-    }
-  }
-}
-
 // Weight rows in the file's layout (the rows after a weight's last whole panel): per-row tiles, at every row
 // count, so that a row's result does not depend on how many rows share the step.
 template <int T>
@@ -1002,7 +986,7 @@ void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, cons
     const uint8_t* row = w + n * row_bytes;
     int64_t i = 0;
     for (; i + ROWS <= m; i += ROWS) tile<T, ROWS>(row, x, i, y + n, ldy);
-    rest<T, ROWS - 1>(row, x, i, m - i, y + n, ldy);
+    by_rows<ROWS - 1>(m - i, [&](auto rows) { tile<T, decltype(rows)::value>(row, x, i, y + n, ldy); });
   }
 }
 

@@ -82,7 +82,7 @@ void move_block(uint8_t* file, uint8_t* panel, int64_t r, bool pack) {
 // packed weight), one way or the other.
 template <int T>
 void move_rows(uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, int64_t n1, bool pack) {
-  const int64_t bytes = qmm::block_bytes(T), nb = row_bytes / bytes;
+  const int64_t bytes = qmm::block_shape(T).bytes, nb = row_bytes / bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t r = n % qmm::PANEL_ROWS;
     uint8_t* panel = panels + (n - r) * row_bytes;
@@ -174,7 +174,7 @@ const qmm::Level& level_at(int64_t index) {
 }
 
 int64_t check_weight(const at::Tensor& w, int64_t type) {
-  const int64_t values = qmm::block_values(int(type)), bytes = qmm::block_bytes(int(type));
+  const auto [values, bytes] = qmm::block_shape(int(type));
   TORCH_CHECK(values > 0, "GGML type ", type, " is not one this kernel runs");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % bytes == 0,
               "the weight must be its GGUF blocks: contiguous uint8 [rows, blocks * ", bytes, "]");
