@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -43,9 +44,26 @@ CSRC = Path(__file__).with_name("csrc")
 # a float32 step's norms, rotary turn with the cache write, silu(gate) * up).
 LEVEL_SOURCES = (CSRC / "qmm_level.cpp", CSRC / "layer_level.cpp")
 TORCH_SOURCE = CSRC / "qmm_torch.cpp"
-HEADERS = (CSRC / "qmm.h", CSRC / "lanes.h")
-# GGML's ids for the types the library runs (qmm.h).
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+HEADER = CSRC / "qmm.h"
+HEADERS = (HEADER, CSRC / "lanes.h")
+
+
+def _table(name: str) -> list[list[str]]:
+    """The rows of qmm.h's table QMM_<name> (#define QMM_<name>(X) X(...) X(...)), each its fields as written,
+    string literals unquoted: the library's lists are kept there alone, for both languages."""
+    text = HEADER.read_text()
+    start = text.index(f"#define QMM_{name}(X)")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip().removesuffix("\\"))
+        if not line.rstrip().endswith("\\"):
+            break
+    body = " ".join(lines)[len(f"#define QMM_{name}(X)"):]
+    return [[field.strip().strip('"') for field in row.split(",")] for row in re.findall(r"X\(([^)]*)\)", body)]
+
+
+# GGML's ids for the types the library runs.
+TYPES = {name: int(ggml_id) for name, ggml_id, _, _ in _table("TYPES")}
 
 
 @dataclass(frozen=True)
@@ -53,27 +71,29 @@ class Level:
     name: str    # as PAGEDCHAT_KERNEL and the status line give it
     label: str   # for people: "AVX2", "AVX-512 VNNI"
     flags: tuple[str, ...]
+    symbol: str  # its name in C++: qmm::avx512_vnni
 
 
-_AVX2 = ("-mavx2", "-mfma", "-mf16c")
-_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-# Best first. Other architectures build the portable level only, for their own baseline.
-X86_LEVELS = (
-    Level("amx", "AMX + AVX-512 VNNI", (*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8")),
-    Level("avx512-vnni", "AVX-512 VNNI", (*_AVX512, "-mavx512vnni")),
-    Level("avx512", "AVX-512", _AVX512),
-    Level("avx2-vnni", "AVX2 VNNI", (*_AVX2, "-mavxvnni")),
-    Level("avx2", "AVX2", _AVX2),
-)
-PORTABLE = Level("portable", "portable C++", ())
+def _levels() -> tuple[Level, ...]:
+    """qmm.h's QMM_LEVELS, best first, each level with its bases' flags before its own."""
+    rows = {row[0]: row for row in _table("LEVELS")}
+
+    def flags(symbol: str) -> tuple[str, ...]:
+        if symbol not in rows:  # the baseline's base: none
+            return ()
+        _, _, _, base, own, _ = rows[symbol]
+        return (*flags(base), *own.split())
+
+    return tuple(Level(name, label, flags(symbol), symbol) for symbol, name, label, *_ in rows.values())
+
+
+LEVELS = _levels()
+# Every level but the baseline is x86-64's; other architectures build the portable level only.
+PORTABLE = next(lv for lv in LEVELS if not lv.flags)
 
 
 def levels_to_build() -> tuple[Level, ...]:
-    return (*X86_LEVELS, PORTABLE) if platform.machine() in ("x86_64", "AMD64") else (PORTABLE,)
-
-
-def symbol(level: Level) -> str:
-    return level.name.replace("-", "_")
+    return LEVELS if platform.machine() in ("x86_64", "AMD64") else (PORTABLE,)
 
 
 @dataclass
@@ -173,17 +193,16 @@ def _common() -> list[str]:
 
 
 def level_command(lv: Level, source: Path, out: Path) -> list[str]:
-    return [compiler(), *_common(), *lv.flags, f"-DQMM_SYMBOL={symbol(lv)}", f'-DQMM_NAME="{lv.name}"', "-c",
-            str(source), "-o", str(out)]
+    return [compiler(), *_common(), *lv.flags, f"-DQMM_SYMBOL={lv.symbol}", "-c", str(source), "-o", str(out)]
 
 
-def torch_command(built: list[Level], out: Path) -> list[str]:
+def torch_command(out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # -fopenmp: at::parallel_for is inline OpenMP, run on the libgomp torch has loaded.
+    # -fopenmp: at::parallel_for is inline OpenMP, run on the libgomp torch has loaded. The levels the build
+    # left out stay null there (weak symbols).
     return [compiler(), *_common(), "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-DQMM_LEVEL_{symbol(lv).upper()}" for lv in built),
             *(f"-I{p}" for p in cpp_extension.include_paths()), "-c", str(TORCH_SOURCE), "-o", str(out)]
 
 
@@ -213,7 +232,7 @@ def build(target: Path, only: tuple[Level, ...] | None = None) -> list[str]:
             log.info("kernel levels this compiler could not build: %s", ", ".join(errors))
         glue = Path(work) / "qmm_torch.o"
         out = Path(work) / target.name
-        for command in (torch_command(built, glue), link_command([glue, *(o for lv in built for o in objs[lv])],
+        for command in (torch_command(glue), link_command([glue, *(o for lv in built for o in objs[lv])],
                                                                        out)):
             job = _start(command)
             _, err = job.communicate()

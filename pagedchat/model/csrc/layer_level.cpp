@@ -14,8 +14,7 @@
 //
 // The loops run over eight floats at a time in a vector type the compiler maps onto whatever vectors the level
 // has; the sums keep one order whatever the level, so every SIMD level gives the same numbers bit for bit
-// (attention's multiply-adds are fused there, not on the portable level). As in
-// qmm_level.cpp, nothing here may use an inline function of a header shared with other levels.
+// (attention's multiply-adds are fused there, not on the portable level). qmm.h's inline rule holds here.
 
 #include <stdint.h>
 
@@ -29,16 +28,8 @@
 namespace qmm {
 namespace {
 
-// f8 and its helpers are lanes.h's; bfloat16 keys and values arrive as eight halves.
+// f8, SHUFFLE and top are lanes.h's; bfloat16 keys and values arrive as eight halves.
 typedef uint16_t h8 __attribute__((vector_size(16)));
-
-// Lanes of two vectors picked by constant indices (8 and up: the second's): GCC's own builtin, which every GCC
-// with the vector extension has (__builtin_shufflevector came in GCC 12), and Clang's.
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i8{__VA_ARGS__})
-#endif
 
 inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
   h8 h;
@@ -75,11 +66,6 @@ inline float row_scale(const int8_t* row, int64_t d) {
 
 // The lanes' sum, always in this order.
 inline float sum(f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-inline float top(f8 v) {
-  float m = v[0];
-  for (int j = 1; j < LANES; ++j) m = v[j] > m ? v[j] : m;
-  return m;
-}
 
 template <typename E>
 inline float dot(const float* q, const E* k, int64_t d) {
@@ -442,6 +428,17 @@ void rope_write_rows(const RopeArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// f(E{}) for the element type E of PageType page's rows: the one switch over the page types.
+template <class F>
+void by_page(int page, const F& f) {
+  if (page == PAGE_BF16)
+    f(uint16_t{});
+  else if (page == PAGE_INT8)
+    f(int8_t{});
+  else
+    f(float{});
+}
+
 }  // namespace
 
 void QMM_LOCAL(argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out) {
@@ -457,24 +454,14 @@ void QMM_LOCAL(silu_mul)(const float* gate_up, int64_t n, int64_t r0, int64_t r1
 }
 
 void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
-  if (a.page == PAGE_BF16)
-    rope_write_rows<uint16_t>(a, t0, t1);
-  else if (a.page == PAGE_INT8)
-    rope_write_rows<int8_t>(a, t0, t1);
-  else
-    rope_write_rows<float>(a, t0, t1);
+  by_page(a.page, [&](auto e) { rope_write_rows<decltype(e)>(a, t0, t1); });
 }
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   for (int64_t u = unit0; u < unit1; ++u) {
     const int64_t b0 = u / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
     const Chunk c{b0, b1, u % a.kv_heads};
-    if (a.page == PAGE_BF16)
-      attend_unit<uint16_t>(a, c, scratch);
-    else if (a.page == PAGE_INT8)
-      attend_unit<int8_t>(a, c, scratch);
-    else
-      attend_unit<float>(a, c, scratch);
+    by_page(a.page, [&](auto e) { attend_unit<decltype(e)>(a, c, scratch); });
   }
 }
 

@@ -1,35 +1,80 @@
-// What qmm_torch.cpp (the torch op, compiled once) and qmm_level.cpp (compiled once per instruction-set level)
-// share. Each level is the same source built with other compiler flags; the op picks one at run time.
+// What qmm_torch.cpp (the torch op, compiled once) and the level files (qmm_level.cpp and layer_level.cpp, compiled
+// once per instruction-set level) share. Each level is the same sources built with other compiler flags; the op
+// picks one at run time.
+//
+// The inline rule: the linker keeps one copy of a function with vague linkage (an inline function or a template
+// with external linkage, the standard library's included), maybe the copy built for a wider level than the CPU
+// has. So every function and template defined in a header the level files include lies in an anonymous namespace
+// (each file keeps its own copy, built with its own flags), and the level files include no standard-library header;
+// tests/model/test_kernel_rules.py checks that no level's object defines such a symbol.
 #pragma once
 
 #include <stdint.h>
 
+// The two lists of the library, one table each. qmm.py reads them from this file's text (it needs the flags
+// before there is a library to ask, and the types where no compiler is): literals and names only.
+//
+// GGML's types that the kernels run: X(name, GGML id, values per block, bytes per block). A weight tensor is its
+// GGUF blocks, row by row, as the file holds them.
+#define QMM_TYPES(X)      \
+  X(Q4_0, 2, 32, 18)      \
+  X(Q4_1, 3, 32, 20)      \
+  X(Q5_0, 6, 32, 22)      \
+  X(Q5_1, 7, 32, 24)      \
+  X(Q8_0, 8, 32, 34)      \
+  X(Q4_K, 12, 256, 144)   \
+  X(Q5_K, 13, 256, 176)   \
+  X(Q6_K, 14, 256, 210)
+
+// The instruction-set levels, best first: X(symbol, name, label, base, flags, cpu). symbol names it in C++
+// (qmm::avx512_vnni, attend_avx512_vnni), name in PAGEDCHAT_KERNEL, label for people. A level is its base's
+// compiler flags and CPU flags and more: flags, the compiler's, and cpu, /proc/cpuinfo's. portable, the base of
+// all, is plain C++ for any architecture; the others are x86-64's.
+#define QMM_LEVELS(X)                                                                                            \
+  X(amx, "amx", "AMX + AVX-512 VNNI", avx512_vnni, "-mamx-tile -mamx-int8", "amx_tile amx_int8")                \
+  X(avx512_vnni, "avx512-vnni", "AVX-512 VNNI", avx512, "-mavx512vnni", "avx512_vnni")                           \
+  X(avx512, "avx512", "AVX-512", avx2, "-mavx512f -mavx512bw -mavx512vl -mavx512dq",                             \
+    "avx512f avx512bw avx512vl avx512dq")                                                                        \
+  X(avx2_vnni, "avx2-vnni", "AVX2 VNNI", avx2, "-mavxvnni", "avx_vnni")                                          \
+  X(avx2, "avx2", "AVX2", portable, "-mavx2 -mfma -mf16c", "avx2 fma f16c")                                      \
+  X(portable, "portable", "portable C++", none, "", "")
+
 namespace qmm {
 
-// GGML's type ids: a weight tensor is its GGUF blocks, row by row, as the file holds them.
-enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#define QMM_TYPE_ENUM(name, id, values, bytes) name = id,
+enum Type : int { QMM_TYPES(QMM_TYPE_ENUM) };
+#undef QMM_TYPE_ENUM
 
-// f(Tag<T>{}) for a type id: the one switch over the types, for every entry point (internal to each including
-// file, so each level keeps its own copy, built with its own flags).
+namespace {
+// f(Tag<T>{}) for a type id: the one switch over the types, for every entry point.
 template <int T>
 struct Tag {
   static constexpr int type = T;
 };
 
-namespace {
 template <class F>
 void by_type(int type, F f) {
+#define QMM_TYPE_CASE(name, id, values, bytes) \
+  case name:                                   \
+    f(Tag<name>{});                            \
+    break;
   switch (type) {
-    case Q4_0: f(Tag<Q4_0>{}); break;
-    case Q4_1: f(Tag<Q4_1>{}); break;
-    case Q5_0: f(Tag<Q5_0>{}); break;
-    case Q5_1: f(Tag<Q5_1>{}); break;
-    case Q8_0: f(Tag<Q8_0>{}); break;
-    case Q4_K: f(Tag<Q4_K>{}); break;
-    case Q5_K: f(Tag<Q5_K>{}); break;
-    case Q6_K: f(Tag<Q6_K>{}); break;
+    QMM_TYPES(QMM_TYPE_CASE)
     default: break;
   }
+#undef QMM_TYPE_CASE
+}
+
+// A type's block: its values and bytes ({0, 0} where the type is not one of Type's).
+struct BlockShape {
+  int64_t values, bytes;
+};
+constexpr BlockShape block_shape(int type) {
+#define QMM_TYPE_SHAPE(name, id, values, bytes) \
+  if (type == name) return {values, bytes};
+  QMM_TYPES(QMM_TYPE_SHAPE)
+#undef QMM_TYPE_SHAPE
+  return {0, 0};
 }
 }  // namespace
 
@@ -46,6 +91,7 @@ void by_type(int type, F f) {
 // Rows after the last whole panel keep the file's layout.
 constexpr int64_t PANEL_ROWS = 16;
 
+namespace {
 template <int T>
 struct PanelBlock {
   static constexpr bool K = T == Q4_K || T == Q5_K || T == Q6_K;
@@ -59,6 +105,7 @@ struct PanelBlock {
                            D_AT = SCALES_AT + PANEL_ROWS * SCALES, M_AT = D_AT + 2 * PANEL_ROWS,
                            BYTES = M_AT + (MIN ? 2 * PANEL_ROWS : 0);
 };
+}  // namespace
 
 // Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d, and d *
 // (sum of the codes) per 16 inputs, which turns a weight's per-block offset into one multiply (s32 the same per
@@ -115,20 +162,20 @@ struct RopeArgs {
 namespace {
 // The first key a sequence of len keys attends to: its window's first, or its first.
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
-}  // namespace
 
 // A sequence's scratch for attend, in floats: its scores per query head of a group, each row rounded up to whole
 // vectors of 8, then a float per head. A task needs a chunk's worth.
 inline int64_t attend_scratch_row(const AttendArgs& a) { return (a.max_keys + 7) / 8 * 8; }
 inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(a) + 1) * (a.heads / a.kv_heads); }
+}  // namespace
 
 // A name local to the level being compiled: attend_avx2, ...
 #define QMM_JOIN2(a, b) a##_##b
 #define QMM_JOIN(a, b) QMM_JOIN2(a, b)
 #define QMM_LOCAL(name) QMM_JOIN(name, QMM_SYMBOL)
 
+// A level's entry points. Its name and CPU check are its row of QMM_LEVELS, in qmm_torch.cpp.
 struct Level {
-  const char* name;
   // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays.
   void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d32, float* s16,
                    float* s32);
@@ -158,18 +205,8 @@ struct Level {
   void (*argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out);
 };
 
+namespace {
 inline int64_t scratch_bytes(int64_t k) { return 2 * k + 128; }
-
-// 0 where the type is not one of Type's.
-int64_t block_values(int type);
-int64_t block_bytes(int type);
-
-// One per level this library was built with (QMM_LEVEL_* in the build); portable is always there.
-extern const Level portable;
-extern const Level avx2;
-extern const Level avx2_vnni;
-extern const Level avx512;
-extern const Level avx512_vnni;
-extern const Level amx;
+}  // namespace
 
 }  // namespace qmm

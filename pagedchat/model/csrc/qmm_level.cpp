@@ -1,5 +1,5 @@
 // One instruction-set level of pagedchat's quantized matmul, built once per level with that level's flags
-// (QMM_NAME and QMM_SYMBOL name it; see pagedchat/model/qmm.py), all levels in one library.
+// (QMM_SYMBOL names it: a symbol of qmm.h's QMM_LEVELS), all levels in one library.
 //
 // The method is llama.cpp's (ggml-cpu quants.c): activations are quantized to int8 per 32 inputs, and each
 // weight block meets them in integer dot products, its scale applied once per block. What differs is the
@@ -7,9 +7,8 @@
 // c per 16 weights: w = a u + c), once per weight row for all activation rows of the call. One dot kernel then
 // serves every type, and a batch of chats pays for the unpacking once, not once per chat.
 //
-// Nothing here may use an inline function from a header shared with other levels (the standard library's
-// templates, say): the linker keeps one copy of such a function, maybe one built for a wider level than the CPU
-// has. Intrinsics are always inlined, and everything else is static to this file.
+// qmm.h's inline rule holds here: nothing with vague linkage (an inline function or template shared with other
+// levels); intrinsics are always inlined, and everything else is internal to this file.
 
 #include "lanes.h"
 #include "qmm.h"
@@ -19,7 +18,7 @@
 #endif
 
 #ifndef QMM_SYMBOL
-#error "build with -DQMM_SYMBOL=<level> -DQMM_NAME=\"<name>\""
+#error "build with -DQMM_SYMBOL=<level>"
 #endif
 
 namespace qmm {
@@ -29,6 +28,24 @@ inline uint32_t u32(const uint8_t* p) {
   uint32_t v;
   __builtin_memcpy(&v, p, 4);
   return v;
+}
+
+// A tile's height, as by_rows passes it.
+template <int R>
+struct Rows {
+  static constexpr int value = R;
+};
+
+// f(Rows<m>{}) for 0 < m <= MAX: a row count known at run time as the height a tile's loops are unrolled for.
+template <int MAX, class F>
+inline void by_rows(int64_t m, const F& f) {
+  if constexpr (MAX > 0) {
+    if (m == MAX) {
+      f(Rows<MAX>{});
+    } else {
+      by_rows<MAX - 1>(m, f);
+    }
+  }
 }
 
 inline float f16(const uint8_t* p) {
@@ -214,24 +231,9 @@ void decode(int type, const uint8_t* row, int64_t k, const Decoded& d) {
 typedef int8_t b8 __attribute__((vector_size(8)));
 typedef int8_t b32 __attribute__((vector_size(32)));
 
-// Lanes picked by constant indices: GCC's own builtin, which every GCC with the vector extension has, or Clang's.
-#if defined(__clang__)
-#define PICK(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define PICK(v, ...) __builtin_shuffle(v, i8{__VA_ARGS__})
-#endif
-
-// The largest lane, halving the vector three times.
-inline float largest(f8 v) {
-  v = v > PICK(v, 4, 5, 6, 7, 0, 1, 2, 3) ? v : PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v > PICK(v, 2, 3, 0, 1, 6, 7, 4, 5) ? v : PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v = v > PICK(v, 1, 0, 3, 2, 5, 4, 7, 6) ? v : PICK(v, 1, 0, 3, 2, 5, 4, 7, 6);
-  return v[0];
-}
-
 inline int total(i8 v) {
-  v += PICK(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += PICK(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   return v[0] + v[1];
 }
 
@@ -261,7 +263,7 @@ __attribute__((always_inline)) inline float quantize_block(const float* xb, int8
     const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(v[l]) & 0x7FFFFFFFu);
     most = a > most ? a : most;
   }
-  const float amax = largest(most);
+  const float amax = top(most);
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   i8 c[4];
   for (int l = 0; l < 4; ++l) {
@@ -775,6 +777,24 @@ struct Buffered : Packed<T> {
   }
 };
 
+// acc[r] += activation row i0 + r's dots with block j's unit h (dot(r), in int32 lanes) times their scales, then
+// the unit's offsets: the float part of every panel tile, the AMX tiles' too, so that their sums are the same bits.
+template <int R, class S, class Dot>
+__attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const typename S::Terms& terms,
+                                                    const Activations& x, int64_t i0, int64_t j, int h,
+                                                    const Dot& dot) {
+  using V = PanelIsa;
+  const int64_t k = x.k, m = x.m;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    acc[r] = V::fmadd(V::cvt(dot(r)), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
+  if constexpr (S::OFFSET) {
+    const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
+  }
+}
+
 // R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
 // the sums carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as
 // one pass over every block).
@@ -782,7 +802,7 @@ template <int R, class S>
 void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
                 bool fetch) {
   using V = PanelIsa;
-  const int64_t k = x.k, m = x.m;
+  const int64_t k = x.k;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
   for (int64_t j = j0; j < j1; ++j) {
@@ -790,33 +810,11 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
     for (int h = 0; h < S::UNITS; ++h) {
       typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
       for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-      const auto terms = s.terms(j, h);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const typename V::I dot = S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h);
-        acc[r] = V::fmadd(V::cvt(dot), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
-      }
-      if constexpr (S::OFFSET) {
-        const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
-      }
+      add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
+                     [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
-}
-
-// The tile of exactly m <= R rows.
-template <int R, class S>
-void panel_tile_of(const S& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy, int64_t j0,
-                   int64_t j1, bool fetch) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      panel_tile<R>(s, x, i0, y, ldy, j0, j1, fetch);
-    } else {
-      panel_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1, fetch);
-    }
-  }
 }
 
 // Every tile of TILE activation rows against a panel's lane groups (one source each, Packed or Buffered), over
@@ -827,8 +825,10 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
   for (int64_t i = 0; i < m; i += TILE)
     for (int g = 0; g < GROUPS; ++g)
-      panel_tile_of<TILE>(groups[g], x, i, m - i < TILE ? m - i : TILE, y + PanelIsa::ROWS * g, ldy, j0, j1,
-                          fetch && i == 0 && g == 0);
+      by_rows<TILE>(m - i < TILE ? m - i : TILE, [&](auto rows) {
+        panel_tile<decltype(rows)::value>(groups[g], x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
+                                          fetch && i == 0 && g == 0);
+      });
 }
 
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
@@ -905,7 +905,7 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
   using S = Buffered<T>;
   constexpr int64_t CHUNK = 8;
   constexpr int UNIT_BYTES = 4 * S::N;
-  const int64_t k = x.k, m = x.m;
+  const int64_t k = x.k;
   alignas(64) int32_t dots[CHUNK * S::UNITS][AMX_TILE_ROWS][16];
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
@@ -921,32 +921,12 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
       }
     for (int64_t j = c0; j < c1; ++j)
       for (int h = 0; h < S::UNITS; ++h) {
-        const auto terms = s.terms(j, h);
         const int32_t(*dot)[16] = dots[(j - c0) * S::UNITS + h];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          acc[r] = V::fmadd(V::cvt(V::loadu(reinterpret_cast<const uint8_t*>(dot[r]))),
-                            V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
-        if constexpr (S::OFFSET) {
-          const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
-        }
+        add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
+                       [&](int r) { return V::loadu(reinterpret_cast<const uint8_t*>(dot[r])); });
       }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
-}
-
-template <int R, int T>
-void amx_tile_of(const Buffered<T>& s, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy,
-                 int64_t j0, int64_t j1) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      amx_tile<R>(s, x, i0, y, ldy, j0, j1);
-    } else {
-      amx_tile_of<R - 1>(s, x, i0, m, y, ldy, j0, j1);
-    }
-  }
 }
 
 // packed_rows' buffered loop with AMX tiles: each panel's codes decoded once a span into the buffer the tiles
@@ -970,7 +950,7 @@ void amx_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
           configure_tiles(rows, 4 * Buffered<T>::N);
           configured = rows;
         }
-        amx_tile_of<AMX_TILE_ROWS>(s, x, i, rows, y + n, ldy, j0, j1);
+        by_rows<AMX_TILE_ROWS>(rows, [&](auto r) { amx_tile<decltype(r)::value>(s, x, i, y + n, ldy, j0, j1); });
       }
     }
   }
@@ -997,18 +977,6 @@ void matmul_panels(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, in
 
 #endif
 
-// The last m < ROWS rows: the tile of exactly that height.
-template <int T, int R>
-void rest(const uint8_t* row, const Activations& x, int64_t i0, int64_t m, float* y, int64_t ldy) {
-  if constexpr (R > 0) {
-    if (m == R) {
-      tile<T, R>(row, x, i0, y, ldy);
-    } else {
-      rest<T, R - 1>(row, x, i0, m, y, ldy);
-    }
-  }
-}
-
 // Weight rows in the file's layout (the rows after a weight's last whole panel): per-row tiles, at every row
 // count, so that a row's result does not depend on how many rows share the step.
 template <int T>
@@ -1018,7 +986,7 @@ void matmul_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, cons
     const uint8_t* row = w + n * row_bytes;
     int64_t i = 0;
     for (; i + ROWS <= m; i += ROWS) tile<T, ROWS>(row, x, i, y + n, ldy);
-    rest<T, ROWS - 1>(row, x, i, m - i, y + n, ldy);
+    by_rows<ROWS - 1>(m - i, [&](auto rows) { tile<T, decltype(rows)::value>(row, x, i, y + n, ldy); });
   }
 }
 
@@ -1102,7 +1070,7 @@ constexpr auto PANELS = matmul_panels;
 constexpr decltype(Level::matmul_panels) PANELS = nullptr;
 #endif
 
-extern const Level QMM_SYMBOL = {QMM_NAME,          quantize,          matmul,         PANELS,
+extern const Level QMM_SYMBOL = {quantize,          matmul,          PANELS,
                                  dequantize,        QMM_LOCAL(attend), QMM_LOCAL(norm), QMM_LOCAL(silu_mul),
                                  QMM_LOCAL(rope_write), QMM_LOCAL(argmax)};
 

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <algorithm>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,29 +21,11 @@
 #include "qmm.h"
 
 namespace qmm {
-
-int64_t block_values(int type) {
-  switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
-    case Q4_K: case Q5_K: case Q6_K: return 256;
-    default: return 0;
-  }
-}
-
-int64_t block_bytes(int type) {
-  switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-  }
-}
-
+// Each level's entry points, where the build compiled it (weak: a level this compiler could not build is null).
+#define QMM_LEVEL_DECLARE(symbol, name, label, base, flags, cpu) \
+  extern const Level symbol __attribute__((weak, visibility("hidden")));
+QMM_LEVELS(QMM_LEVEL_DECLARE)
+#undef QMM_LEVEL_DECLARE
 }  // namespace qmm
 
 namespace {
@@ -99,7 +82,7 @@ void move_block(uint8_t* file, uint8_t* panel, int64_t r, bool pack) {
 // packed weight), one way or the other.
 template <int T>
 void move_rows(uint8_t* rows, uint8_t* panels, int64_t row_bytes, int64_t n0, int64_t n1, bool pack) {
-  const int64_t bytes = qmm::block_bytes(T), nb = row_bytes / bytes;
+  const int64_t bytes = qmm::block_shape(T).bytes, nb = row_bytes / bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t r = n % qmm::PANEL_ROWS;
     uint8_t* panel = panels + (n - r) * row_bytes;
@@ -120,86 +103,78 @@ void unpack_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int6
 // The rows of a weight that lie in panels: its whole panels.
 int64_t panel_rows(int64_t rows) { return rows / qmm::PANEL_ROWS * qmm::PANEL_ROWS; }
 
+// A row of QMM_LEVELS (qmm.h).
 struct Entry {
-  const qmm::Level* level;
-  bool (*runs)();
+  const qmm::Level* level;  // null where the build left the level out
+  const char* name;
+  const char* symbol;
+  const char* base;  // its symbol; "none" for the baseline
+  const char* cpu;   // /proc/cpuinfo's flags it needs besides its base's
 };
 
-#if defined(__x86_64__)
-bool runs_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-bool runs_avx2_vnni() { return runs_avx2() && __builtin_cpu_supports("avxvnni"); }
-bool runs_avx512() {
-  return runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-bool runs_avx512_vnni() { return runs_avx512() && __builtin_cpu_supports("avx512vnni"); }
+#define QMM_LEVEL_ENTRY(symbol, name, label, base, flags, cpu) {&qmm::symbol, name, #symbol, #base, cpu},
+const Entry ENTRIES[] = {QMM_LEVELS(QMM_LEVEL_ENTRY)};
+#undef QMM_LEVEL_ENTRY
 
-// A flag of /proc/cpuinfo's: what Linux says this CPU has and it supports.
-bool cpuinfo_has(const char* flag) {
+// /proc/cpuinfo's flags: what Linux says this CPU has and supports (the library is built on Linux only).
+std::vector<std::string> cpu_flags() {
   std::ifstream info("/proc/cpuinfo");
   for (std::string line; std::getline(info, line);) {
     if (line.rfind("flags", 0) != 0) continue;
-    std::istringstream words(line);
-    for (std::string word; words >> word;)
-      if (word == flag) return true;
-    return false;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
   }
-  return false;
+  return {};
 }
 
-// AMX: the CPU's flags, and Linux's leave to use the tiles' state, which a process must ask for once
+// Whether the CPU has every flag of the level and of its bases.
+bool has_flags(const Entry& e, const std::vector<std::string>& flags) {
+  std::istringstream words(e.cpu);
+  for (std::string word; words >> word;)
+    if (std::find(flags.begin(), flags.end(), word) == flags.end()) return false;
+  for (const auto& base : ENTRIES)
+    if (std::strcmp(base.symbol, e.base) == 0) return has_flags(base, flags);
+  return true;
+}
+
+// AMX's tiles also need Linux's leave to use their state, which a process asks for once
 // (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) before its first tile instruction.
-bool runs_amx() {
-  static const bool ok = runs_avx512_vnni() && cpuinfo_has("amx_tile") && cpuinfo_has("amx_int8") &&
-                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
+bool tiles_granted() {
+#if defined(__x86_64__)
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+  return false;
 #endif
-bool always() { return true; }
-
-// Best first. A level is listed only where the build compiled it (QMM_LEVEL_* from qmm.py).
-const std::vector<Entry>& built() {
-  static const std::vector<Entry> entries = {
-#if defined(QMM_LEVEL_AMX)
-      {&qmm::amx, runs_amx},
-#endif
-#if defined(QMM_LEVEL_AVX512_VNNI)
-      {&qmm::avx512_vnni, runs_avx512_vnni},
-#endif
-#if defined(QMM_LEVEL_AVX512)
-      {&qmm::avx512, runs_avx512},
-#endif
-#if defined(QMM_LEVEL_AVX2_VNNI)
-      {&qmm::avx2_vnni, runs_avx2_vnni},
-#endif
-#if defined(QMM_LEVEL_AVX2)
-      {&qmm::avx2, runs_avx2},
-#endif
-      {&qmm::portable, always},
-  };
-  return entries;
 }
 
-// The levels this CPU runs, best first: their names, whose index the ops take.
+// The levels this library holds and this CPU runs, best first: the ops take an index into them. Asked once.
+const std::vector<const Entry*>& runnable() {
+  static const std::vector<const Entry*> runs = [] {
+    const auto flags = cpu_flags();
+    std::vector<const Entry*> out;
+    for (const auto& e : ENTRIES) {
+      const bool tiles = std::string(e.cpu).find("amx_tile") != std::string::npos;
+      if (e.level != nullptr && has_flags(e, flags) && (!tiles || tiles_granted())) out.push_back(&e);
+    }
+    return out;
+  }();
+  return runs;
+}
+
+// Their names.
 std::vector<std::string> levels() {
   std::vector<std::string> names;
-  for (const auto& e : built())
-    if (e.runs()) names.emplace_back(e.level->name);
+  for (const Entry* e : runnable()) names.emplace_back(e->name);
   return names;
 }
 
 const qmm::Level& level_at(int64_t index) {
-  int64_t seen = 0;
-  for (const auto& e : built())
-    if (e.runs() && seen++ == index) return *e.level;
-  TORCH_CHECK(false, "no kernel level ", index, " on this CPU");
+  TORCH_CHECK(index >= 0 && index < int64_t(runnable().size()), "no kernel level ", index, " on this CPU");
+  return *runnable()[size_t(index)]->level;
 }
 
 int64_t check_weight(const at::Tensor& w, int64_t type) {
-  const int64_t values = qmm::block_values(int(type)), bytes = qmm::block_bytes(int(type));
+  const auto [values, bytes] = qmm::block_shape(int(type));
   TORCH_CHECK(values > 0, "GGML type ", type, " is not one this kernel runs");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % bytes == 0,
               "the weight must be its GGUF blocks: contiguous uint8 [rows, blocks * ", bytes, "]");
@@ -532,27 +507,17 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // The ops before a decode layer's matmuls, each fused with the quantization of its output (quantize_made): the
 // same functions on the same rows, so the same numbers as norm, silu_mul and matmul_cat one after another.
 
-// norm(x) * w quantized.
-Quantized normed(const at::Tensor& x, const at::Tensor& w, double eps, const qmm::Level& lv) {
-  const int64_t h = x.size(1);
-  check_norm_weight(w, h);
-  const auto out = at::empty_like(x);
-  const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  return quantize_made(os, x.size(0), h, x.options(), lv,
-                       [&](int64_t b0, int64_t b1) { lv.norm(xs, ws, h, float(eps), b0, b1, os); });
-}
-
-// x += y in place (torch's float add, a + b rounded once), then norm(x) * w quantized.
-Quantized added_normed(at::Tensor& x, const at::Tensor& y, const at::Tensor& w, double eps, const qmm::Level& lv) {
+// norm(x) * w quantized; where y is given, x += y in place first (torch's float add, a + b rounded once).
+Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double eps, const qmm::Level& lv) {
   const int64_t h = x.size(1);
   check_norm_weight(w, h);
   const auto out = at::empty_like(x);
   float* xs = x.data_ptr<float>();
-  const float *ys = y.data_ptr<float>(), *ws = w.data_ptr<float>();
+  const float *ys = y != nullptr ? y->data_ptr<float>() : nullptr, *ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
   return quantize_made(os, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
+    if (ys != nullptr)
+      for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
     lv.norm(xs, ws, h, float(eps), b0, b1, os);
   });
 }
@@ -588,11 +553,11 @@ void decode_layer(at::Tensor& x, at::TensorList weights, at::IntArrayRef types, 
     at_part += count;
     return y;
   };
-  const auto q = rope_write(times(normed(x, weights[0], eps, lv), 0), cos, sin, slots, k_cache, v_cache, heads,
-                            kv_heads, level);
+  const auto q = rope_write(times(normed(x, nullptr, weights[0], eps, lv), 0), cos, sin, slots, k_cache, v_cache,
+                            heads, kv_heads, level);
   const auto attn = attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, level);
   const auto o = times(quantize_rows(attn.view({x.size(0), -1}), lv), 1);
-  const auto gate_up = times(added_normed(x, o, weights[1], eps, lv), 2);
+  const auto gate_up = times(normed(x, &o, weights[1], eps, lv), 2);
   x.add_(times(silu_quantized(gate_up, lv), 3));
 }
 
