@@ -277,33 +277,35 @@ inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scr
 // lane kept across the pages (held in out between them), so that independent sums hide each add's latency.
 template <int V, typename E>
 __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
-                                                        const E* v, int64_t i) {
+                                                        const E* v, int64_t i0, int64_t i1) {
   const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
   for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
-    by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
-      constexpr int M = decltype(heads)::n;
-      float* oe = a.out + (g.first + e) * d + i;
-      const float* we = g.scratch + e * g.stride + at - t0;
-      f8 o[M][V];
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < V; ++j) o[m][j] = load(oe + m * d + j * LANES);
-      for (int64_t t = t0; t < t1; ++t) {
-        const E* vt = v + base + i + t * row;
-        f8 wt[M];
-        for (int m = 0; m < M; ++m) {
-          float weight = we[m * g.stride + t];
-          if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
-          wt[m] = splat(weight);
+    // Every block of [i0, i1) while the page is in L1: one walk over the pages, however many blocks a head takes.
+    for (int64_t i = i0; i + V * LANES <= i1; i += V * LANES)
+      by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
+        constexpr int M = decltype(heads)::n;
+        float* oe = a.out + (g.first + e) * d + i;
+        const float* we = g.scratch + e * g.stride + at - t0;
+        f8 o[M][V];
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < V; ++j) o[m][j] = load(oe + m * d + j * LANES);
+        for (int64_t t = t0; t < t1; ++t) {
+          const E* vt = v + base + i + t * row;
+          f8 wt[M];
+          for (int m = 0; m < M; ++m) {
+            float weight = we[m * g.stride + t];
+            if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
+            wt[m] = splat(weight);
+          }
+          for (int j = 0; j < V; ++j) {
+            const f8 x = load(vt + j * LANES);
+            for (int m = 0; m < M; ++m) o[m][j] = fma8(wt[m], x, o[m][j]);
+          }
         }
-        for (int j = 0; j < V; ++j) {
-          const f8 x = load(vt + j * LANES);
-          for (int m = 0; m < M; ++m) o[m][j] = fma8(wt[m], x, o[m][j]);
-        }
-      }
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < V; ++j) store(oe + m * d + j * LANES, o[m][j]);
-    });
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < V; ++j) store(oe + m * d + j * LANES, o[m][j]);
+      });
   });
 }
 
@@ -314,10 +316,10 @@ inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, cons
     const Group g = group_of(a, c, b, scratch);
     for (int64_t l = 0; l < g.size * d; ++l) a.out[g.first * d + l] = 0.f;
   }
-  int64_t i = 0;
-  for (; i + VECTORS * LANES <= d; i += VECTORS * LANES) add_values_of<VECTORS>(a, c, scratch, v, i);
-  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, c, scratch, v, i);
-  for (; i < d; ++i) {
+  const int64_t blocks = d / (VECTORS * LANES) * (VECTORS * LANES), vectors = d / LANES * LANES;
+  if (blocks > 0) add_values_of<VECTORS>(a, c, scratch, v, 0, blocks);
+  if (vectors > blocks) add_values_of<1>(a, c, scratch, v, blocks, vectors);
+  for (int64_t i = vectors; i < d; ++i) {
     for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
       const Group g = group_of(a, c, b, scratch);
       for (int64_t e = 0; e < g.size; ++e) {
