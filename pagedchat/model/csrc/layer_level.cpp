@@ -19,6 +19,9 @@
 #include <stdint.h>
 
 #include "lanes.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include "qmm.h"
 
 #ifndef QMM_SYMBOL
@@ -31,16 +34,29 @@ namespace {
 // f8, SHUFFLE and top are lanes.h's; bfloat16 keys and values arrive as eight halves.
 typedef uint16_t h8 __attribute__((vector_size(16)));
 
+// The widening loads, one instruction each where the level has AVX2: GCC builds __builtin_convertvector's eight
+// lanes out of halves (bfloat16) or lane by lane through scalar registers (int8), which cost the scores' loop
+// more than its multiply-adds. Either way the conversion is exact, so every level gets the same floats.
 inline f8 load(const uint16_t* p) {  // bfloat16: the high half of a float32
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<f8>(_mm256_slli_epi32(wide, 16));
+#else
   h8 h;
   __builtin_memcpy(&h, p, sizeof h);
   return reinterpret_cast<f8>(__builtin_convertvector(h, u8) << 16);
+#endif
 }
 typedef int8_t c8 __attribute__((vector_size(8)));
 inline f8 load(const int8_t* p) {  // int8 codes, as floats (exactly)
+#if defined(__AVX2__)
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<f8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+#else
   c8 c;
   __builtin_memcpy(&c, p, sizeof c);
   return __builtin_convertvector(c, f8);
+#endif
 }
 inline void store(float* p, f8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
@@ -96,24 +112,71 @@ __attribute__((always_inline)) inline f8 sums8(const f8* v) {
          SHUFFLE(y[0], y[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// Eight keys' scores at once, each the same sum as dot's: eight sums in flight, reduced together.
-template <typename E>
-__attribute__((always_inline)) inline void dot8(const float* q, const E* k, int64_t row, int64_t d, float scale,
-                                                float* s) {
-  f8 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = splat(0.f);
+// A block of the work keeps every sum it holds in a vector register, so its size follows the level's registers:
+// AVX-512's 32 hold three heads' sums of eight keys, or of eight vectors of values; AVX2's 16 (and the portable
+// level's) three heads' of four.
+#if defined(__AVX512F__)
+constexpr int KEYS = 8, VECTORS = 8;
+#else
+constexpr int KEYS = 4, VECTORS = 4;
+#endif
+constexpr int HEADS = 3;  // query heads of a group in one block: each key or value loaded feeds all of them
+
+template <int N>
+struct Count {
+  static constexpr int n = N;
+};
+
+// fn(Count<m>, e) for the group's heads [e, e + m), blocks of HEADS and then the rest.
+template <typename Fn>
+__attribute__((always_inline)) inline void by_heads(int64_t heads, Fn fn) {
+  int64_t e = 0;
+  for (; e + HEADS <= heads; e += HEADS) fn(Count<HEADS>{}, e);
+  if (heads - e == 2) fn(Count<2>{}, e);
+  if (heads - e == 1) fn(Count<1>{}, e);
+}
+
+// KEYS keys' scores for M query heads (q's rows, d apart) at once, s[m * stride + j] for head m and key j, each
+// the same sum as dot's: its own chain of multiply-adds, then sum's order (sums8 reduces eight at a time).
+template <int M, typename E>
+__attribute__((always_inline)) inline void scores(const float* q, const E* k, int64_t row, int64_t d, float scale,
+                                                  float* s, int64_t stride) {
+  f8 acc[M][KEYS];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < KEYS; ++j) acc[m][j] = splat(0.f);
   int64_t i = 0;
-  for (; i + LANES <= d; i += LANES) {
-    const f8 qv = load(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] = fma8(qv, load(k + j * row + i), acc[j]);
+  for (; i + LANES <= d; i += LANES)
+    for (int j = 0; j < KEYS; ++j) {
+      const f8 key = load(k + j * row + i);
+      for (int m = 0; m < M; ++m) acc[m][j] = fma8(load(q + m * d + i), key, acc[m][j]);
+    }
+  float r[M][KEYS];
+  if constexpr (KEYS == 8) {
+    for (int m = 0; m < M; ++m) store(r[m], sums8(acc[m]));
+  } else {  // two heads' four keys at a time
+    for (int m = 0; m < M; m += 2) {
+      f8 v[8];
+      for (int j = 0; j < 4; ++j) {
+        v[j] = acc[m][j];
+        v[j + 4] = m + 1 < M ? acc[m + 1][j] : splat(0.f);
+      }
+      float both[8];
+      store(both, sums8(v));
+      for (int j = 0; j < 4; ++j) {
+        r[m][j] = both[j];
+        if (m + 1 < M) r[m + 1][j] = both[j + 4];
+      }
+    }
   }
-  float r[8];
-  store(r, sums8(acc));
   for (; i < d; ++i)
-    for (int j = 0; j < 8; ++j) r[j] += q[i] * value(k + j * row, i);
-  if constexpr (scaled<E>)
-    for (int j = 0; j < 8; ++j) r[j] *= row_scale(k + j * row, d);
-  for (int j = 0; j < 8; ++j) s[j] = r[j] * scale;
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < KEYS; ++j) r[m][j] += q[m * d + i] * value(k + j * row, i);
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < KEYS; ++j) {
+      float x = r[m][j];
+      if constexpr (scaled<E>) x *= row_scale(k + j * row, d);
+      s[m * stride + j] = x * scale;
+    }
 }
 
 // e^x to float32's precision (Cephes' expf polynomial), lane by lane, branch free. Below -87 (a masked slot's
@@ -196,28 +259,39 @@ inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scr
 }
 
 // out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of each sequence's group: V vectors
-// of out at a time (eight: a head of 64 in one pass), one chain of adds per lane kept across the pages (held in
-// out between them), so that V independent sums hide each add's latency.
+// of out at a time for up to HEADS heads, each value vector loaded once for all of them, one chain of adds per
+// lane kept across the pages (held in out between them), so that independent sums hide each add's latency.
 template <int V, typename E>
 __attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
-                                                        const E* v, int64_t i) {
+                                                        const E* v, int64_t i0, int64_t i1) {
   const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
   for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
-    for (int64_t e = 0; e < g.size; ++e) {
-      float* oe = a.out + (g.first + e) * a.head_dim + i;
-      const float* we = g.scratch + e * g.stride + at - t0;
-      f8 o[V];
-      for (int j = 0; j < V; ++j) o[j] = load(oe + j * LANES);
-      for (int64_t t = t0; t < t1; ++t) {
-        const E* vt = v + base + i + t * row;
-        float weight = we[t];
-        if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
-        const f8 wt = splat(weight);
-        for (int j = 0; j < V; ++j) o[j] = fma8(wt, load(vt + j * LANES), o[j]);
-      }
-      for (int j = 0; j < V; ++j) store(oe + j * LANES, o[j]);
-    }
+    // Every block of [i0, i1) while the page is in L1: one walk over the pages, however many blocks a head takes.
+    for (int64_t i = i0; i + V * LANES <= i1; i += V * LANES)
+      by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
+        constexpr int M = decltype(heads)::n;
+        float* oe = a.out + (g.first + e) * d + i;
+        const float* we = g.scratch + e * g.stride + at - t0;
+        f8 o[M][V];
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < V; ++j) o[m][j] = load(oe + m * d + j * LANES);
+        for (int64_t t = t0; t < t1; ++t) {
+          const E* vt = v + base + i + t * row;
+          f8 wt[M];
+          for (int m = 0; m < M; ++m) {
+            float weight = we[m * g.stride + t];
+            if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
+            wt[m] = splat(weight);
+          }
+          for (int j = 0; j < V; ++j) {
+            const f8 x = load(vt + j * LANES);
+            for (int m = 0; m < M; ++m) o[m][j] = fma8(wt[m], x, o[m][j]);
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < V; ++j) store(oe + m * d + j * LANES, o[m][j]);
+      });
   });
 }
 
@@ -228,10 +302,10 @@ inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, cons
     const Group g = group_of(a, c, b, scratch);
     for (int64_t l = 0; l < g.size * d; ++l) a.out[g.first * d + l] = 0.f;
   }
-  int64_t i = 0;
-  for (; i + 8 * LANES <= d; i += 8 * LANES) add_values_of<8>(a, c, scratch, v, i);
-  for (; i + LANES <= d; i += LANES) add_values_of<1>(a, c, scratch, v, i);
-  for (; i < d; ++i) {
+  const int64_t blocks = d / (VECTORS * LANES) * (VECTORS * LANES), vectors = d / LANES * LANES;
+  if (blocks > 0) add_values_of<VECTORS>(a, c, scratch, v, 0, blocks);
+  if (vectors > blocks) add_values_of<1>(a, c, scratch, v, blocks, vectors);
+  for (int64_t i = vectors; i < d; ++i) {
     for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
       const Group g = group_of(a, c, b, scratch);
       for (int64_t e = 0; e < g.size; ++e) {
@@ -259,13 +333,14 @@ void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
   for_pages(a, c, keys, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
     const float* q = a.q + g.first * d;
-    // The keys' scores, then their weights, a row per head. Eight keys at a time meet every head of the group in
-    // turn, while their lines are in L1.
+    // The keys' scores, then their weights, a row per head: KEYS keys at a time meet the group's heads, HEADS of
+    // them at once, while their lines are in L1.
     float* s = g.scratch + at - t0;
     int64_t t = t0;
-    for (; t + 8 <= t1; t += 8)
-      for (int64_t e = 0; e < g.size; ++e)
-        dot8(q + e * d, keys + base + t * row, row, d, a.scale, s + e * g.stride + t);
+    for (; t + KEYS <= t1; t += KEYS)
+      by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
+        scores<decltype(heads)::n>(q + e * d, keys + base + t * row, row, d, a.scale, s + e * g.stride + t, g.stride);
+      });
     for (; t < t1; ++t)
       for (int64_t e = 0; e < g.size; ++e) s[e * g.stride + t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
   });
