@@ -77,35 +77,46 @@ class SpeculationReport:
     levels: list[Level]
 
 
-def prompts_for(engine, workload: str, cfg: BenchConfig, chats: int) -> list[list[int]]:
+def waves_for(engine, workload: str, cfg: BenchConfig, chats: int) -> list[list[list[int]]]:
+    """The prompts of a round, in waves of `chats` run together. The copy workload's round asks every copy
+    request once at every level (at one chat, four waves of one): the default model copies a passage word for
+    word but rewrites code it is asked to edit, so a level that asked only the first request would measure one
+    kind of reply."""
     if workload == "copy":
+        asked = max(chats, len(COPY_REQUESTS))
+        asked += -asked % chats
         requests = [COPY_REQUESTS[i % len(COPY_REQUESTS)] + ("" if i < len(COPY_REQUESTS) else f" ({i})")
-                    for i in range(chats)]
-        return [engine.encode_prompt([{"role": "user", "content": r}]) for r in requests]
+                    for i in range(asked)]
+        prompts = [engine.encode_prompt([{"role": "user", "content": r}]) for r in requests]
+        return [prompts[i:i + chats] for i in range(0, asked, chats)]
     from pagedchat.bench.workload import build_workload
 
-    return build_workload(engine.tokenizer, cfg.system_tokens, chats, cfg.seed).prompts
+    return [build_workload(engine.tokenizer, cfg.system_tokens, chats, cfg.seed).prompts]
 
 
-def _round(engine, prompts: list[list[int]], max_tokens: int) -> Round:
+def _round(engine, waves: list[list[list[int]]], max_tokens: int) -> Round:
+    """Each wave's chats run together, one wave after another; decode tok/s over the waves' decode spans."""
     from pagedchat import SamplingParams
 
     before = engine.memory().counters
-    handles = engine.submit_many(prompts, SamplingParams(max_tokens=max_tokens))
-    firsts: dict[str, float] = {}
-    last = 0.0
-    while engine.has_work():
-        engine.step()
-        now = time.perf_counter()
-        for h in handles:
-            if h.so_far().generated_tokens and h.request_id not in firsts:
-                firsts[h.request_id] = now
-        last = now
-    outs = [h.result(timeout=0) for h in handles]
+    decoded, span, tokens = 0, 0.0, []
+    for prompts in waves:
+        handles = engine.submit_many(prompts, SamplingParams(max_tokens=max_tokens))
+        firsts: dict[str, float] = {}
+        last = 0.0
+        while engine.has_work():
+            engine.step()
+            now = time.perf_counter()
+            for h in handles:
+                if h.so_far().generated_tokens and h.request_id not in firsts:
+                    firsts[h.request_id] = now
+            last = now
+        outs = [h.result(timeout=0) for h in handles]
+        span += last - max(firsts.values())
+        decoded += sum(len(o.token_ids) - 1 for o in outs)
+        tokens.extend(tuple(o.token_ids) for o in outs)
     after = engine.memory().counters
-    span = last - max(firsts.values())
-    decoded = sum(len(o.token_ids) - 1 for o in outs)
-    return Round(decoded / span if span > 0 else float("nan"), tuple(tuple(o.token_ids) for o in outs),
+    return Round(decoded / span if span > 0 else float("nan"), tuple(tokens),
                  after.drafted - before.drafted, after.accepted - before.accepted)
 
 
@@ -122,13 +133,13 @@ def run_speculation(cfg: BenchConfig, workload: str, mode: str, progress=None) -
     try:
         levels = []
         for chats in cfg.chats:
-            prompts = prompts_for(engines["off"], workload, cfg, chats)
+            waves = waves_for(engines["off"], workload, cfg, chats)
             level = Level(chats)
             for r in range(cfg.repeat):
                 for m in (mode, "off") if r % 2 == 0 else ("off", mode):
                     if progress:
                         progress(f"{workload}: {chats} chat(s), round {r + 1}/{cfg.repeat}, speculative={m}")
-                    (level.off if m == "off" else level.spec).append(_round(engines[m], prompts, cfg.max_tokens))
+                    (level.off if m == "off" else level.spec).append(_round(engines[m], waves, cfg.max_tokens))
             levels.append(level)
         return SpeculationReport(engines["off"].model_path.name, workload, mode, levels)
     finally:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +15,7 @@ from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
 from pagedchat.engine.records import NULL_PAGE
+from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.sizing import GroupPlan
 from pagedchat.model.decoder import DecoderModel
 
@@ -94,46 +97,68 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """One forward over every scheduled chunk; logits [sampled rows, vocab] in plan order (a draft's chunk
         samples each of its last 1 + k positions)."""
-        ids, positions, qstart, ctx_lens, rows = [], [], [0], [], []
+        ids, positions, rows = [], [], []
         for item in plan.scheduled:
-            seq, n = item.seq, item.num_tokens
-            start, end = seq.num_computed, seq.num_computed + n
+            start = item.seq.num_computed
             ids.extend(item.token_ids)
-            positions.extend(range(start, end))
-            qstart.append(qstart[-1] + n)
-            ctx_lens.append(end)
-            rows.extend(range(qstart[-1] - item.rows, qstart[-1]))
+            positions.extend(range(start, start + item.num_tokens))
+            rows.extend(range(len(ids) - item.rows, len(ids)))
+        units = _units(plan)
         dev = self.device
-        query_start_loc = torch.tensor(qstart, dtype=torch.int32, device=dev)
-        context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-        metas = [self._group_meta(plan, group, null, query_start_loc, context_lens, ctx_lens)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(u.queries for u in units)], dtype=torch.int32,
+                                       device=dev)
+        context_lens = torch.tensor([u.context_len for u in units], dtype=torch.int32, device=dev)
+        metas = [self._group_meta(plan, units, group, null, query_start_loc, context_lens)
                  for group, null in enumerate(self.null_pages)]
         return self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.layer_kv, [metas[g] for g in self.layer_groups], torch.tensor(rows, dtype=torch.int64, device=dev))
 
-    def _group_meta(self, plan: StepPlan, group: int, null: int | None, query_start_loc: torch.Tensor,
-                    context_lens: torch.Tensor, ctx_lens: list[int]) -> AttentionMetadata:
-        """One group's slots and block tables; the step's lengths are every group's."""
+    def _group_meta(self, plan: StepPlan, units: list[_Unit], group: int, null: int | None,
+                    query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> AttentionMetadata:
+        """One group's slots and block tables (one per unit); the step's lengths are every group's."""
         bs = self.block_size
-        slots, tables = [], []
+        slots, tables = [], {}
         for item in plan.scheduled:
             seq = item.seq
             table = seq.table(group).block_table
             new = range(seq.num_computed, seq.num_computed + item.num_tokens)
             slots.extend(table[p // bs] * bs + p % bs for p in new)
-            tables.append(table if null is None else [null if p == NULL_PAGE else p for p in table])
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+            tables[id(seq)] = table if null is None else [null if p == NULL_PAGE else p for p in table]
+        width = max(len(t) for t in tables.values())
+        padded = [tables[id(u.seq)] + [0] * (width - len(tables[id(u.seq)])) for u in units]
         dev = self.device
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=query_start_loc,
             context_lens=context_lens,
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            query_lens=[item.num_tokens for item in plan.scheduled],
-            context_lens_host=ctx_lens,
-            max_query_len=max(item.num_tokens for item in plan.scheduled),
-            max_context_len=max(ctx_lens),
+            query_lens=[u.queries for u in units],
+            context_lens_host=[u.context_len for u in units],
+            max_query_len=max(u.queries for u in units),
+            max_context_len=max(u.context_len for u in units),
         )
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What attention sees as one sequence: queries ending at context_len."""
+
+    seq: Sequence
+    queries: int
+    context_len: int
+
+
+def _units(plan: StepPlan) -> list[_Unit]:
+    """A chunk is one unit, but a draft's chunk is a unit per position, each one query at its own length: a
+    step of decodes and drafts is then a decode step, which runs each layer as one call (the fused decode
+    layer), and each verified row gets the arithmetic of a decode at its position (same request, same tokens)."""
+    units = []
+    for item in plan.scheduled:
+        seq, end = item.seq, item.seq.num_computed + item.num_tokens
+        if item.draft:
+            units.extend(_Unit(seq, 1, p + 1) for p in range(seq.num_computed, end))
+        else:
+            units.append(_Unit(seq, item.num_tokens, end))
+    return units

@@ -2,7 +2,8 @@
 
 The last n tokens (n from n_max down to n_min, the longest match first) are looked up among the sequence's
 earlier text, and the up to k tokens that followed their latest earlier occurrence are the draft (vLLM's
-`ngram` speculator, llama.cpp's lookup decoding). An index from each n-gram to where it last ended is kept
+`ngram` speculator, llama.cpp's lookup decoding), no more of them than the tokens that agree before it: a long
+match is text being copied, a short one often a common phrase. An index from each n-gram to where it last ended is kept
 incrementally, so a lookup costs a few dict probes whether or not it matches, however long the sequence.
 No torch here.
 """
@@ -32,16 +33,29 @@ class NgramIndex:
                 self._last[tuple(tokens[end - n:end])] = end
         self._indexed = max(self._indexed, len(tokens))
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix, or []."""
-        if k <= 0:
-            return []
+    def match(self, tokens: list[int], longest: int) -> Match | None:
+        """The latest earlier occurrence of the longest matching suffix (n_max down to n_min tokens), with how
+        many tokens, up to longest, agree before it and the text's end."""
         self.update(tokens)
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
             start = self._last.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start:start + k]
-        return []
+                length = n
+                while length < longest and length < start and tokens[start - length - 1] == tokens[-length - 1]:
+                    length += 1
+                return Match(start, length)
+        return None
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix, or []."""
+        found = self.match(tokens, 0) if k > 0 else None
+        return [] if found is None else tokens[found.start:found.start + k]
+
+
+@dataclass(frozen=True)
+class Match:
+    start: int    # where the tokens that followed the earlier occurrence begin
+    length: int   # the tokens before start that equal the text's last ones
 
 
 SPECULATIVE_MODES = ("auto", "ngram", "off")
@@ -63,7 +77,7 @@ class Speculation:
     """When and what a decoding sequence drafts (the scheduler asks at each step)."""
 
     mode: str = "auto"
-    k: int = 8                   # draft tokens at most
+    k: int = 16                  # draft tokens at most
     n_min: int = 2
     n_max: int = 4
     max_context: int = 2**62     # positions the model has: a draft never runs past them
@@ -82,11 +96,14 @@ class Speculation:
         return max(0, min(self.k if seq.draft_len is None else seq.draft_len, left - 1))
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens, and no more than the match is long: a text that agrees with an earlier passage over
+        a dozen tokens goes on copying it far more often than one that shares two tokens with it."""
         if k <= 0:
             return []
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.n_min, self.n_max)
-        return seq.ngrams.propose(seq.token_ids, k)
+        found = seq.ngrams.match(seq.token_ids, k)
+        return [] if found is None else seq.token_ids[found.start:found.start + min(k, found.length)]
 
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verification: the next draft as long as this one's accepted run and one more (twice as long

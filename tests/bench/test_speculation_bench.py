@@ -17,6 +17,8 @@ def test_the_copy_workload_drafts_and_both_runs_give_the_same_tokens(tmp_path, m
     cfg = BenchConfig(model=str(folder), chats=(1, 2), max_tokens=24, repeat=2, dtype="float32")
     report = run_speculation(cfg, "copy", "ngram")
     assert [level.chats for level in report.levels] == [1, 2]
+    # every level asks each of the four copy requests once: at one chat in four waves, at two in two
+    assert [len(level.spec[0].tokens) for level in report.levels] == [4, 4]
     for level in report.levels:
         assert len(level.spec) == len(level.off) == 2 and level.same_tokens
         assert level.ratio > 0

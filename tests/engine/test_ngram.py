@@ -3,7 +3,9 @@
 import random
 import time
 
-from pagedchat.engine.ngram import NgramIndex
+from pagedchat.engine.ngram import NgramIndex, Speculation
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.sequence import Sequence
 
 
 def brute_force(tokens, n_min, n_max, k):
@@ -54,3 +56,21 @@ def test_a_lookup_without_a_match_costs_the_same_on_a_long_text():
         tokens.append(100_000 + i)
         assert index.propose(tokens, 8) == []
     assert time.perf_counter() - start < 0.5  # a few dict probes a step, not a scan of 50k tokens
+
+
+def test_the_match_counts_the_tokens_that_agree_before_it_up_to_the_longest_asked():
+    index = NgramIndex(n_min=2, n_max=4)
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 50, 51, 8, 1, 2, 3, 4, 5, 6]  # "1 .. 6" again: six agree, "7" followed
+    found = index.match(tokens, 16)
+    assert (found.start, found.length) == (7, 6)
+    assert index.match(tokens, 5).length == 5
+    assert NgramIndex().match([1, 2, 3, 1, 2], 16).length == 2  # the earlier "1 2" starts the text
+
+
+def test_a_draft_is_no_longer_than_its_match():
+    spec = Speculation("ngram", k=16)
+    short = Sequence("a", [7, 1, 2, 3, 4, 5, 6, 8, 1, 2], 10, SamplingParams())  # "1 2" again: two agree
+    long = Sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5], 14, SamplingParams())
+    assert spec.draft(short, 16) == [3, 4]
+    assert spec.draft(long, 16) == [6, 7, 8, 9, 1]  # five agree; the text runs out after five
+    assert spec.draft(long, 3) == [6, 7, 8]

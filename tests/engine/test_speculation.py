@@ -179,6 +179,22 @@ def test_on_the_default_path_a_verified_draft_gives_the_tokens_of_one_at_a_time(
     assert outs["ngram"] == outs["off"]
 
 
+def test_a_verify_step_runs_each_layer_as_one_call_as_a_decode_does(tmp_path, monkeypatch):
+    """A draft's positions go to attention as one-query rows, each at its own length: the step is a decode
+    step, whose layers run as one call each (qmm.decode_layer), not op by op."""
+    from invariance import tiny_packed_model
+    from pagedchat.model import qmm
+
+    rows = []
+    decode_layer = qmm.decode_layer
+    monkeypatch.setattr(qmm, "decode_layer", lambda x, *args: (rows.append(x.shape[0]), decode_layer(x, *args)))
+    engine = Engine(str(tiny_packed_model(tmp_path)), kv_cache_memory="4MiB", dtype="float32", speculative="ngram")
+    engine.generate([[5, 6, 7, 8] * 10], SamplingParams(max_tokens=40, ignore_eos=True))
+    drafted = engine.memory().counters.drafted
+    engine.shutdown()
+    assert drafted > 0 and max(rows) > 1  # one sequence: a call of several rows verified a draft
+
+
 def test_seeded_sampling_gives_the_same_tokens_with_speculation_as_without(tiny_llama, monkeypatch):
     """A sampled row keeps its draft token when it is the token drawn, and the rows after a refusal draw nothing:
     the generator's numbers, and so the tokens, are those of one token a step (where the logits are)."""
