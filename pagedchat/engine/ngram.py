@@ -73,14 +73,36 @@ def parse_speculative(mode: str | None) -> str:
 
 
 @dataclass
+class Drafter:
+    """One sequence's drafting state: the index of its tokens, and its next draft's length (None: k)."""
+
+    ngrams: NgramIndex
+    draft_len: int | None = None
+
+
+@dataclass
 class Speculation:
-    """When and what a decoding sequence drafts (the scheduler asks at each step)."""
+    """When and what a decoding sequence drafts (the scheduler asks at each step, and forgets a sequence when it
+    ends). It keeps each sequence's Drafter, by the sequence itself, from its first draft on."""
 
     mode: str = "auto"
     k: int = 16                  # draft tokens at most
     n_min: int = 2
     n_max: int = 4
     max_context: int = 2**62     # positions the model has: a draft never runs past them
+    _drafters: dict[Sequence, Drafter] = field(default_factory=dict, init=False, repr=False)
+
+    def __len__(self) -> int:
+        """Sequences it keeps a drafter for: those that drafted and have not ended."""
+        return len(self._drafters)
+
+    def _drafter(self, seq: Sequence) -> Drafter:
+        if seq not in self._drafters:
+            self._drafters[seq] = Drafter(NgramIndex(self.n_min, self.n_max))
+        return self._drafters[seq]
+
+    def forget(self, seq: Sequence) -> None:
+        self._drafters.pop(seq, None)
 
     def active(self, running: int) -> bool:
         return self.mode == "ngram" or (self.mode == "auto" and running <= AUTO_MAX_RUNNING)
@@ -93,19 +115,19 @@ class Speculation:
         if p.shapes_logits or p.logprobs is not None or seq.matcher is not None:
             return 0
         left = min(p.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens), self.max_context - len(seq.token_ids))
-        return max(0, min(self.k if seq.draft_len is None else seq.draft_len, left - 1))
+        drafter = self._drafters.get(seq)
+        draft_len = None if drafter is None else drafter.draft_len
+        return max(0, min(self.k if draft_len is None else draft_len, left - 1))
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens, and no more than the match is long: a text that agrees with an earlier passage over
         a dozen tokens goes on copying it far more often than one that shares two tokens with it."""
         if k <= 0:
             return []
-        if seq.ngrams is None:
-            seq.ngrams = NgramIndex(self.n_min, self.n_max)
-        found = seq.ngrams.match(seq.token_ids, k)
+        found = self._drafter(seq).ngrams.match(seq.token_ids, k)
         return [] if found is None else seq.token_ids[found.start:found.start + min(k, found.length)]
 
     def settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """After a verification: the next draft as long as this one's accepted run and one more (twice as long
         when all of it was taken), so a sequence whose text stops matching wastes little."""
-        seq.draft_len = min(self.k, 2 * drafted if accepted == drafted else accepted + 1)
+        self._drafter(seq).draft_len = min(self.k, 2 * drafted if accepted == drafted else accepted + 1)

@@ -98,6 +98,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.pages.free_seq(seq)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         seq.status = SeqStatus.FINISHED
 
     def set_computed(self, seq: Sequence, num_tokens: int) -> None:

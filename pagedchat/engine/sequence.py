@@ -53,10 +53,8 @@ class Sequence:
     last_token_time: float | None = None
     prefix_counted: bool = False         # its prefix-cache lookup is counted (once, at its first admission)
     inherited: str | None = None         # a fork's: the parent's reply text it starts from, until its first update
-    # Speculative decoding (engine/ngram.py): the drafter's index of its tokens, its next draft's length, and
-    # the draft tokens it verified and kept.
-    ngrams: object | None = None         # an engine/ngram.py NgramIndex, made at its first draft
-    draft_len: int | None = None
+    # Speculative decoding (engine/ngram.py, whose Speculation keeps the drafting state): the draft tokens it
+    # verified and kept.
     drafted: int = 0
     accepted: int = 0
 

@@ -12,6 +12,7 @@ from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.detokenizer import ReplyText
+from pagedchat.engine.ngram import Drafter
 from pagedchat.engine.sequence import SeqStatus, Sequence
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pagedchat"
@@ -72,10 +73,11 @@ def test_num_computed_moves_in_one_method_and_counters_in_the_core_and_the_sched
     assert {module for module, _, _ in writes} == {"engine/core.py", "engine/scheduler.py"}
 
 
-def test_a_sequence_keeps_no_decoding_state():
-    """The reply's text and the incremental decode's offsets are the detokenizer's (engine/detokenizer.py)."""
+def test_a_sequence_keeps_no_decoding_or_drafting_state():
+    """The reply's text and the incremental decode's offsets are the detokenizer's (engine/detokenizer.py), the
+    n-gram index and the next draft's length the Speculation's (engine/ngram.py)."""
     kept = {f.name for f in dataclasses.fields(Sequence)}
-    assert not kept & {f.name for f in dataclasses.fields(ReplyText)}
+    assert not kept & {f.name for state in (ReplyText, Drafter) for f in dataclasses.fields(state)}
 
 
 def test_a_preemption_for_recompute_forgets_the_hashes_of_every_layer_group():

@@ -51,6 +51,7 @@ def test_a_kept_draft_advances_several_tokens_in_one_step():
     assert counters.accepted > 0 and counters.drafted > counters.accepted
     assert eng.core.steps < 40, "kept drafts take fewer steps than tokens"
     assert eng.bm.pool.num_available() == eng.bm.num_pages
+    assert len(eng.sched.speculation) == 0, "a finished sequence's drafting state is forgotten"
 
 
 def test_rejected_drafts_pages_return_and_no_hash_covers_them():
