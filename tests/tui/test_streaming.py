@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from textual.app import App
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
@@ -47,6 +48,7 @@ class OneMessage(App):
             yield MessageView(ChatMessage("assistant", ""), 0)
 
 
+@pytest.mark.slow  # a long reply: the cut is unit-tested here, test_tui streams a short one
 async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_as_one():
     text = guide(40)
     app = OneMessage()

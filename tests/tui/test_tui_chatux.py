@@ -256,6 +256,7 @@ def at_top(view, message) -> bool:
     return bool(region) and 0 <= region.y - view.log_view.scroll_y <= message.styles.margin.top
 
 
+@pytest.mark.slow  # many jumps: test_search_finds_a_closed_chat_and_opens_it_at_the_message searches
 async def test_search_jumps_in_a_row_land_on_each_hit(tmp_path):
     """Jumps between two long chats: the third goes back to a chat already shown, now in a hidden tab."""
     from pagedchat.tui.chat_widgets import MessageView
