@@ -173,6 +173,7 @@ async def test_up_recalls_earlier_prompts_across_chats_and_down_comes_back(confi
         await press_for(pilot, "up", lambda: prompt.text == "second prompt")
 
 
+@pytest.mark.slow  # the history through the palette: up and down walk it in the quick run
 async def test_prompt_history_palette_puts_a_fuzzy_match_in_the_input(config):
 
     app = PagedChatApp(config)
