@@ -99,6 +99,7 @@ def with_a_turn_it_cannot_save(launch, data):
     return app
 
 
+@pytest.mark.slow  # test_tui_saving drives the quit question in process; export is test_tui's and test_cli's
 def test_quitting_with_unsaved_chats_exports_them_where_the_user_says(launch, small_disk, tmp_path):
     """ctrl+q used to exit at once: the turn that could not be saved was lost."""
     app = with_a_turn_it_cannot_save(launch, small_disk)

@@ -322,6 +322,7 @@ async def test_f8_deletes_a_chat_for_good_after_asking(config):
 
 
 # ---- export and import ------------------------------------------------------------------------------------
+@pytest.mark.slow  # test_tui exports a chat, test_cli imports JSON exports back
 async def test_ctrl_o_json_export_imports_back(config):
     from textual.widgets import OptionList
 
