@@ -9,5 +9,5 @@ import pytest
 def slow_after(cases, keep: int = 1) -> list:
     """cases as pytest parameters, every one after the first `keep` marked slow. A tuple is one case of
     several arguments."""
-    return [case if i < keep else pytest.param(*case if isinstance(case, tuple) else (case,), marks=pytest.mark.slow)
+    return [pytest.param(*case if isinstance(case, tuple) else (case,), marks=[pytest.mark.slow] if i >= keep else [])
             for i, case in enumerate(cases)]

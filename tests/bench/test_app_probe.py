@@ -41,6 +41,7 @@ def test_a_model_that_cannot_load_is_one_clear_error(tmp_path):
     assert "missing" in str(caught.value)
 
 
+@pytest.mark.slow  # the same probe on four tabs: the one-tab test times the app and the engine
 def test_four_tabs_generate_at_once_and_keys_typed_meanwhile_are_timed(model):
     options = dict(OPTIONS, kv_cache_memory="64MiB")   # four replies at once
     report = run_app_probe(model, repeat=1, max_tokens=500, options=options, prompt="hello there", tabs=4)

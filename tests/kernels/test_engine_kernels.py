@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slow_cases import slow_after
 
 SCRIPT = """
 import sys
@@ -25,7 +26,7 @@ print("kernels-ok")
 
 
 # A sliding window shorter than the longer prompts: the kernel's window skips and masks pages.
-@pytest.mark.parametrize("model", [dict(arch="llama"), dict(arch="mistral", window=16)],
+@pytest.mark.parametrize("model", slow_after([dict(arch="llama"), dict(arch="mistral", window=16)]),
                          ids=["llama", "mistral-window"])
 def test_engine_with_interpreted_triton_kernels(tmp_path, model):
     env = dict(os.environ, TRITON_INTERPRET="1", PAGEDCHAT_ATTENTION="triton")
@@ -66,6 +67,7 @@ print("invariant-ok")
 """
 
 
+@pytest.mark.slow  # minutes interpreted: test_a_rows_bits_are_its_own holds the kernel's rows to their bits
 def test_same_request_same_tokens_on_the_triton_path(tmp_path):
     """docs/architecture.md#same-request-same-tokens on the Triton path (interpreted): a packed model's chats, greedy
     and seeded, give the tokens and log-probabilities they get alone in a fresh engine, bit for bit, batched, after

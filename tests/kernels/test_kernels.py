@@ -25,6 +25,7 @@ from pagedchat.kernels.check import make_batch
 from pagedchat.kernels import kv_pages
 from pagedchat.model import attention
 from pagedchat.model.attention import AttentionMetadata
+from slow_cases import slow_after
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -153,13 +154,13 @@ def test_decode_split_k(tk, cfg):
     _check_attention(tk, cfg, DECODE, split_keys=SPLIT_DECODE)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("cfg", slow_after([(cfg,) for cfg in CONFIGS]), ids=CONFIG_IDS)
 def test_prefill_with_cached_prefix(tk, cfg):
     _check_attention(tk, cfg, PREFILL, split_keys=0)
 
 
-@pytest.mark.parametrize("seqs,splits", [(DECODE, 0), (DECODE, SPLIT_DECODE), (PREFILL, 0),
-                                        ([(100, 9), (40, 5)], SPLIT_PREFILL)],
+@pytest.mark.parametrize("seqs,splits", slow_after([(DECODE, 0), (DECODE, SPLIT_DECODE), (PREFILL, 0),
+                                                   ([(100, 9), (40, 5)], SPLIT_PREFILL)]),
                          ids=["decode", "decode-split-k", "prefill", "prefill-split-k"])
 def test_sliding_window(tk, seqs, splits):
     """A sliding-window layer's attention: the kernel skips the pages before a tile's window and masks the
@@ -247,7 +248,7 @@ INVARIANCE = [(CONFIGS[0], None, 0, 0), (CONFIGS[2], None, 24, SPLIT_PREFILL),
               (CONFIGS[3], torch.int8, 0, SPLIT_PREFILL)]
 
 
-@pytest.mark.parametrize("cfg,kv_dtype,window,split_keys", INVARIANCE,
+@pytest.mark.parametrize("cfg,kv_dtype,window,split_keys", slow_after(INVARIANCE),
                          ids=["f32-causal", "bf16-window-split-k", "int8-pages-split-k"])
 def test_a_rows_bits_are_its_own(tk, cfg, kv_dtype, window, split_keys):
     """Same request, same tokens (docs/architecture.md#same-request-same-tokens): a query row's output is the bits

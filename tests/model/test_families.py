@@ -11,6 +11,7 @@ import pytest
 import torch
 from kquants import quantize
 from parity import NEAR_TIE, NEAR_TIE_PACKED, assert_same_greedy
+from slow_cases import slow_after
 from safetensors.torch import load_file
 from tiny_gguf import gguf_name, write_tiny_gguf
 from transformers import AutoTokenizer, LlamaConfig, Phi3Config
@@ -176,7 +177,7 @@ def gguf_of(src, out, types: dict[str, str]):
     return folder, path, ref
 
 
-@pytest.mark.parametrize("types", [{"*": "Q8_0"}, Q4_K_M], ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("types", slow_after([{"*": "Q8_0"}, Q4_K_M]), ids=["Q8_0", "Q4_K_M"])
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_a_gguf_of_the_family_loads_packed_and_matches_transformers(name, types, tmp_path, monkeypatch, kernels):
     """The file's config is the folder's; its matrices run packed on pagedchat's kernels (transformers' tokens up

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from parity import NEAR_TIE_PACKED, assert_same_greedy
+from slow_cases import slow_after
 from test_families import FAMILIES, GGUF_FAMILIES, Q4_K_M, gguf_of, prompt_of
 from tiny_models import hf_greedy, make_tiny_model
 
@@ -43,7 +44,7 @@ def llama_cpp_greedy(path, prompt: list[int], new_tokens: int) -> list[int]:
         llm.close()
 
 
-@pytest.mark.parametrize("types", [{"*": "Q8_0"}, Q4_K_M], ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("types", slow_after([{"*": "Q8_0"}, Q4_K_M]), ids=["Q8_0", "Q4_K_M"])
 @pytest.mark.parametrize("name", CASES)
 def test_llama_cpp_reads_the_tiny_gguf_as_transformers_does(name, types, tmp_path):
     wide = dict(heads=4, head_dim=64) if types is Q4_K_M else {}  # K types need rows of whole 256-blocks

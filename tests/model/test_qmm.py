@@ -262,6 +262,7 @@ def test_no_compiler_leaves_torchs_paths_with_the_reason(monkeypatch, caplog):
     assert not qmm.ready() and qmm.describe() == "torch's kernels (no C++ compiler (c++ or $CXX) on PATH)"
 
 
+@pytest.mark.slow  # compiles every level's sources to see one fail: the no-compiler case falls back
 def test_a_failed_build_is_remembered(monkeypatch, tmp_path):
     """A source that does not compile: torch's paths, the compiler's message beside the library's name, and no
     second attempt at the next start."""

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pty_app import AppProcess, saved, wait_until
+from slow_cases import slow_after
 from pagedchat.bench.app_probe import PLACEHOLDER
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.transfer import read_chat_file
@@ -38,7 +39,7 @@ def exited(app: AppProcess) -> bool:
     return app.status is not None
 
 
-@pytest.mark.parametrize("value", ["#336699 {", "#336699;"])
+@pytest.mark.parametrize("value", slow_after(["#336699 {", "#336699;"]))
 def test_a_theme_textual_cannot_read_is_skipped_and_the_app_starts(launch, config, value):
     """Such a value raised Textual's TokenError while the themes were read, before the first paint, even with
     the theme never chosen: the app died with a traceback."""
@@ -98,6 +99,7 @@ def with_a_turn_it_cannot_save(launch, data):
     return app
 
 
+@pytest.mark.slow  # test_tui_saving drives the quit question in process; export is test_tui's and test_cli's
 def test_quitting_with_unsaved_chats_exports_them_where_the_user_says(launch, small_disk, tmp_path):
     """ctrl+q used to exit at once: the turn that could not be saved was lost."""
     app = with_a_turn_it_cannot_save(launch, small_disk)
@@ -110,6 +112,7 @@ def test_quitting_with_unsaved_chats_exports_them_where_the_user_says(launch, sm
     assert "second message" not in [m.content for m in saved(small_disk)]   # it really was unsaved
 
 
+@pytest.mark.slow  # test_tui_saving asks and quits once saved, in process
 def test_quitting_with_unsaved_chats_waits_and_quits_once_they_are_saved(launch, small_disk):
     app = with_a_turn_it_cannot_save(launch, small_disk)
     (small_disk / "filler").unlink()   # space again: the next retry writes the turn, and the app quits
@@ -117,6 +120,7 @@ def test_quitting_with_unsaved_chats_waits_and_quits_once_they_are_saved(launch,
     assert "second message" in [m.content for m in saved(small_disk)]
 
 
+@pytest.mark.slow  # the export case here takes the same dialog on a pty
 def test_quit_anyway_leaves_and_says_what_was_lost(launch, small_disk):
     app = with_a_turn_it_cannot_save(launch, small_disk)
     app.type("\t\t\t\r")   # from the folder to Export, Keep trying, Quit (losing them)
@@ -125,6 +129,7 @@ def test_quit_anyway_leaves_and_says_what_was_lost(launch, small_disk):
     assert shows(app, "the latest changes could not be saved"), app.screen_tail()
 
 
+@pytest.mark.slow  # test_tui_saving reopens a chat with its unsent input, in process
 async def test_a_message_refused_as_too_long_is_still_in_the_input_after_a_restart(launch, config):
     """It stayed in the input, but a quit lost it: drafts were not saved."""
     app = launch(SHORT)

@@ -75,6 +75,7 @@ def test_a_stopped_engine_is_said_and_holds_up_nothing(app):
     print(f"noticed after {noticed:.2f} s, key echoed after {echoed:.2f} s")
 
 
+@pytest.mark.slow  # the stall test here stops the engine on a pty; this one quits
 def test_quitting_with_a_stopped_engine_is_prompt_and_saves_the_reply(app):
     app.send("tell me a long story")
     wait_until(lambda: streaming(app), "the reply to stream")

@@ -166,6 +166,7 @@ async def test_the_message_walk_reaches_every_message_of_a_long_chat(tmp_path):
         await wait_for(pilot, lambda: isinstance(app.focused, PromptInput), "the input")
 
 
+@pytest.mark.slow  # a long chat streaming out of view: test_tui streams a reply in view
 async def test_a_reply_scrolled_out_of_the_list_streams_on_when_scrolled_back(tmp_path):
     count = 60   # the stand-in engine's context holds them all, so the message is sent
     app = long_chat_app(tmp_path, count, replies=["word " * 2000], chunks=2000)   # the reply takes a while

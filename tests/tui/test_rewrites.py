@@ -23,7 +23,6 @@ from pagedchat.tui.screens.ask import AskTextScreen, ConfirmScreen
 from pagedchat.tui.screens.compare import CompareScreen, CompareSetupScreen
 from pagedchat.tui.screens.modals import EditMessageScreen, PickScreen
 from pagedchat.tui.store import Store
-from slow_cases import slow_after
 from tui_support import ScriptedEngine, make_config, quick_pilot, wait_for  # noqa: F401 (autouse)
 
 SIZE = (110, 36)
@@ -116,6 +115,7 @@ def contents(session) -> list[str]:
     return [m.content for m in session.record.messages]
 
 
+@pytest.mark.slow  # test_tui's test_regenerate_and_edit rewrites in the quick run
 async def test_editing_twice_through_the_walk_and_the_palette_keeps_every_earlier_turn(tmp_path):
     app = scripted_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -217,7 +217,8 @@ async def key_or_palette(pilot, by_keys: bool, key: str, command: str) -> None:
 
 
 # The quick run rewrites by keys; by the palette takes about four times as long.
-@pytest.mark.parametrize("how", slow_after(["keys", "palette"]))
+@pytest.mark.parametrize("how", ["keys", "palette"])
+@pytest.mark.slow  # every rewrite, by keys and palette: test_tui's regenerate and edit stand in
 async def test_every_rewrite_keeps_the_database_equal_to_the_screen(tmp_path, how):
     app = scripted_app(tmp_path)
     by_keys = how == "keys"

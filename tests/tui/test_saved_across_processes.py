@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pty_app import AppProcess, saved, wait_until
+from slow_cases import slow_after
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.engine.records import FinishReason
 from pagedchat.tui.conversation import ChatMessage, ChatRecord
@@ -78,7 +79,7 @@ async def test_kill_9_mid_reply_keeps_the_partial_reply(launch, config):
     await restarted_shows(config, after.content)
 
 
-@pytest.mark.parametrize("how", ["hang up", "SIGTERM"])
+@pytest.mark.parametrize("how", slow_after(["hang up", "SIGTERM"]))
 async def test_closed_terminal_or_sigterm_saves_and_exits_cleanly(launch, config, how):
     app = launch(LONG)
     app.send("tell me a long story")
@@ -94,6 +95,7 @@ async def test_closed_terminal_or_sigterm_saves_and_exits_cleanly(launch, config
     await restarted_shows(config, after.content)
 
 
+@pytest.mark.slow  # two app processes: test_store keeps two instances' messages in one process
 def test_two_instances_on_one_chat_keep_both_turns(launch, config):
     """Both restore the same open chat and each adds a turn; both quit. Before per-message saves, each
     instance rewrote the whole chat from its own copy and the last to save deleted the other's turn."""
@@ -129,7 +131,7 @@ def set_immutable(on: bool, paths) -> bool:
     return done.returncode == 0
 
 
-@pytest.mark.parametrize("frozen", ["shm", "all"])
+@pytest.mark.parametrize("frozen", slow_after(["shm", "all"]))
 def test_an_unwritable_database_mid_reply_is_survived_and_the_reply_is_kept(launch, config, frozen):
     """"shm": SQLite's memory-mapped WAL index made immutable mid-reply, as the issue did: in WAL mode the next
     commit wrote to the mapping and the app died with SIGBUS (exit 135), its reply kept only to its last save.

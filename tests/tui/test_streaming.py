@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from textual.app import App
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
@@ -55,6 +56,7 @@ def shown_text(view: MessageView) -> str:
     return shown
 
 
+@pytest.mark.slow  # a long reply: the cut is unit-tested here, test_tui streams a short one
 async def test_a_long_reply_streams_into_a_bounded_live_markdown_and_ends_without_a_reparse():
     text = guide(40)
     app = OneMessage()

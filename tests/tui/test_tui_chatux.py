@@ -173,6 +173,7 @@ async def test_up_recalls_earlier_prompts_across_chats_and_down_comes_back(confi
         await press_for(pilot, "up", lambda: prompt.text == "second prompt")
 
 
+@pytest.mark.slow  # the history through the palette: up and down walk it in the quick run
 async def test_prompt_history_palette_puts_a_fuzzy_match_in_the_input(config):
 
     app = PagedChatApp(config)
@@ -256,6 +257,7 @@ def at_top(view, message) -> bool:
     return bool(region) and 0 <= region.y - view.log_view.scroll_y <= message.styles.margin.top
 
 
+@pytest.mark.slow  # many jumps: test_search_finds_a_closed_chat_and_opens_it_at_the_message searches
 async def test_search_jumps_in_a_row_land_on_each_hit(tmp_path):
     """Jumps between two long chats: the third goes back to a chat already shown, now in a hidden tab."""
     from pagedchat.tui.chat_widgets import MessageView
@@ -320,6 +322,7 @@ async def test_f8_deletes_a_chat_for_good_after_asking(config):
 
 
 # ---- export and import ------------------------------------------------------------------------------------
+@pytest.mark.slow  # test_tui exports a chat, test_cli imports JSON exports back
 async def test_ctrl_o_json_export_imports_back(config):
     from textual.widgets import OptionList
 

@@ -99,6 +99,7 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
         assert "engine stopped" not in static_text(app, "#status")
 
 
+@pytest.mark.slow  # test_process_backend kills the engine; the stopped-engine test here restarts it in the app
 async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_path, model):
     """The app's engine runs in a process of its own. Killed mid-reply (as the out-of-memory killer would), the
     app stays up: the reply keeps what came, the status line says what happened, and a restart brings it back."""

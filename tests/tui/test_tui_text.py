@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from textual.widgets import OptionList, TextArea
 
 from pagedchat.text import visible_controls
@@ -56,6 +57,7 @@ async def open_palette_entry(pilot, query: str) -> str:
     return text
 
 
+@pytest.mark.slow  # six payloads through every dialog: the escape test runs text through them too
 async def test_markup_in_a_chat_is_shown_literally_everywhere(tmp_path):
     replies = []
     for payload in MARKUP:
