@@ -87,15 +87,20 @@ class HiddenMessage(App):
         with VerticalScroll(id="pane"):
             yield MessageView(ChatMessage("assistant", ""), 0)
 
+    async def stream_hidden(self, pilot) -> MessageView:
+        """The view streaming, with its pane hidden."""
+        view = self.query_one(MessageView)
+        await view.start_stream()
+        self.query_one("#pane").display = False
+        await pilot.pause()
+        return view
+
 
 async def test_a_hidden_reply_renders_nothing_until_shown_then_all_at_once_settled():
     text = guide(40)
     app = HiddenMessage()
     async with app.run_test(size=(140, 45)) as pilot:
-        view = app.query_one(MessageView)
-        await view.start_stream()
-        app.query_one("#pane").display = False
-        await pilot.pause()
+        view = await app.stream_hidden(pilot)
         for start in range(0, len(text), 400):
             view.feed(text[start:start + 400], 80)
             await pilot.pause(0.15)
@@ -110,10 +115,7 @@ async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
     text = guide(30)
     app = HiddenMessage()
     async with app.run_test(size=(140, 45)) as pilot:
-        view = app.query_one(MessageView)
-        await view.start_stream()
-        app.query_one("#pane").display = False
-        await pilot.pause()
+        view = await app.stream_hidden(pilot)
         view.feed(text[:200], 20)
         await view.finish(text, None)
         assert shown_text(view) == ""

@@ -31,14 +31,24 @@ def saved_lengths(app) -> dict[str, int]:
         store.close()
 
 
+async def first_reply_then_new_tab(app, pilot):
+    """The first tab's reply streaming, and a second tab open and shown."""
+    await wait_for(pilot, lambda: app.backend is not None, "the engine")
+    first = await start_reply(pilot, "one")
+    await pilot.press("ctrl+n")
+    await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+    return first
+
+
+async def two_replies(app, pilot):
+    first = await first_reply_then_new_tab(app, pilot)
+    return first, await start_reply(pilot, "two")
+
+
 async def test_two_streaming_tabs_are_saved_in_the_same_writes(tmp_path):
     app = scripted_app(tmp_path, [LONG, LONG], chunks=400)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend is not None, "the engine")
-        first = await start_reply(pilot, "one")
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
-        second = await start_reply(pilot, "two")
+        first, second = await two_replies(app, pilot)
         seen = []
         while first.busy and second.busy:
             lengths = saved_lengths(app)
@@ -56,10 +66,7 @@ async def test_two_streaming_tabs_are_saved_in_the_same_writes(tmp_path):
 async def test_a_tab_not_shown_catches_up_when_shown(tmp_path):
     app = scripted_app(tmp_path, [LONG, LONG], chunks=400)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.backend is not None, "the engine")
-        first = await start_reply(pilot, "one")
-        await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: app.active_session is not first, "a new tab")
+        first = await first_reply_then_new_tab(app, pilot)
         view = app.chat_view(first).view_at(first.reply.index)
         await pilot.pause(0.5)
         hidden = view.body.source
