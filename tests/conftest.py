@@ -7,6 +7,11 @@ from pathlib import Path
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n auto`: a worker per core) each worker and the engine processes it starts take one
+# thread: a second thread's barriers would spin against the other workers for the same cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
 
