@@ -3,6 +3,8 @@ nothing until it is shown (issue 36: a key typed while four tabs streamed waited
 
 from __future__ import annotations
 
+import time
+
 from pagedchat.backends.local import LocalBackend
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_widgets import MessageView
@@ -102,3 +104,19 @@ async def test_the_engine_is_asked_for_its_memory_only_while_the_inspector_shows
         await pilot.press("f2")
         await wait_for(pilot, lambda: engine.asked > asked + 1, "the inspector's pictures")
         assert session.busy
+
+
+async def test_the_context_figure_of_a_streaming_chat_moves_about_once_a_second(tmp_path):
+    app = scripted_app(tmp_path, [LONG], chunks=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = await start_reply(pilot, "one")
+        prompt = app.active_chat.prompt
+        figures = [str(prompt.border_subtitle)]
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            if str(prompt.border_subtitle) != figures[-1]:
+                figures.append(str(prompt.border_subtitle))
+            await pilot.pause(0.02)
+        assert session.busy
+        assert 2 <= len(figures) <= 4, figures   # it moves, but not at every 0.25 s poll (each is a redraw)
