@@ -24,7 +24,7 @@ from pagedchat.errors import PagedChatError, first_line
 POLL_S = 0.25   # how often, when no call comes, the engine's loop is checked for a failure to report
 # Updates go to the app at most this often, batched (a reply's first after a pause and its last at once): each
 # send wakes two of the app's threads, and each wake-up on a busy core stalls the step's parallel ops.
-BATCH_S = 0.1
+BATCH_S = 0.05
 # A sign of life when nothing else is sent for this long: the app tells an engine that stopped answering (a
 # stopped or swamped process) from one busy with a long prefill by it (process.STALL_S).
 HEARTBEAT_S = 0.5
