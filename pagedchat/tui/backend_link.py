@@ -20,6 +20,7 @@ from pagedchat.tui.bridge import start_loading
 from pagedchat.tui.inspector import InspectorView
 
 BackendFactory = Callable[[Progress], Backend]
+FILL_EVERY_S = 1.0   # a streaming chat's context figure moves this often: each change is a screen update
 
 
 class StatusBar(Horizontal):
@@ -195,24 +196,28 @@ class BackendLink:
         self.start()
 
     def poll(self, chats, inspector: InspectorView, force: bool = False) -> None:
-        """Poll memory while something runs or the inspector is open; note which pages each chat holds."""
+        """While something runs: the chat in view's context figure and stalls; while the inspector is open, the
+        engine's memory and which pages each chat holds."""
         busy = [s for s in chats.sessions.values() if s.busy]
         if self.backend is None or self.note_stopped(len(busy)):
             return
         stalled = self.note_stall(busy)
-        if not busy and not inspector.display:
+        active = chats.active
+        for session in busy:
+            if (chat := chats.view(session)) is not None:
+                if session is active:   # another chat's figure is put when it is shown (tabs.activated)
+                    chat.show_fill(every=FILL_EVERY_S)
+                if (message := chat.view_at(session.reply.index)) is not None:
+                    message.mark_stalled(stalled)
+        if not inspector.display:
+            # The pages each chat holds are the inspector's alone: while it is hidden the engine's process is
+            # not asked for them (a picture costs its main thread a few milliseconds between steps).
             return
         view = self.backend.memory()
         for session in busy:
             held = request_pages(view, session.reply.request_id)
             if held is not None:
                 session.pages, session.page_tokens = held
-            if (chat := chats.view(session)) is not None:
-                chat.show_fill()
-                if (message := chat.view_at(session.reply.index)) is not None:
-                    message.mark_stalled(stalled)
-        if inspector.display:
-            pages = chats.chat_pages()
-            active = chats.active
-            focused = next((c for c in pages if active and c.chat_id == active.id), None)
-            inspector.update_view(view, pages, focused, force=force)
+        pages = chats.chat_pages()
+        focused = next((c for c in pages if active and c.chat_id == active.id), None)
+        inspector.update_view(view, pages, focused, force=force)

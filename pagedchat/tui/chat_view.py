@@ -69,6 +69,7 @@ class ChatView(Vertical):
         self.session = session
         self.services = services
         self.populated = False
+        self._fill_at = 0.0     # when the context figure last changed
 
     @property
     def chat_id(self) -> str:
@@ -166,11 +167,11 @@ class ChatView(Vertical):
         # Esc shows as "Stop" in the footer only while this chat is replying.
         return self.session.busy if action == action_name(ChatView.action_stop) else True
 
-    def show_fill(self) -> None:
-        """The chat's context figure on its input's bottom border."""
-        content = context.fill(self.session, self.backend)
+    def show_fill(self, every: float = 0.0) -> None:
+        """The chat's context figure on its input's bottom border, changed at most once in `every` seconds."""
+        content = None if time.monotonic() - self._fill_at < every else context.fill(self.session, self.backend)
         if content is not None and content != self.prompt.border_subtitle:  # setting it repaints the input
-            self.prompt.border_subtitle = content
+            self.prompt.border_subtitle, self._fill_at = content, time.monotonic()
 
     # ---- saving -------------------------------------------------------------------------------------------
     def save(self, *indexes: int, row: bool = False, messages: bool = False) -> None:

@@ -1,7 +1,7 @@
 """The widgets inside a chat tab: one message, and the prompt input (the tab itself is chat_view.py).
 
 These widgets know nothing about the engine. The chat feeds a reply's text in with MessageView.feed() as
-updates arrive; the view batches it into Markdown appends, spaced so that rendering takes a bounded share
+updates arrive; the view batches it into flushes, spaced so that rendering takes a bounded share
 of the machine the engine runs on, and only while the view is displayed (a tab not in view renders when shown);
 finish() puts the final text the same way, keeping what settled. Every piece
 of text goes through pagedchat.text on its way in, so terminal controls show as pictures; the ChatMessage keeps
@@ -28,10 +28,10 @@ from pagedchat.text import plain, visible_controls
 from pagedchat.tui.conversation import ChatMessage, stats_line
 from pagedchat.tui.streaming import settle_point
 
-# Ten Markdown appends a second read as smooth streaming. Rendering competes with the engine for a core, so each
+# Ten flushes a second read as smooth streaming. Rendering competes with the engine for a core, so each
 # flush waits at least RENDER_SPACING times as long as the last one took, its screen update included: the
 # flushes then hold the main thread a bounded share of the time. A flush's cost stays about flat as the reply
-# grows: the live Markdown keeps only the last few blocks (streaming.py). Measurements:
+# grows: the live part is only the last few blocks, one Static (streaming.py). Measurements:
 # docs/bench.md#the-app-against-its-engine---app.
 FLUSH_S = 0.1
 MAX_FLUSH_S = 1.0     # however long appends take, the reply visibly moves every second
@@ -139,11 +139,15 @@ class MessageView(Vertical, can_focus=True):
         self._doing = ""            # the stats line while streaming, before its marks
         self._stalled = False       # the engine has stopped answering
         self._settled_text = ""     # the text the settled Statics show, in order
+        self._live_text = ""        # the text the live Static shows
         self._unrendered: str | None = None   # a final text that waits for the view to be shown
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
         yield Vertical(classes="settled")   # a streaming reply's blocks above its last few (streaming.py)
+        live = Static(classes="live")       # while it streams, its last few blocks
+        live.display = False
+        yield live
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
@@ -159,22 +163,34 @@ class MessageView(Vertical, can_focus=True):
         return self.query_one(".settled", Vertical)
 
     @property
+    def live(self) -> Static:
+        return self.query_one(".live", Static)
+
+    @property
     def shown_source(self) -> str:
-        """The Markdown this view shows, controls made visible: the settled part's, then the live widget's."""
-        return self._settled_text + self.body.source
+        """The Markdown this view shows, controls made visible: the settled part's, the live part's while it
+        streams, then the Markdown widget's."""
+        return self._settled_text + self._live_text + self.body.source
 
     async def _show(self, text: str) -> None:
         """The whole text in the Markdown widget, nothing settled."""
         await self.settled.remove_children()
         self._settled_text = ""
+        self._set_live("")
         await self.body.update(visible_controls(text))
 
-    async def _put(self, text: str) -> None:
+    def _set_live(self, text: str) -> None:
+        if text != self._live_text:
+            self._live_text = text
+            self.live.update(RichMarkdown(text) if text else "")
+            self.live.display = bool(text)
+
+    async def _put(self, text: str, *, streaming: bool) -> None:
         """Show text (controls already made visible) as the streamed document: what has settled stays, what is
-        above the last safe cut (streaming.py) settles into a Static that renders it once, and the rest is the
-        live Markdown, appended to where it only grew. The screen's layout then walks a handful of widgets
-        however long the reply, and text that settles at once (a hidden tab's, shown again) never becomes
-        Markdown widgets first."""
+        above the last safe cut (streaming.py) settles into a Static that renders it once, and the rest is
+        the live part: while streaming one Static drawn again at each flush (a Markdown widget would mount and
+        style a tree of widgets each time), at the end the Markdown widget. The screen's layout then walks a
+        handful of widgets however long the reply."""
         if not text.startswith(self._settled_text):
             await self.settled.remove_children()
             self._settled_text = ""
@@ -183,12 +199,10 @@ class MessageView(Vertical, can_focus=True):
             await self.settled.mount(Static(RichMarkdown(rest[:cut]), classes="settled-part"))
             self._settled_text += rest[:cut]
             rest = rest[cut:]
-        live = self.body.source
-        if not cut and rest.startswith(live):
-            if rest != live:
-                await self.body.append(rest[len(live):])
-        else:
-            await self.body.update(rest)
+        live, final = (rest, "") if streaming else ("", rest)
+        self._set_live(live)
+        if final != self.body.source:
+            await self.body.update(final)
 
     def set_stats(self, text: str) -> None:
         for label in self.query(".stats").results(Label):
@@ -259,7 +273,7 @@ class MessageView(Vertical, can_focus=True):
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
-            await self._put(self.shown_source + visible_controls(text))
+            await self._put(self.shown_source + visible_controls(text), streaming=True)
         # Timed to the end of the screen update it causes: the layout and the drawing are most of its cost.
         self.call_after_refresh(self._flushed, started, self._flush_timer)
 
@@ -291,7 +305,7 @@ class MessageView(Vertical, can_focus=True):
     async def _put_final(self) -> None:
         content, self._unrendered = self._unrendered, None
         if content is not None:
-            await self._put(visible_controls(content))
+            await self._put(visible_controls(content), streaming=False)
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:

@@ -8,7 +8,9 @@ whatever waits on `live` sees the finished reply in place.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from pagedchat.engine.records import FinishReason, Outcome, ReplyHandle, Update
 from pagedchat.tui.conversation import ChatMessage, ChatSettings, reply_stats
@@ -47,6 +49,12 @@ class Reply:
     saved_at: float = 0.0              # monotonic time its snapshot was last saved
     taking: bool = False               # still takes updates: false once it has ended
     replaced: Replaced | None = None   # what its start changed in the chat (None: a forked branch)
+    # The reply line's tok/s is what the user saw: tokens over the time from the first batch the app took in
+    # to the last, on its own clock, not the engine's rate (which the app's work on the same cores lowers).
+    clock: Callable[[], float] = time.monotonic
+    first_at: float | None = None      # when the first tokens came in
+    first_tokens: int = 0              # how many came with them: the rate counts those after
+    last_at: float | None = None       # when the latest tokens came in
 
     @property
     def live(self) -> bool:
@@ -81,13 +89,30 @@ class Reply:
             self.prefix += fed.inherited
         self.text += fed.text
         self.tokens += fed.tokens
+        if fed.tokens:
+            now = self.clock()
+            if self.first_at is None:
+                self.first_at, self.first_tokens = now, self.tokens
+            self.last_at = now
         return fed
 
+    def shown_rate(self) -> float | None:
+        """Tokens a second as the app took them in, from the first tokens to the latest; None before a second
+        batch (a reply that came all at once has no rate of its own)."""
+        if self.first_at is None or self.last_at is None or self.last_at <= self.first_at:
+            return None
+        return (self.tokens - self.first_tokens) / (self.last_at - self.first_at)
+
     def stats(self, finish_reason: FinishReason, outcome: Outcome | None = None) -> Outcome:
-        """The stats line's figures: final from the outcome, else as they stand, ended by finish_reason."""
+        """The stats line's figures: final from the outcome, else as they stand, ended by finish_reason. The
+        rate is the one shown (shown_rate), the engine's only where the app saw no rate of its own."""
         if outcome is not None:
-            return reply_stats(outcome)
-        return replace(reply_stats(self.handle.so_far()), generated_tokens=self.tokens, finish_reason=finish_reason)
+            stats = reply_stats(outcome)
+        else:
+            stats = replace(reply_stats(self.handle.so_far()), generated_tokens=self.tokens,
+                            finish_reason=finish_reason)
+        shown = self.shown_rate()
+        return stats if shown is None else replace(stats, decode_tokens_per_s=shown)
 
     def finish(self, outcome: Outcome) -> Ending:
         self.stop_taking()
@@ -121,3 +146,4 @@ class Reply:
     def end(self) -> None:
         self.handle, self.index, self.prefix, self.inheriting = None, None, "", False
         self.text, self.tokens, self.taking, self.replaced = "", 0, False, None
+        self.first_at, self.first_tokens, self.last_at = None, 0, None

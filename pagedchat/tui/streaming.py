@@ -3,9 +3,10 @@
 Textual's Markdown is a tree of widgets (a list item is five or so), and every screen update lays out the whole
 tree: a flush's cost grew with the reply, to a few hundred milliseconds of the main thread at a thousand tokens of
 a long list (docs/bench.md#the-app-against-its-engine---app). So a streaming reply keeps only its last few blocks
-in the live Markdown widget; what is above settles into a Static that renders it once (chat.MessageView). The
-cut must leave both parts meaning what they meant together: at the start of a top-level block, outside a fenced
-code block and a table, and never where the line could continue the paragraph above it.
+in its live part (one Static drawn again at each flush); what is above settles into a Static that renders it once
+(chat_widgets.MessageView). The cut must leave both parts meaning what they meant together: at the start of a
+top-level block, outside a fenced code block and a table, and never where the line could continue the paragraph
+above it.
 """
 
 from __future__ import annotations

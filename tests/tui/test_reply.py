@@ -86,3 +86,24 @@ def test_the_snapshot_saved_while_streaming_is_marked_interrupted():
     saved = reply.snapshot(ChatMessage("assistant", "so far", id="m1"))
     assert (saved.id, saved.content, saved.stats.finish_reason, saved.stats.generated_tokens) == \
         ("m1", "so far", FinishReason.INTERRUPTED, 2)
+
+
+def test_the_rate_is_the_one_the_app_took_the_tokens_in_at_not_the_engines():
+    clock = iter([10.0, 10.5, 12.0])
+    reply = Reply(clock=lambda: next(clock))
+    reply.start(Handle("r1"), index=1)
+    reply.feed([Update("r1", "a", tokens=5)])                   # at 10.0: the rate counts from these on
+    reply.feed([Update("r1", "", tokens=0, notices=("x",))])    # no tokens: no time taken
+    reply.feed([Update("r1", "b", tokens=10)])                  # at 10.5
+    assert reply.stats(FinishReason.CANCELLED).decode_tokens_per_s == 10 / 0.5
+    final = Outcome("r1", text="abc", finish_reason="stop", generated_tokens=35, decode_tokens_per_s=500.0)
+    ending = reply.finish(reply.feed([Update("r1", "c", tokens=20, outcome=final)]).outcome)   # at 12.0
+    assert ending.stats.decode_tokens_per_s == 30 / 2.0
+
+
+def test_a_reply_taken_in_one_batch_keeps_the_engines_rate():
+    reply = Reply(clock=lambda: 1.0)
+    reply.start(Handle("r1"), index=1)
+    final = Outcome("r1", text="hi", finish_reason="stop", generated_tokens=2, decode_tokens_per_s=80.0)
+    ending = reply.finish(reply.feed([Update("r1", "hi", tokens=2, outcome=final)]).outcome)
+    assert ending.stats.decode_tokens_per_s == 80.0

@@ -3,9 +3,13 @@ nothing until it is shown (issue 36: a key typed while four tabs streamed waited
 
 from __future__ import annotations
 
+import time
+
+from pagedchat.backends.local import LocalBackend
+from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.store import DB_NAME, Store
-from tui_support import quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
+from tui_support import ScriptedEngine, make_config, quick_pilot, scripted_app, wait_for  # noqa: F401 (autouse)
 
 SIZE = (140, 45)
 LONG = "a long answer " * 400   # with chunks=400, streams for eight seconds or so
@@ -69,10 +73,50 @@ async def test_a_tab_not_shown_catches_up_when_shown(tmp_path):
         first = await first_reply_then_new_tab(app, pilot)
         view = app.chat_view(first).view_at(first.reply.index)
         await pilot.pause(0.5)
-        hidden = view.body.source
+        hidden = view.shown_source
         await pilot.pause(0.5)
-        assert view.body.source == hidden and first.reply.tokens > 0   # streams on, renders nothing
+        assert view.shown_source == hidden and first.reply.tokens > 0   # streams on, renders nothing
         await pilot.press("ctrl+pageup")
         await wait_for(pilot, lambda: app.active_session is first, "the first tab again")
-        await wait_for(pilot, lambda: len(view.body.source) > len(hidden), "the shown tab to catch up")
+        await wait_for(pilot, lambda: len(view.shown_source) > len(hidden), "the shown tab to catch up")
         assert isinstance(view, MessageView) and view.streaming
+
+
+class CountingEngine(ScriptedEngine):
+    """Counts the memory pictures asked of it (each costs the real engine's process a few ms between steps)."""
+
+    asked = 0
+
+    def memory(self):
+        self.asked += 1
+        return super().memory()
+
+
+async def test_the_engine_is_asked_for_its_memory_only_while_the_inspector_shows_it(tmp_path):
+    engine = CountingEngine([LONG], chunks=400)
+    app = PagedChatApp(make_config(tmp_path), backend_factory=lambda progress: LocalBackend(engine))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = await start_reply(pilot, "one")
+        asked = engine.asked
+        await pilot.pause(1.0)   # four polls
+        assert engine.asked == asked and session.busy
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: engine.asked > asked + 1, "the inspector's pictures")
+        assert session.busy
+
+
+async def test_the_context_figure_of_a_streaming_chat_moves_about_once_a_second(tmp_path):
+    app = scripted_app(tmp_path, [LONG], chunks=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = await start_reply(pilot, "one")
+        prompt = app.active_chat.prompt
+        figures = [str(prompt.border_subtitle)]
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            if str(prompt.border_subtitle) != figures[-1]:
+                figures.append(str(prompt.border_subtitle))
+            await pilot.pause(0.02)
+        assert session.busy
+        assert 2 <= len(figures) <= 4, figures   # it moves, but not at every 0.25 s poll (each is a redraw)
