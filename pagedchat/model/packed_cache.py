@@ -1,5 +1,6 @@
 """The packed-weights cache: a model's weights saved as the int4 kernel holds them, so a restart skips reading the
-GGUF's metadata, decoding its blocks and packing (which together take seconds) and maps one safetensors file.
+GGUF's metadata, decoding its blocks and packing (which together take seconds) and reads one safetensors file,
+into huge pages (hugepages.py).
 
 Only models with packed weights get one: their file holds the same 4-bit codes as the GGUF (about its size),
 never a float32 copy. A cache entry is keyed by everything that shapes its bytes: the source file, the torch

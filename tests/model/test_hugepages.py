@@ -19,7 +19,8 @@ SMAPS = Path("/proc/self/smaps")
 def tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {
-        "big": torch.randint(0, 256, (3, hugepages.HUGE_PAGE // 2 + 5), generator=gen, dtype=torch.uint8),
+        # over two huge pages: a whole aligned one lies inside the mapping wherever it starts
+        "big": torch.randint(0, 256, (4, hugepages.HUGE_PAGE // 2 + 5), generator=gen, dtype=torch.uint8),
         "norm": torch.randn(7, generator=gen),
         "scales": torch.randn(4, 6, generator=gen).to(torch.bfloat16),
         "codes": torch.randint(-9, 9, (5,), generator=gen, dtype=torch.int32),
