@@ -1,8 +1,8 @@
 """Memory in Linux's transparent huge pages (2 MiB), for what a decode step streams: the KV pool and the weights.
 
-One chat's decode reads every weight once a token, and that read runs about a quarter faster from huge pages than
-from 4 KiB ones (fewer TLB misses; the hardware prefetchers stop at every page's end): docs/memory.md#huge-pages.
-The machine's `transparent_hugepage` setting is usually `madvise`, so memory must ask for them.
+One chat's decode reads every weight once a token, and memory reads faster from huge pages than from 4 KiB ones
+(fewer TLB misses; the hardware prefetchers stop at every page's end): docs/memory.md#huge-pages. Where the
+kernel's `transparent_hugepage` setting is `madvise`, as on many distributions, memory must ask for them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     """A safetensors file's tensors and metadata, read into memory: each tensor of a huge page or more into a
     mapping of its own asked for in huge pages (so each is freed on its own), the rest into torch's memory.
     Read, not mapped: a file's mapping sits in 4 KiB pages, and copying out of it would hold both for a while.
-    Raises ValueError on a file that is not safetensors."""
+    A cut-off or foreign file raises (ValueError, or the header's own JSON, struct or key errors)."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
