@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from pagedchat.backends.local import LocalBackend
-from pagedchat.bench.bandwidth import read_bandwidth
+from pagedchat.bench.bandwidth import read_bandwidths
 from pagedchat.bench.options import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
                                            run_engine_level, ttft_cold_warm, warm_up)
@@ -40,7 +40,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
     levels = sorted(set(cfg.chats))
     top = levels[-1]
     machine_start = _load_average()
-    bandwidth = read_bandwidth()
+    bandwidth, bandwidth_torch = read_bandwidths()
     engine = new_engine(cfg, top, progress.describe)
     peers: list[Peer] = []
     try:
@@ -79,7 +79,8 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         machine = Machine(device=device, torch=torch.__version__, torch_threads=cfg.threads or torch.get_num_threads(),
                           cpu=_cpu_name(), cpus=os.cpu_count(), load_average_at_start=machine_start,
                           load_average_at_end=_load_average(), cpu_level=qmm.best_label(),
-                          torch_level=torch.backends.cpu.get_cpu_capability(), read_bandwidth=bandwidth)
+                          torch_level=torch.backends.cpu.get_cpu_capability(), read_bandwidth=bandwidth,
+                          read_bandwidth_torch=bandwidth_torch)
         return Report(machine=machine, ttft_cold_warm=cold_warm, cold_first_token=cold, startup=startup,
                       levels=tuple(out_levels), **base)
     finally:

@@ -73,8 +73,11 @@ def bandwidth_lines(report: Report) -> list[str]:
         return []
     from pagedchat.bench.bandwidth import READ_MIB
 
-    line = (f"memory read bandwidth {bw / 2**30:,.1f} GiB/s (a {size(READ_MIB * 2**20)} torch.sum on every core, "
-            "best of 5)")
+    how = f"a {size(READ_MIB * 2**20)} torch.sum on every core, best of 5"
+    torch_bw = report.machine.read_bandwidth_torch
+    if torch_bw is not None:  # the shares are of the huge pages' figure: pagedchat's weights sit in them
+        how = f"in huge pages, as pagedchat's weights are; {torch_bw / 2**30:,.1f} in torch's own memory; {how}"
+    line = f"memory read bandwidth {bw / 2**30:,.1f} GiB/s ({how})"
     shares = report.bandwidth_shares()
     if shares:
         line += (f"; one chat's decode reads the weights ({size(report.weights.weight_bytes)} a token) at "

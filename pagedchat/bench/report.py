@@ -24,7 +24,8 @@ class Machine:
     load_average_at_end: tuple[float, ...] | None
     cpu_level: str = ""  # the best level of pagedchat's kernels this CPU runs ("": not built)
     torch_level: str = ""  # the level torch's own CPU kernels run at (SDPA, ...): ATEN_CPU_CAPABILITY lowers it
-    read_bandwidth: float | None = None  # bytes/s a big torch.sum reads on every core (bandwidth.py)
+    read_bandwidth: float | None = None  # bytes/s a big torch.sum reads on every core, in huge pages (bandwidth.py)
+    read_bandwidth_torch: float | None = None  # the same from torch's own allocation; None where no huge pages
 
 
 @dataclass(frozen=True)

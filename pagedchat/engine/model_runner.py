@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedchat.kernels import kv_pages
+from pagedchat.model import hugepages
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
 from pagedchat.engine.scheduler import StepPlan
@@ -23,19 +22,13 @@ from pagedchat.model.decoder import DecoderModel
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, but on the CPU from the OS's lazily zeroed memory: pages are handed out as they are first
     touched, instead of torch writing the whole pool at start (docs/bench.md#quantized-weights-kept-packed
-    times both). On Linux the pool asks for huge pages: a step's attention then misses the TLB less, and a
-    page's first write faults once per 2 MiB instead of once per 4 KiB (docs/bench.md#panels-packed-at-load)."""
+    times both). On Linux the pool asks for huge pages (model/hugepages.py): a step's attention then misses the TLB
+    less, and a page's first write faults once per 2 MiB instead of once per 4 KiB
+    (docs/bench.md#panels-packed-at-load)."""
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:  # an empty array has no bytes to view as another dtype
         return torch.zeros(shape, dtype=dtype, device=device)
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-    anonymous = mmap.mmap(-1, nbytes)  # zero pages, each mapped at its first touch
-    try:
-        anonymous.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without transparent huge pages: small pages serve
-        pass
-    return torch.frombuffer(anonymous, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps the map
+    return hugepages.anonymous(nbytes).view(dtype).view(shape)
 
 
 class ModelRunner:

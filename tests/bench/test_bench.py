@@ -328,6 +328,7 @@ def test_tables_render(tiny_llama, monkeypatch):
     md = to_markdown(rep)
     assert "**1. What one token costs**" in md and "| chats | runner |" in md and md.count("|---:|") >= 1
     assert rep.machine.read_bandwidth > 0 and "memory read bandwidth " in text
+    assert rep.machine.read_bandwidth_torch is None or rep.machine.read_bandwidth_torch > 0
 
 
 def test_the_header_gives_each_runners_share_of_the_bandwidth_at_one_chat(tiny_llama, monkeypatch):
@@ -338,13 +339,15 @@ def test_the_header_gives_each_runners_share_of_the_bandwidth_at_one_chat(tiny_l
                                 system_tokens=SYSTEM_TOKENS, against=("llama.cpp",), kv_cache_memory="1MiB",
                                 startup=False))
     # the stand-in decodes 100 tok/s: with 10 MiB/s, weights of w bytes take w * 100 / 10 MiB of it
-    rep = dataclasses.replace(rep, machine=dataclasses.replace(rep.machine, read_bandwidth=10 * 2**20))
+    rep = dataclasses.replace(rep, machine=dataclasses.replace(rep.machine, read_bandwidth=10 * 2**20,
+                                                               read_bandwidth_torch=8 * 2**20))
     weights = rep.weights.weight_bytes
     ours = rep.levels[0].engine.decode_tokens_per_s * weights / (10 * 2**20)
     assert rep.bandwidth_shares() == [("pagedchat", pytest.approx(ours)),
                                       ("llama.cpp, shared prompt", pytest.approx(weights * 100 / (10 * 2**20)))]
     line = next(line for line in header_lines(rep) if line.startswith("memory read bandwidth"))
-    assert line.startswith("memory read bandwidth 0.0 GiB/s (a 1 GiB torch.sum on every core, best of 5); "
+    assert line.startswith("memory read bandwidth 0.0 GiB/s (in huge pages, as pagedchat's weights are; 0.0 in "
+                           "torch's own memory; a 1 GiB torch.sum on every core, best of 5); "
                            "one chat's decode reads the weights (")
     assert line.endswith(f"a token) at {100 * ours:.0f}% of it (pagedchat), "
                          f"{100 * weights * 100 / (10 * 2**20):.0f}% of it (llama.cpp, shared prompt)")

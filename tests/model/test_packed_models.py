@@ -126,11 +126,18 @@ def test_the_weights_are_the_files_bytes(tiny_of_type, monkeypatch, tmp_path):
 
 
 def test_the_packed_cache_restores_the_blocks(tiny_of_type, monkeypatch, tmp_path):
-    """A second start maps the saved blocks instead of reading the GGUF, and computes the same tokens."""
-    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
+    """A start that cannot write the cache runs the model it built; one that can reads its entry back (into huge
+    pages); a second start reads the saved blocks instead of the GGUF: the same tokens all three."""
+    (tmp_path / "file").write_text("a file where the cache's folder would be: nothing can be written")
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "file" / "cache"))
     _, folder, _, _, _ = tiny_of_type
-    first, want = generate(folder, dtype="float32")
+    unsaved, want = generate(folder, dtype="float32")
+    unsaved.shutdown()
+    monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path))
+    first, got = generate(folder, dtype="float32")
     first.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert first.model.weight_precision == unsaved.model.weight_precision
     from pagedchat.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "load_weights", lambda *a: pytest.fail("read the GGUF despite a cache"))
