@@ -12,6 +12,9 @@ if not Path("/dev/nvidiactl").exists():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
+import fcntl
+from contextlib import ExitStack
+
 import pytest
 import torch
 
@@ -121,3 +124,22 @@ def shared_prefix_reads(monkeypatch) -> list[int]:
     read_once = attention._with_shared_prefix
     monkeypatch.setattr(attention, "_with_shared_prefix", lambda *a: calls.append(1) or read_once(*a))
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _timing_tests_run_alone(request, tmp_path_factory):
+    """Under xdist, a test marked `timing` (it compares a latency with one it measured a moment before, or with a
+    fixed budget) runs while no other worker runs a test: each test holds a shared lock, a timing test the
+    exclusive one. A turnstile taken first keeps the shared holders from starving the exclusive one."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    folder = tmp_path_factory.getbasetemp().parent   # the run's folder, shared by its workers
+    alone = request.node.get_closest_marker("timing") is not None
+    with ExitStack() as held:
+        turnstile = held.enter_context(open(folder / "timing-turnstile.lock", "w"))
+        tests = held.enter_context(open(folder / "timing-tests.lock", "w"))
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from serve_support import AUTH, KEY, start_server
 from tiny_models import make_tiny_model
@@ -29,6 +30,7 @@ def _flood(url: str, stop: threading.Event, started: threading.Barrier) -> None:
                     return   # the client goes away: its replies are cancelled and their pages freed
 
 
+@pytest.mark.timing
 def test_requests_beside_floods_of_n_finish_within_a_bound(tmp_path):
     folder = make_tiny_model(tmp_path / "tiny", max_positions=2048)
     server = start_server(folder, tmp_path / "server.log", "--max-num-seqs", "32", "--kv-cache-memory", "2MiB")

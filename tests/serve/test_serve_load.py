@@ -76,6 +76,7 @@ def big_prompts(http: httpx.Client, until: float) -> list[httpx.Response]:
     return answers
 
 
+@pytest.mark.timing
 def test_large_prompts_and_slow_sockets_leave_health_and_a_stream_responsive(server):
     """For 3 s, 2 MiB prompts one after another (tokenized on a worker thread, only as far as tells them too
     long for the context, then refused) and 500 sockets that never finish a request head. /health answers

@@ -153,6 +153,7 @@ def server(tmp_path_factory):
     running.stop()
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # a minute of 32 clients: the fast run has the serve tests' one-client-at-a-time cases
 def test_soak(server):
     alone = {}

@@ -162,6 +162,7 @@ def test_a_schema_with_no_finite_value_is_a_400(server, client, schema):
 
 
 # ---- a slow schema and everyone else --------------------------------------------------------------------------
+@pytest.mark.timing
 def test_a_schema_slow_to_compile_is_a_400_and_holds_up_no_one(tmp_path):
     """Compiling many optional properties costs their square; while one compiles past its deadline, a plain
     request is as quick as before and /health answers at once."""
