@@ -85,9 +85,10 @@ class BackendLink:
         return self.backend.failure if self.backend is not None else None
 
     def _status(self) -> StatusBar | None:
-        """None once the app is closing: a load that ends during shutdown finds no widgets left."""
+        """None once the app is closing: a load that ends during shutdown finds no widgets left, or a bar whose
+        own widgets are already gone (shutdown removes them before it)."""
         bars = self.app.query(StatusBar)
-        return bars.first() if bars else None
+        return bars.first() if bars and bars.first().children else None
 
     def start(self) -> None:
         self.error = None

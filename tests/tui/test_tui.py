@@ -6,6 +6,8 @@ finish in a blink, long ones (LONG) run long enough to be stopped, forked or see
 
 from __future__ import annotations
 
+import time
+
 import dataclasses
 import itertools
 import re
@@ -471,6 +473,32 @@ async def test_a_load_stage_is_not_said_twice(tmp_path):
             await wait_for(pilot, lambda: static_text(app, "#status") == expected, repr(expected))
             shown.set()
         await wait_for(pilot, lambda: app.link.error, "the failure")
+
+
+async def test_quitting_while_the_model_loads_ignores_its_later_progress(tmp_path):
+    """A load that reports progress while the app shuts down (its widgets going) is no error."""
+    import threading
+
+    quit_seen, done = threading.Event(), threading.Event()
+
+    def factory(progress):
+        progress("loading weights", 0.1)
+        quit_seen.wait(10)
+        for fraction in (0.2, 0.3, 0.4, 0.5):   # while the app tears its screen down
+            progress("loading weights", fraction)
+            time.sleep(0.01)
+        done.set()
+        raise RuntimeError("no model in this test")
+
+    app = PagedChatApp(make_config(tmp_path), backend_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: static_text(app, "#status") == "loading weights", "the first stage")
+        status = app.query_one("#statusbar")
+        await status.remove_children()   # as shutdown does, before the bar itself goes
+        quit_seen.set()
+        await wait_for(pilot, done.is_set, "the later progress")
+        await pilot.pause()
+    assert app.return_code in (0, None)
 
 
 async def test_model_pull_progress_shows_in_the_app(tmp_path):
