@@ -23,6 +23,8 @@ log = logging.getLogger("pagedchat.engine")
 
 BIAS_CACHE = 256   # requests' logit_bias tensors kept: more than a batch runs at once
 NOT_SAMPLED = -1   # the token of a row after a refused draft token, which the engine discards
+NUCLEUS_FIRST_LOOK = 128   # best tokens in which top_p's nucleus is looked for first: a chat model's usually fits
+NUCLEUS_WIDENING = 8       # how many times more tokens the next look takes when it did not fit
 
 
 @dataclass(frozen=True)
@@ -165,19 +167,46 @@ def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token drawn from the softmax of logits / temperature, kept to the top k and then to the nucleus of
+    top_p: the smallest run of best tokens whose mass reaches it. Sorting the whole vocabulary, and torch's
+    multinomial, cost many times a small model's step; so the nucleus is looked for among the best few tokens
+    first, and one uniform number picks the token from the kept tokens' cumulative mass."""
     logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    n = logits.numel()
+    k = min(p.top_k or n, n)
+    if k == n and p.top_p >= 1.0:
+        return _draw(logits.softmax(-1), gen)
+    values, ids = _best(logits, k, p.top_p)
+    # The mass of each candidate within what may be drawn: the top k, or the whole vocabulary without top_k.
+    probs = (values - torch.logsumexp(values if k < n else logits, 0)).exp()
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop tokens once the mass before them already reaches top_p. The first token always stays, stated
-        # rather than left to the comparison: a top_p below float32's smallest number rounds to 0 there.
-        drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
-        drop[0] = False
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
-    if gen is not None and gen.device != probs.device:
-        probs = probs.cpu()
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+        # Keep tokens while the mass before them is short of top_p. The first token always stays, stated rather
+        # than left to the comparison: a top_p below float32's smallest number rounds to 0 there.
+        short = int(((probs.cumsum(0) - probs) < p.top_p).sum())
+        probs = probs[:max(short, 1)]
+    return int(ids[_draw(probs, gen)])
+
+
+def _best(logits: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best logits and their ids, best first; without top_k, only as many as the nucleus needs."""
+    n = logits.numel()
+    if k < n or top_p >= 1.0:
+        return torch.topk(logits, k)
+    total = torch.logsumexp(logits, 0)
+    m = NUCLEUS_FIRST_LOOK
+    while True:
+        values, ids = torch.topk(logits, min(m, n))
+        # Past these m tokens, the mass before any other already reaches top_p, so the nucleus lies within.
+        if m >= n or float((values - total).exp().sum()) >= top_p:
+            return values, ids
+        m *= NUCLEUS_WIDENING
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to probs, from one uniform number of gen."""
+    cdf = probs.cumsum(0)
+    if not cdf[-1] > 0:  # every token masked (or NaN logits): multinomial's error, said plainly
+        raise ValueError("no token can be drawn: every token's probability is 0 or NaN")
+    u = torch.rand((), generator=gen, device=gen.device if gen is not None else "cpu").to(cdf.device)
+    # The first index whose cumulative mass exceeds u: a token of zero mass is never picked.
+    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), probs.numel() - 1)

@@ -77,6 +77,33 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_best_token():
     assert set(draws(SamplingParams(temperature=0.01, top_p=5e-324, top_k=2**70), 20)) == {1}
 
 
+def test_top_p_within_top_k_weighs_only_the_k_kept():
+    """top_p's mass is the top k's renormalised: the best two of three reach it, though not of all five."""
+    probs = LOGITS.softmax(-1)
+    within_three = float((probs[1] + probs[4]) / (probs[1] + probs[4] + probs[2]))
+    assert float(probs[1] + probs[4]) < within_three - 2e-3
+    assert set(draws(SamplingParams(temperature=1.0, top_k=3, top_p=within_three - 1e-3), 300)) == {1, 4}
+
+
+def test_a_wide_nucleus_is_drawn_from_whole():
+    """A nearly flat vocabulary: top_p's nucleus holds thousands of tokens, past the first few the sampler looks
+    at, and every draw lies in the nucleus that sorting the whole vocabulary gives."""
+    logits = -torch.arange(49152, dtype=torch.float32) * 1e-5
+    probs = logits.softmax(-1)
+    nucleus = int(((probs.cumsum(-1) - probs) < 0.5).sum())
+    drawn = draws(SamplingParams(temperature=1.0, top_p=0.5), 400, logits=logits)
+    assert max(drawn) < nucleus
+    assert max(drawn) > nucleus * 0.9 and len(set(drawn)) > 390
+
+
+def test_a_row_with_every_token_masked_fails_alone():
+    masked = torch.full((5,), float("-inf"))
+    hot = SamplingParams(temperature=1.0)
+    out = Sampler()(torch.stack([masked, LOGITS]), [Row(hot, torch.Generator().manual_seed(0)), Row(hot)])
+    assert isinstance(out[0], ValueError) and "no token can be drawn" in str(out[0])
+    assert out[1].token in range(5)
+
+
 def test_a_row_whose_sampling_raises_gets_its_exception_and_the_others_their_tokens():
     def second_row_breaks(row: int) -> None:
         if row == 1:
