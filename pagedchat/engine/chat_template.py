@@ -96,9 +96,34 @@ def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | N
         rendered = guarded.restore(render_chat(tokenizer, guarded.messages, continue_final, system_role))
     except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
         raise RequestError(f"the chat template cannot render these messages: {first_line(exc)}") from exc
-    if previous_ids:
-        before = tokenizer.decode(previous_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if rendered.text.startswith(before):
-            rest = None if max_length is None else max_length - len(previous_ids)
-            return list(previous_ids) + encode_rendered(tokenizer, rendered, len(before), rest)
-    return encode_rendered(tokenizer, rendered, 0, max_length)
+    kept, before = kept_prefix(tokenizer, list(previous_ids or ()), rendered.text)
+    rest = None if max_length is None else max_length - kept
+    return list(previous_ids[:kept]) + encode_rendered(tokenizer, rendered, len(before), rest) if kept else \
+        encode_rendered(tokenizer, rendered, 0, max_length)
+
+
+def kept_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, str]:
+    """How many of ids, from the first, to keep before text, and their text: all of them where it begins text;
+    else the most whose text does (a reply the client sent back changed, trimmed by the template, or a character
+    whose bytes the model split decoded otherwise), so the pages before the difference still hit the cache.
+    (0, "") when none do."""
+    def decoded(n: int) -> str:
+        return tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def starts(n: int) -> bool:
+        # A prefix that ends inside a character decodes it as U+FFFD: left out, so that the search goes on past.
+        return text.startswith(decoded(n).rstrip("\ufffd"))
+
+    if not ids:
+        return 0, ""
+    whole = decoded(len(ids))
+    if text.startswith(whole):
+        return len(ids), whole
+    good, bad = 0, len(ids)   # starts(good); not starts(bad)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if starts(mid) else (good, mid)
+    # Kept ids must end on a whole character, their text exactly a prefix: the rest is encoded from the text.
+    while good > 0 and not text.startswith(decoded(good)):
+        good -= 1
+    return good, decoded(good)

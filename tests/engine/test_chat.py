@@ -101,3 +101,21 @@ def test_markers_stay_plain_in_every_message_and_on_every_path(tok):
     assert built[:len(previous)] == previous and controls(built) == controls(chat_prompt_ids(tok, clean))
     whole = chat_prompt_ids(tok, chat)
     assert all(chat_prompt_ids(tok, chat, max_length=n) == whole[:n] for n in (1, 9, 40, len(whole)))
+
+
+@pytest.mark.parametrize("tok", tokenizers(), ids=["transformers", "record"])
+def test_an_earlier_turns_ids_are_kept_up_to_where_the_text_sent_back_differs(tok):
+    """The model wrote its reply a letter a token (not as the text tokenizes), and ended in bytes of an
+    unfinished character, which its text (sent back by the client) leaves out: the ids are kept up to there,
+    not dropped whole, and the rest is the text's own tokens."""
+    asked = [{"role": "user", "content": "hi"}]
+    letters = [i for c in "Hello there" for i in plain(tok, c)]
+    assert letters != plain(tok, "Hello there")
+    written = chat_prompt_ids(tok, asked) + letters + plain(tok, "é")[:1]
+    assert tok.decode(written[-1:]) == "\ufffd"   # half of é: the reply's text stops before it
+    chat = asked + [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "more"}]
+    built = chat_prompt_ids(tok, chat, written)
+    assert built[:len(written) - 1] == written[:-1]
+    assert tok.decode(built) == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    other = asked + [{"role": "assistant", "content": "Bye"}, {"role": "user", "content": "more"}]
+    assert chat_prompt_ids(tok, other, written)[:len(chat_prompt_ids(tok, asked))] == chat_prompt_ids(tok, asked)
