@@ -302,7 +302,8 @@ class PagedChatApp(App):
     def keep_drafts(self) -> None:
         """Each chat's unsent input that changed, marked and written (every DRAFT_S, and on the way out)."""
         for view in self.chats.views():
-            self.saver.draft(view.session.record, view.prompt.text)
+            for prompt in view.query(PromptInput).results(PromptInput):   # none while the view is still mounting
+                self.saver.draft(view.session.record, prompt.text)
         self.saver.flush()
 
     def action_next_chat(self) -> None:
