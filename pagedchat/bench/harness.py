@@ -52,7 +52,7 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
             progress.describe(f"loading {name}")
             peers.append(loaders[name](cfg, engine, work))
         # after every check of the options: a bad one is refused without seconds of measuring first
-        bandwidth, bandwidth_torch = read_bandwidths()
+        bandwidth, bandwidth_torch = read_bandwidths() if cfg.bandwidth else (None, None)
         every = [r for p in peers for r in p.runners if r.every_round]
         once = [r for p in peers for r in p.runners if not r.every_round]
         runs = cfg.repeat * (1 + len(every)) + len(once)
