@@ -40,7 +40,6 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
     levels = sorted(set(cfg.chats))
     top = levels[-1]
     machine_start = _load_average()
-    bandwidth, bandwidth_torch = read_bandwidths()
     engine = new_engine(cfg, top, progress.describe)
     peers: list[Peer] = []
     try:
@@ -52,6 +51,8 @@ def run_bench(cfg: BenchConfig, progress=None, loaders: Mapping[str, Callable[..
         for name in cfg.against:
             progress.describe(f"loading {name}")
             peers.append(loaders[name](cfg, engine, work))
+        # after every check of the options: a bad one is refused without seconds of measuring first
+        bandwidth, bandwidth_torch = read_bandwidths() if cfg.bandwidth else (None, None)
         every = [r for p in peers for r in p.runners if r.every_round]
         once = [r for p in peers for r in p.runners if not r.every_round]
         runs = cfg.repeat * (1 + len(every)) + len(once)

@@ -63,6 +63,7 @@ class BenchConfig:
     device: str | None = None
     threads: int | None = None
     startup: bool = True  # time "start to model ready" in fresh processes
+    bandwidth: bool = True  # measure the memory read bandwidth (bandwidth.py)
     speculative: str | None = None  # the engine's speculative decoding (None: its default)
 
     @property

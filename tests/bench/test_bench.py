@@ -260,7 +260,8 @@ def test_rounds_alternate_over_every_peer_and_show_the_median(tiny_llama, report
     monkeypatch.setitem(LOADERS, "llama.cpp", _stand_in_llamacpp)
     progress = _CountingProgress()
     cfg = BenchConfig(model=str(tiny_llama), chats=(1, 2), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
-                      repeat=3, against=("transformers", "llama.cpp"), kv_cache_memory="1MiB", startup=False)
+                      repeat=3, against=("transformers", "llama.cpp"), kv_cache_memory="1MiB", startup=False,
+                      bandwidth=False)
     rep = run_bench(cfg, progress)
     assert progress.done == progress.total  # the bar ends full
     assert [t for t in progress.texts if "2 chats" in t] == [
@@ -337,7 +338,8 @@ def test_the_header_gives_each_runners_share_of_the_bandwidth_at_one_chat(tiny_l
     monkeypatch.setitem(LOADERS, "llama.cpp", _stand_in_llamacpp)
     rep = run_bench(BenchConfig(model=str(tiny_llama), chats=(1, 2), max_tokens=MAX_TOKENS,
                                 system_tokens=SYSTEM_TOKENS, against=("llama.cpp",), kv_cache_memory="1MiB",
-                                startup=False))
+                                startup=False, bandwidth=False))
+    assert rep.machine.read_bandwidth is None and rep.machine.read_bandwidth_torch is None  # not measured
     # the stand-in decodes 100 tok/s: with 10 MiB/s, weights of w bytes take w * 100 / 10 MiB of it
     rep = dataclasses.replace(rep, machine=dataclasses.replace(rep.machine, read_bandwidth=10 * 2**20,
                                                                read_bandwidth_torch=8 * 2**20))
@@ -466,7 +468,7 @@ def test_the_header_names_torchs_int4_path(tiny_llama, tmp_path, monkeypatch, ke
     monkeypatch.setenv("PAGEDCHAT_CACHE_DIR", str(tmp_path / "cache"))
     gguf = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf")
     cfg = BenchConfig(model=str(gguf), chats=(1,), max_tokens=MAX_TOKENS, system_tokens=SYSTEM_TOKENS,
-                      kv_cache_memory="1MiB", dtype="bfloat16", startup=False)
+                      kv_cache_memory="1MiB", dtype="bfloat16", startup=False, bandwidth=False)
     header = "\n".join(header_lines(run_bench(cfg)))
     assert "Q8_0 as 2×int4" in header and "int4 groups on torch's int4 kernel" in header
     assert "kernels (int8 dot products" not in header

@@ -10,6 +10,7 @@ import gguf
 import pytest
 
 from pagedchat.model import qmm
+from slow_cases import slow_after
 
 
 def test_the_type_table_holds_ggmls_ids():
@@ -35,17 +36,18 @@ def test_the_librarys_levels_follow_the_table():
     assert sorted(qmm.runnable(), key=names.index) == list(qmm.runnable())
 
 
-def test_no_level_object_defines_a_symbol_the_linker_merges(tmp_path):
-    """Every level's objects, built without optimization (where no inline function is inlined away), define no
+# The quick run builds the widest level, whose objects hold the most of qmm.h's code; the full run every level.
+@pytest.mark.parametrize("level", slow_after(qmm.levels_to_build()), ids=lambda lv: lv.name)
+def test_no_level_object_defines_a_symbol_the_linker_merges(tmp_path, level):
+    """A level's objects, built without optimization (where no inline function is inlined away), define no
     weak, vague-linkage or unique symbol: the inline rule of qmm.h."""
     if qmm.unavailable() is not None or shutil.which("nm") is None:
         pytest.skip(qmm.unavailable() or "no nm on PATH")
     jobs = {}
-    for lv in qmm.levels_to_build():
-        for source in qmm.LEVEL_SOURCES:
-            out = tmp_path / f"{lv.name}-{source.stem}.o"
-            command = ["-O0" if arg == "-O3" else arg for arg in qmm.level_command(lv, source, out)]
-            jobs[out] = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    for source in qmm.LEVEL_SOURCES:
+        out = tmp_path / f"{level.name}-{source.stem}.o"
+        command = ["-O0" if arg == "-O3" else arg for arg in qmm.level_command(level, source, out)]
+        jobs[out] = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     merged = {}
     for out, job in jobs.items():
         assert job.wait() == 0, job.stderr.read()
