@@ -707,6 +707,38 @@ struct Packed {
       return T == Q5_K ? V::or_(u, V::move_to4(chunk(b + B::HIGH_AT, d), sub, 0x10)) : u;
     }
   }
+  // Blocks decoded together (codes): the blocks of 32 whose code vectors share their loads. Q4_K and Q5_K's
+  // pairs share a chunk of nibbles; Q6_K's four blocks of a half share its high bits, and two its nibbles.
+  static constexpr int STEP = T == Q6_K ? 4 : T == Q4_K || T == Q5_K ? 2 : 1;
+  // Code vectors d of blocks j..j + STEP - 1 (j a multiple of STEP) into w[t][d]: code(j + t, d), each field
+  // of the blocks loaded once.
+  void codes(int64_t j, V::I (*w)[8]) const {
+    const uint8_t* b = file_block(j);
+    const int sub = int(j % PER);
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) {
+      if constexpr (T == Q6_K) {  // the quarters: nibbles low, low, high, high of two chunks; 2 bits each of qh
+        const int half = sub / 4;
+        const V::I c0 = chunk(b, 16 * half + d), c1 = chunk(b, 16 * half + 8 + d);
+        const V::I qh = chunk(b + B::HIGH_AT, 8 * half + d);
+        w[0][d] = V::or_(V::low4(c0), V::move_to4(qh, 0, 0x30));
+        w[1][d] = V::or_(V::low4(c1), V::move_to4(qh, 2, 0x30));
+        w[2][d] = V::or_(V::high4(c0), V::move_to4(qh, 4, 0x30));
+        w[3][d] = V::or_(V::high4(c1), V::move_to4(qh, 6, 0x30));
+      } else if constexpr (STEP == 2) {
+        const V::I c = chunk(b, 8 * (sub / 2) + d);
+        w[0][d] = V::low4(c);
+        w[1][d] = V::high4(c);
+        if constexpr (T == Q5_K) {
+          const V::I h = chunk(b + B::HIGH_AT, d);
+          w[0][d] = V::or_(w[0][d], V::move_to4(h, sub, 0x10));
+          w[1][d] = V::or_(w[1][d], V::move_to4(h, sub + 1, 0x10));
+        }
+      } else {
+        w[0][d] = code(j, d);
+      }
+    }
+  }
   // Q4_K and Q5_K's 6-bit scale and minimum of block j (ggml's get_scale_min_k4, a row per lane).
   void k4_scale_min(int64_t j, V::I* sc, V::I* mn) const {
     const uint8_t* b = file_block(j) + B::SCALES_AT;
@@ -759,18 +791,26 @@ struct Buffered : Packed<T> {
   int64_t j0;
 
   uint8_t* at(int64_t j, int v) const { return buffer + BYTES * (j - j0) + int64_t(sizeof(V::I)) * v; }
+  static constexpr int STEP = 1;
   void fill(int64_t j1, bool fetch) const {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (fetch) P::fetch_ahead(j);
-      for (int d = 0; d < 8; ++d) V::storei(at(j, d), P::code(j, d));
-      for (int h = 0; h < P::UNITS; ++h) {
-        const typename P::Terms t = P::terms(j, h);
-        V::store(reinterpret_cast<float*>(at(j, 8 + 2 * h)), t.a);
-        V::store(reinterpret_cast<float*>(at(j, 9 + 2 * h)), t.c);
+    for (int64_t j = j0; j < j1; j += P::STEP) {
+      if (fetch)
+        for (int t = 0; t < P::STEP; ++t) P::fetch_ahead(j + t);
+      typename V::I w[P::STEP][8];
+      P::codes(j, w);
+      for (int t = 0; t < P::STEP; ++t) {
+        for (int d = 0; d < 8; ++d) V::storei(at(j + t, d), w[t][d]);
+        for (int h = 0; h < P::UNITS; ++h) {
+          const typename P::Terms terms = P::terms(j + t, h);
+          V::store(reinterpret_cast<float*>(at(j + t, 8 + 2 * h)), terms.a);
+          V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
+        }
       }
     }
   }
-  V::I code(int64_t j, int d) const { return V::loadu(at(j, d)); }
+  void codes(int64_t j, V::I (*w)[8]) const {
+    for (int d = 0; d < 8; ++d) w[0][d] = V::loadu(at(j, d));
+  }
   typename P::Terms terms(int64_t j, int h) const {
     return {V::loadf(reinterpret_cast<const float*>(at(j, 8 + 2 * h))),
             V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h)))};
@@ -805,13 +845,15 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
   const int64_t k = x.k;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
-  for (int64_t j = j0; j < j1; ++j) {
-    if (fetch) s.fetch_ahead(j);
-    for (int h = 0; h < S::UNITS; ++h) {
-      typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
-      for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-      add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
-                     [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
+  for (int64_t j = j0; j < j1; j += S::STEP) {
+    if (fetch)
+      for (int t = 0; t < S::STEP; ++t) s.fetch_ahead(j + t);
+    typename V::I w[S::STEP][8];  // the blocks' code vectors, decoded once for the R rows
+    s.codes(j, w);
+    for (int t = 0; t < S::STEP; ++t) {
+      for (int h = 0; h < S::UNITS; ++h)
+        add_unit<R, S>(acc, s.terms(j + t, h), x, i0, j + t, h,
+                       [&](int r) { return S::dot(w[t] + S::N * h, x.q + (i0 + r) * k + 32 * (j + t) + 4 * S::N * h); });
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
