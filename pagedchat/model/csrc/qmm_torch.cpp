@@ -244,16 +244,19 @@ void matmul_rows(const qmm::Activations& acts, const at::Tensor& w, int64_t type
   lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, ldy, scratch);
 }
 
-// f(b0, b1, scratch) over [0, units) on torch's threads, each thread claiming runs as it goes: half the
-// remaining units over the threads, at least grain, so that the runs shrink towards the end. A thread slowed by
-// other work, or holding the costlier rows (a Q6_K v beside Q4_K q and k), leaves the rest to the others instead
-// of making them wait at the loop's end. Which thread takes a run changes no result (UNIT).
+// f(b0, b1, scratch) over [0, units) on torch's threads: each thread first runs its own share of the first
+// three quarters, then claims runs of the rest as it goes, half the remaining over the threads and at least
+// grain, so that the runs shrink towards the end. A thread slowed by other work, or holding the costlier rows (a
+// Q6_K v beside Q4_K q and k), leaves the rest to the others instead of making them wait at the loop's end; the
+// shares keep the claims, each an atomic step, few. Which thread runs a unit changes no result (UNIT).
 template <typename F>
 void claimed_units(int64_t units, int64_t grain, int64_t k, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  const int64_t share = units * 3 / 4 / std::max<int64_t>(1, threads);
+  std::atomic<int64_t> next{share * threads};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     const auto scratch = scratch_for(k);
+    if (share > 0) f(t0 * share, t1 * share, scratch.get());
     for (int64_t b0 = next.load(std::memory_order_relaxed), run;;) {
       if (b0 >= units) return;
       run = std::min(units - b0, std::max(grain, (units - b0) / (2 * threads)));
