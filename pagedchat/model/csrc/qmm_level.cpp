@@ -707,6 +707,35 @@ struct Packed {
       return T == Q5_K ? V::or_(u, V::move_to4(chunk(b + B::HIGH_AT, d), sub, 0x10)) : u;
     }
   }
+  // Blocks decoded together (code_step): the blocks of 32 whose code vectors share their loads. Q4_K and Q5_K's
+  // pairs share a chunk of nibbles; Q6_K's four blocks of a half share its high bits, and two its nibbles.
+  static constexpr int STEP = T == Q6_K ? 4 : T == Q4_K || T == Q5_K ? 2 : 1;
+  // Code vector d of blocks j..j + STEP - 1 (j a multiple of STEP) into w[t]: code(j + t, d), the blocks'
+  // shared fields loaded once.
+  void code_step(int64_t j, int d, V::I* w) const {
+    const uint8_t* b = file_block(j);
+    const int sub = int(j % PER);
+    if constexpr (T == Q6_K) {  // the quarters: nibbles low, low, high, high of two chunks; 2 bits each of qh
+      const int half = sub / 4;
+      const V::I c0 = chunk(b, 16 * half + d), c1 = chunk(b, 16 * half + 8 + d);
+      const V::I qh = chunk(b + B::HIGH_AT, 8 * half + d);
+      w[0] = V::or_(V::low4(c0), V::move_to4(qh, 0, 0x30));
+      w[1] = V::or_(V::low4(c1), V::move_to4(qh, 2, 0x30));
+      w[2] = V::or_(V::high4(c0), V::move_to4(qh, 4, 0x30));
+      w[3] = V::or_(V::high4(c1), V::move_to4(qh, 6, 0x30));
+    } else if constexpr (STEP == 2) {
+      const V::I c = chunk(b, 8 * (sub / 2) + d);
+      w[0] = V::low4(c);
+      w[1] = V::high4(c);
+      if constexpr (T == Q5_K) {
+        const V::I h = chunk(b + B::HIGH_AT, d);
+        w[0] = V::or_(w[0], V::move_to4(h, sub, 0x10));
+        w[1] = V::or_(w[1], V::move_to4(h, sub + 1, 0x10));
+      }
+    } else {
+      w[0] = code(j, d);
+    }
+  }
   // Q4_K and Q5_K's 6-bit scale and minimum of block j (ggml's get_scale_min_k4, a row per lane).
   void k4_scale_min(int64_t j, V::I* sc, V::I* mn) const {
     const uint8_t* b = file_block(j) + B::SCALES_AT;
@@ -759,14 +788,22 @@ struct Buffered : Packed<T> {
   int64_t j0;
 
   uint8_t* at(int64_t j, int v) const { return buffer + BYTES * (j - j0) + int64_t(sizeof(V::I)) * v; }
+  static constexpr int STEP = 1;
   void fill(int64_t j1, bool fetch) const {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (fetch) P::fetch_ahead(j);
-      for (int d = 0; d < 8; ++d) V::storei(at(j, d), P::code(j, d));
-      for (int h = 0; h < P::UNITS; ++h) {
-        const typename P::Terms t = P::terms(j, h);
-        V::store(reinterpret_cast<float*>(at(j, 8 + 2 * h)), t.a);
-        V::store(reinterpret_cast<float*>(at(j, 9 + 2 * h)), t.c);
+    for (int64_t j = j0; j < j1; j += P::STEP) {
+      if (fetch)
+        for (int t = 0; t < P::STEP; ++t) P::fetch_ahead(j + t);
+      for (int d = 0; d < 8; ++d) {
+        typename V::I w[P::STEP];
+        P::code_step(j, d, w);
+        for (int t = 0; t < P::STEP; ++t) V::storei(at(j + t, d), w[t]);
+      }
+      for (int t = 0; t < P::STEP; ++t) {
+        for (int h = 0; h < P::UNITS; ++h) {
+          const typename P::Terms terms = P::terms(j + t, h);
+          V::store(reinterpret_cast<float*>(at(j + t, 8 + 2 * h)), terms.a);
+          V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
+        }
       }
     }
   }
@@ -795,6 +832,32 @@ __attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const type
   }
 }
 
+// The unit dots of blocks j..j + S::STEP - 1 with R activation rows, code vector by code vector (code_step), each
+// summed as unit_dot sums it without VNNI: dots[r][t][h] is S::dot of block j + t's unit h with row i0 + r, the
+// same integers.
+template <int R, class S>
+__attribute__((always_inline)) inline void step_dots(const S& s, const Activations& x, int64_t i0, int64_t j,
+                                                     PanelIsa::I (&dots)[R][S::STEP][S::UNITS]) {
+  using V = PanelIsa;
+  const int64_t k = x.k;
+  V::I pairs[R][S::STEP];  // maddubs results summed in int16, G at a time
+#pragma GCC unroll 8
+  for (int d = 0; d < 8; ++d) {
+    const int h = d / S::N, e = d % S::N;
+    V::I w[S::STEP];
+    s.code_step(j, d, w);
+#pragma GCC unroll 4
+    for (int t = 0; t < S::STEP; ++t)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V::I b = V::bcast4(x.q + (i0 + r) * k + 32 * (j + t) + 4 * d);
+        const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[t]), V::sign8(b, w[t])) : V::maddubs(w[t], b);
+        pairs[r][t] = e % S::G == 0 ? p : V::add16(pairs[r][t], p);
+        if (e % S::G == S::G - 1) dots[r][t][h] = V::widen(e < S::G ? V::izero() : dots[r][t][h], pairs[r][t]);
+      }
+  }
+}
+
 // R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
 // the sums carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as
 // one pass over every block).
@@ -805,13 +868,27 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
   const int64_t k = x.k;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
-  for (int64_t j = j0; j < j1; ++j) {
-    if (fetch) s.fetch_ahead(j);
-    for (int h = 0; h < S::UNITS; ++h) {
-      typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
-      for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-      add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
-                     [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
+  // Few rows without VNNI, where the decoding's instructions show: the blocks that share fields take their dots
+  // together, in registers. The VNNI levels read a row no faster this way (docs/bench.md).
+  if constexpr (S::STEP > 1 && R * S::STEP * S::UNITS <= 8 && !PanelIsa::DPBUSD) {
+    for (int64_t j = j0; j < j1; j += S::STEP) {
+      if (fetch)
+        for (int t = 0; t < S::STEP; ++t) s.fetch_ahead(j + t);
+      typename V::I dots[R][S::STEP][S::UNITS];
+      step_dots<R>(s, x, i0, j, dots);
+      for (int t = 0; t < S::STEP; ++t)
+        for (int h = 0; h < S::UNITS; ++h)
+          add_unit<R, S>(acc, s.terms(j + t, h), x, i0, j + t, h, [&](int r) { return dots[r][t][h]; });
+    }
+  } else {
+    for (int64_t j = j0; j < j1; ++j) {
+      if (fetch) s.fetch_ahead(j);
+      for (int h = 0; h < S::UNITS; ++h) {
+        typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
+        for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
+        add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
+                       [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
+      }
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <algorithm>
+#include <atomic>
 #include <iterator>
 #include <memory>
 #include <string>
@@ -243,6 +244,27 @@ void matmul_rows(const qmm::Activations& acts, const at::Tensor& w, int64_t type
   lv.matmul(int(type), ws, row_bytes, split, n1, acts, m, ys, ldy, scratch);
 }
 
+// f(b0, b1, scratch) over [0, units) on torch's threads: each thread first runs its own share of the first
+// three quarters, then claims runs of the rest as it goes, half the remaining over the threads and at least
+// grain, so that the runs shrink towards the end. A thread slowed by other work, or holding the costlier rows (a
+// Q6_K v beside Q4_K q and k), leaves the rest to the others instead of making them wait at the loop's end; the
+// shares keep the claims, each an atomic step, few. Which thread runs a unit changes no result (UNIT).
+template <typename F>
+void claimed_units(int64_t units, int64_t grain, int64_t k, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
+  const int64_t share = units * 3 / 4 / std::max<int64_t>(1, threads);
+  std::atomic<int64_t> next{share * threads};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    const auto scratch = scratch_for(k);
+    if (share > 0) f(t0 * share, t1 * share, scratch.get());
+    for (int64_t b0 = next.load(std::memory_order_relaxed), run;;) {
+      if (b0 >= units) return;
+      run = std::min(units - b0, std::max(grain, (units - b0) / (2 * threads)));
+      if (next.compare_exchange_weak(b0, b0 + run, std::memory_order_relaxed)) f(b0, b0 + run, scratch.get());
+    }
+  });
+}
+
 // ys = x @ [W_0; W_1; ...].T, the weights' outputs side by side in rows of ldy floats: one parallel loop over
 // every weight's units, so that q, k and v of different types (say) cost one wait for the slowest thread, not
 // one each.
@@ -251,16 +273,15 @@ void matmul_parts(const Quantized& a, at::TensorList ws, at::IntArrayRef types, 
   const int64_t k = a.acts.k, m = a.acts.m;
   std::vector<int64_t> first_unit{0};  // each weight's first unit among all of them, then the total
   for (const auto& w : ws) first_unit.push_back(first_unit.back() + (w.size(0) + UNIT - 1) / UNIT);
-  // Units per task: enough work that a split across threads pays for waking them.
+  // Units per run: enough work that a split across threads pays for waking them.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, k * m * UNIT));
-  at::parallel_for(0, first_unit.back(), grain, [&](int64_t b0, int64_t b1) {
-    const auto scratch = scratch_for(k);
+  claimed_units(first_unit.back(), grain, k, [&](int64_t b0, int64_t b1, uint8_t* scratch) {
     int64_t col = 0;
     for (size_t i = 0; i < ws.size(); col += ws[i].size(0), ++i) {
       const int64_t u0 = std::max(b0, first_unit[i]), u1 = std::min(b1, first_unit[i + 1]);  // this weight's
       if (u0 < u1)
         matmul_rows(a.acts, ws[i], types[i], lv, (u0 - first_unit[i]) * UNIT,
-                    std::min((u1 - first_unit[i]) * UNIT, ws[i].size(0)), ys + col, ldy, scratch.get());
+                    std::min((u1 - first_unit[i]) * UNIT, ws[i].size(0)), ys + col, ldy, scratch);
     }
   });
 }
