@@ -174,6 +174,7 @@ def test_blameless_faults_with_progress_between_them_do_not_stop_the_engine(tiny
     assert engine.failure == "page copies failed 3 times in a row (OSError: flaky)"
 
 
+@pytest.mark.timing   # a second of wall clock: another worker's load must not eat it
 def test_shutdown_ends_running_and_queued_requests_within_a_second(tiny_llama):
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", max_seqs=1)
     running = engine.submit(A, SamplingParams(max_tokens=400, ignore_eos=True))
