@@ -318,7 +318,7 @@ def test_the_api_key_guards_v1_but_not_health(server):
 def test_sigterm_ends_each_open_stream_with_a_final_chunk_and_done(server):
     """Last: it stops the module's server. Two streams that would run for long get the drain time, then each its
     final chunk (finish_reason "abort", vLLM's word for a stopped request) and [DONE]; the process exits."""
-    body = {"prompt": "The quick brown fox", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": "The quick brown fox", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with server.http.stream("POST", "/v1/completions", json=body) as first, \
             server.http.stream("POST", "/v1/chat/completions", json={**body, "messages": CHAT}) as second:

@@ -87,7 +87,10 @@ def with_a_turn_it_cannot_save(launch, data):
     memory."""
     app = launch(SHORT)
     app.send("first message")
-    wait_until(lambda: [m for m in saved(data) if m.role == "assistant" and m.finish_reason], "the first reply")
+    # Finished, not a snapshot saved while it streams (those say "interrupted"): the next message is refused
+    # while the chat is still replying.
+    wait_until(lambda: [m for m in saved(data) if m.role == "assistant" and m.finish_reason
+                        and m.finish_reason != "interrupted"], "the first reply")
     fill(data)
     app.type("second message\r")
     wait_until(lambda: shows(app, "Could not save chats"), "the save error")
