@@ -247,7 +247,7 @@ class PagedChatApp(App):
                 await view.take(updates)
         if not self._exiting:
             self.chats.snapshot_replies()
-        self.saver.flush_soon()
+        self.saver.flush()
 
     def _chat_changed(self, session: ChatSession) -> None:
         self.link.show_status(self.chats.generating())
@@ -401,7 +401,6 @@ class PagedChatApp(App):
             self.backend.shutdown()
         if self.store is not None:
             self.saver.retry(BUSY_TIMEOUT_S)  # the last chance: wait as long as any write would
-            self.saver.close()
             self.store.close()
 
     # ---- the backend arriving, and the periodic refresh ----------------------------------------------------------

@@ -83,8 +83,8 @@ class ChatTabs:
 
     def snapshot_replies(self) -> None:
         """Mark every live reply's snapshot for the next write once the oldest is SAVE_EVERY_S old: all the
-        tabs' replies then go in one transaction (Saver.flush_soon: off the UI thread), not one each at its own
-        moment."""
+        tabs' replies then go in one transaction, not one each at its own moment. A commit waits on the disk
+        (fsyncs) on the UI thread, and a key typed meanwhile waits with it."""
         live = [s for s in self.sessions.values() if s.reply.taking and s.reply.index is not None]
         if not live or time.monotonic() - min(s.reply.saved_at for s in live) < SAVE_EVERY_S:
             return

@@ -261,45 +261,6 @@ def test_write_held_past_the_timeout_is_retried(tmp_path):
     assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 100  # a retry's shorter wait is undone
 
 
-
-def test_a_streaming_save_waits_for_a_lock_off_the_ui_thread(tmp_path):
-    """flush_soon returns at once while another connection holds the write lock; the write lands once it is
-    released, and until then the chat counts as unsaved."""
-    store = Store.open(tmp_path)
-    holder = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    reports, chat = Reports(), _chat("streaming")
-    saver = Saver(store, reports)
-    saver.chat(chat, messages=True)
-    started = time.monotonic()
-    saver.flush_soon()
-    assert time.monotonic() - started < 0.2 and saver.pending and saver.unsaved_chats() == [chat]
-    time.sleep(0.3)
-    holder.execute("COMMIT")
-    assert saver.flush() and not saver.pending and reports == []
-    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello"]
-    saver.close()
-
-
-def test_a_failed_streaming_save_keeps_its_marks_under_newer_ones(tmp_path):
-    """The lock is held past the busy timeout: the write apart fails, is reported once, and its marks come
-    back under those made meanwhile, so the retry writes the newer snapshot and the older marks alike."""
-    store = Store.open(tmp_path, busy_timeout_s=0.1)
-    holder = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    reports, chat = Reports(), _chat("locked out")
-    saver = Saver(store, reports)
-    saver.chat(chat, messages=True)
-    saver.message(chat, 1, ChatMessage("assistant", "hel", id=chat.messages[1].id))
-    saver.flush_soon()
-    saver.message(chat, 1, ChatMessage("assistant", "hello, wo", id=chat.messages[1].id))
-    assert not saver.flush()   # waits for the write apart, which failed
-    assert len(reports) == 1 and "locked" in reports[0][1], reports
-    holder.execute("COMMIT")
-    assert saver.retry() and not saver.pending
-    assert [m.content for m in Store.open(tmp_path).load_chat(chat.id).messages] == ["hi", "hello, wo"]
-    saver.close()
-
 FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
