@@ -17,6 +17,7 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.backends.process import STALL_S, STOP_TIMEOUT_S, ProcessBackend
 from pagedchat.engine.records import FinishReason, ReplyHandle
 from pagedchat.errors import PagedChatError, RequestError
+from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 QUESTION = [{"role": "user", "content": "How do pages share a prefix?"}]
@@ -27,15 +28,21 @@ def options(model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def remote(tiny_llama):
-    backend = ProcessBackend(options(tiny_llama), lambda stage, fraction: None)
+def long_llama(tmp_path_factory):
+    """The tiny llama with room for replies of thousands of tokens: one of 400 takes a tenth of a second."""
+    return make_tiny_model(tmp_path_factory.mktemp("long-llama"), "llama", tie=True, max_positions=4096)
+
+
+@pytest.fixture(scope="module")
+def remote(long_llama):
+    backend = ProcessBackend(options(long_llama), lambda stage, fraction: None)
     yield backend
     backend.shutdown()
 
 
 @pytest.fixture(scope="module")
-def local(tiny_llama):
-    backend = LocalBackend(Engine(**options(tiny_llama)))
+def local(long_llama):
+    backend = LocalBackend(Engine(**options(long_llama)))
     yield backend
     backend.shutdown()
 
@@ -71,7 +78,8 @@ def test_the_memory_picture_is_fresh_when_a_reply_ends(remote):
 
 
 def test_fork_cancel_and_so_far(remote):
-    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    # The parent must outlive the check that the fork shares its pages, on a quiet machine too.
+    long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     parent_updates = []
     parent = remote.submit(QUESTION, long, on_update=parent_updates.append)
     wait_until(lambda: sum(u.tokens for u in parent_updates) >= 8)
@@ -117,14 +125,15 @@ def test_an_idle_engine_process_still_answers(remote):
         time.sleep(0.05)
 
 
-def test_a_stopped_engine_process_holds_up_nothing(tiny_llama):
+def test_a_stopped_engine_process_holds_up_nothing(long_llama):
     """SIGSTOP mid-reply: submit and fork return at once (a message larger than the socket's buffer too),
     stalled_for() says so within STALL_S and a bit, and after SIGCONT every reply goes on and ends. A process
     stopped again is killed at shutdown at once, not after STOP_TIMEOUT_S."""
-    backend = ProcessBackend(options(tiny_llama), lambda stage, fraction: None)
+    backend = ProcessBackend(options(long_llama), lambda stage, fraction: None)
     try:
         updates = []
-        running = backend.submit(QUESTION, SamplingParams(max_tokens=300, ignore_eos=True), on_update=updates.append)
+        # Long enough to be stopped before it ends (and so still forked) on a quiet machine too.
+        running = backend.submit(QUESTION, SamplingParams(max_tokens=3000, ignore_eos=True), on_update=updates.append)
         wait_until(lambda: sum(u.tokens for u in updates) >= 4)
         os.kill(backend.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()

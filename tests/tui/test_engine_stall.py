@@ -15,7 +15,7 @@ from pty_app import AppProcess, saved, wait_until
 from tiny_models import make_tiny_model
 from tui_support import make_config
 
-REPLY = 1500   # tokens: a few seconds of reply, long enough to be stopped mid-way
+REPLY = 3500   # tokens: long enough to be stopped mid-way (1,500 took half a second on a quiet machine)
 ECHO_S = 1.0   # a key typed while the engine is stopped shows within this long (it took about 60 s)
 
 

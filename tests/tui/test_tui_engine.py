@@ -29,7 +29,7 @@ class Broken(BaseException):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("stopped-model"), seed=1, max_positions=2048)
+    return make_tiny_model(tmp_path_factory.mktemp("stopped-model"), seed=1, max_positions=4096)
 
 
 async def ask(pilot, text: str, max_tokens: int):
@@ -107,7 +107,7 @@ async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_p
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the model to load")
         first = app.backend
-        session, prompt = await ask(pilot, "hello there", max_tokens=1500)
+        session, prompt = await ask(pilot, "hello there", max_tokens=3500)  # seconds, not a blink
         await wait_for(pilot, lambda: session.busy and session.reply.tokens >= 10, "some of the reply")
         os.kill(first.pid, signal.SIGKILL)
         await wait_for(pilot, lambda: not session.busy, "the reply to end")
