@@ -269,11 +269,12 @@ class MessageView(Vertical, can_focus=True):
             return
         text = "".join(self._pending)
         self._pending.clear()
-        self._show_live(self._progress())
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if text:
             await self._put(self.shown_source + visible_controls(text), streaming=True)
+        # After the text's last await, so that both go in one screen update: each lays out and draws the screen.
+        self._show_live(self._progress())
         # Timed to the end of the screen update it causes: the layout and the drawing are most of its cost.
         self.call_after_refresh(self._flushed, started, self._flush_timer)
 
