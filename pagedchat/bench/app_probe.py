@@ -44,6 +44,9 @@ PLACEHOLDER = b"Enter sends"  # the prompt input's placeholder: the app is up an
 NEW_CHAT, BACKSPACE = "\x0e", "\x7f"   # ctrl+n
 ECHO_KEY = "\u00a4"   # typed to time its echo: a character no reply writes
 ECHO_EVERY_S = 0.25
+# How often the app's file is read for the replies' end. The figures are the app's own, so a late look changes
+# none of them, while each read takes CPU (and a read lock the app's saves wait on) from the app it measures.
+DONE_POLL_S = 0.5
 SIZE = (45, 140)  # rows, columns: a real terminal's
 TIMEOUT_S = 300.0
 
@@ -276,7 +279,7 @@ def _drive(term: Terminal, data: Path, prompts: list[str]):
         echoes.append(echo(term))
         time.sleep(ECHO_EVERY_S)
     return wait_until(lambda: (done := finished(_chats(data))) and len(done) == len(prompts) and done,
-                      "the replies"), tuple(echoes)
+                      "the replies", every=DONE_POLL_S), tuple(echoes)
 
 
 def echo(term: Terminal) -> float:
