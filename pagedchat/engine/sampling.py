@@ -176,9 +176,8 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     k = min(p.top_k or n, n)
     if k == n and p.top_p >= 1.0:
         return _draw(logits.softmax(-1), gen)
-    values, ids = _best(logits, k, p.top_p)
-    # The mass of each candidate within what may be drawn: the top k, or the whole vocabulary without top_k.
-    probs = (values - torch.logsumexp(values if k < n else logits, 0)).exp()
+    values, ids, total = _best(logits, k, p.top_p)
+    probs = (values - total).exp()
     if p.top_p < 1.0:
         # Keep tokens while the mass before them is short of top_p. The first token always stays, stated rather
         # than left to the comparison: a top_p below float32's smallest number rounds to 0 there.
@@ -187,18 +186,20 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     return int(ids[_draw(probs, gen)])
 
 
-def _best(logits: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best logits and their ids, best first; without top_k, only as many as the nucleus needs."""
+def _best(logits: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k best logits and their ids, best first, and the log of the mass they are drawn from: the top k's,
+    or the whole vocabulary's without top_k, where only as many are taken as the nucleus needs."""
     n = logits.numel()
     if k < n or top_p >= 1.0:
-        return torch.topk(logits, k)
+        values, ids = torch.topk(logits, k)
+        return values, ids, torch.logsumexp(values, 0)
     total = torch.logsumexp(logits, 0)
     m = NUCLEUS_FIRST_LOOK
     while True:
         values, ids = torch.topk(logits, min(m, n))
         # Past these m tokens, the mass before any other already reaches top_p, so the nucleus lies within.
         if m >= n or float((values - total).exp().sum()) >= top_p:
-            return values, ids
+            return values, ids, total
         m *= NUCLEUS_WIDENING
 
 
