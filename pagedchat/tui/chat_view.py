@@ -323,8 +323,10 @@ class ChatView(Vertical):
     # An action on a message that writes a new reply or opens a new chat ends the walk: the keyboard goes back
     # to an input, so what is typed next is text, not more one-letter actions.
     async def branch_from(self, index: int) -> None:
-        self.prompt.focus()
         await self.branch(index)
+        # Not before: a focus queued on this input would land after the branch's tab shows, and pull it back.
+        if self.services.active() is self.session:
+            self.prompt.focus()
 
     async def regenerate_from(self, index: int) -> None:
         self.prompt.focus()
