@@ -96,10 +96,10 @@ def chat_prompt_ids(tokenizer, messages: list[dict], previous_ids: list[int] | N
         rendered = guarded.restore(render_chat(tokenizer, guarded.messages, continue_final, system_role))
     except Exception as exc:  # the template refuses these messages (a role it does not know, ...)
         raise RequestError(f"the chat template cannot render these messages: {first_line(exc)}") from exc
-    kept, before = kept_prefix(tokenizer, list(previous_ids or ()), rendered.text)
+    previous_ids = list(previous_ids or ())
+    kept, before = kept_prefix(tokenizer, previous_ids, rendered.text)
     rest = None if max_length is None else max_length - kept
-    return list(previous_ids[:kept]) + encode_rendered(tokenizer, rendered, len(before), rest) if kept else \
-        encode_rendered(tokenizer, rendered, 0, max_length)
+    return previous_ids[:kept] + encode_rendered(tokenizer, rendered, len(before), rest)
 
 
 def kept_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, str]:
@@ -124,6 +124,8 @@ def kept_prefix(tokenizer, ids: list[int], text: str) -> tuple[int, str]:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if starts(mid) else (good, mid)
     # Kept ids must end on a whole character, their text exactly a prefix: the rest is encoded from the text.
-    while good > 0 and not text.startswith(decoded(good)):
+    before = decoded(good)
+    while good > 0 and not text.startswith(before):
         good -= 1
-    return good, decoded(good)
+        before = decoded(good)
+    return good, before
