@@ -93,6 +93,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_tiny_model(tmp_path_factory) -> Path:
+    """A tiny model with room for replies of thousands of tokens, for tests that stop, fork or kill a reply
+    mid-way: one of 400 tokens ends in a tenth of a second on a quiet machine. Seed 1 writes visible text."""
+    return make_tiny_model(tmp_path_factory.mktemp("long-tiny"), seed=1, max_positions=4096)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_ref(tiny_llama):
     return load_reference(tiny_llama)
 

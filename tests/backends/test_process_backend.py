@@ -17,7 +17,6 @@ from pagedchat.backends.local import LocalBackend
 from pagedchat.backends.process import STALL_S, STOP_TIMEOUT_S, ProcessBackend
 from pagedchat.engine.records import FinishReason, ReplyHandle
 from pagedchat.errors import PagedChatError, RequestError
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 QUESTION = [{"role": "user", "content": "How do pages share a prefix?"}]
@@ -28,21 +27,15 @@ def options(model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def long_llama(tmp_path_factory):
-    """The tiny llama with room for replies of thousands of tokens: one of 400 takes a tenth of a second."""
-    return make_tiny_model(tmp_path_factory.mktemp("long-llama"), "llama", tie=True, max_positions=4096)
-
-
-@pytest.fixture(scope="module")
-def remote(long_llama):
-    backend = ProcessBackend(options(long_llama), lambda stage, fraction: None)
+def remote(long_tiny_model):
+    backend = ProcessBackend(options(long_tiny_model), lambda stage, fraction: None)
     yield backend
     backend.shutdown()
 
 
 @pytest.fixture(scope="module")
-def local(long_llama):
-    backend = LocalBackend(Engine(**options(long_llama)))
+def local(long_tiny_model):
+    backend = LocalBackend(Engine(**options(long_tiny_model)))
     yield backend
     backend.shutdown()
 
@@ -125,11 +118,11 @@ def test_an_idle_engine_process_still_answers(remote):
         time.sleep(0.05)
 
 
-def test_a_stopped_engine_process_holds_up_nothing(long_llama):
+def test_a_stopped_engine_process_holds_up_nothing(long_tiny_model):
     """SIGSTOP mid-reply: submit and fork return at once (a message larger than the socket's buffer too),
     stalled_for() says so within STALL_S and a bit, and after SIGCONT every reply goes on and ends. A process
     stopped again is killed at shutdown at once, not after STOP_TIMEOUT_S."""
-    backend = ProcessBackend(options(long_llama), lambda stage, fraction: None)
+    backend = ProcessBackend(options(long_tiny_model), lambda stage, fraction: None)
     try:
         updates = []
         # Long enough to be stopped before it ends (and so still forked) on a quiet machine too.

@@ -12,21 +12,15 @@ import pytest
 
 from pagedchat.backends.process import STALL_S
 from pty_app import AppProcess, saved, wait_until
-from tiny_models import make_tiny_model
 from tui_support import make_config
 
 REPLY = 3500   # tokens: long enough to be stopped mid-way (1,500 took half a second on a quiet machine)
 ECHO_S = 1.0   # a key typed while the engine is stopped shows within this long (it took about 60 s)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("stall-model"), seed=1, max_positions=4096)
-
-
 @pytest.fixture
-def app(tmp_path, model):
-    config = make_config(tmp_path, model)
+def app(tmp_path, long_tiny_model):
+    config = make_config(tmp_path, long_tiny_model)
     app = AppProcess(config.engine.model, config.data_dir, config.config_dir, max_tokens=REPLY, cwd=tmp_path)
     yield app
     app.close()

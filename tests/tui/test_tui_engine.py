@@ -17,7 +17,6 @@ from pagedchat.tui.commands import AppCommands
 from pagedchat.engine.records import Outcome
 from pagedchat.tui.conversation import ChatSettings, stats_line
 from pagedchat.tui.screens.modals import ChatSettingsScreen
-from tiny_models import make_tiny_model
 from tui_support import make_config, static_text, wait_for
 
 SIZE = (100, 32)
@@ -25,11 +24,6 @@ SIZE = (100, 32)
 
 class Broken(BaseException):
     """Escapes every step's recovery, as a loop that itself breaks."""
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("stopped-model"), seed=1, max_positions=4096)
 
 
 async def ask(pilot, text: str, max_tokens: int):
@@ -63,7 +57,7 @@ def test_a_reply_at_the_context_limit_says_context_full():
     assert stats_line(Outcome(finish_reason="length")).endswith("· hit max tokens")
 
 
-async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_path, model):
+async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_path, long_tiny_model):
     engines: list[Engine] = []
 
     def factory(progress):
@@ -71,10 +65,10 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
             if len(engines) == 1 and phase is Phase.SAMPLE and engines[0].steps >= 3:
                 raise Broken("the GPU fell off")
 
-        engines.append(Engine(str(model), kv_cache_memory="4MiB", fault_hook=break_first_engine))
+        engines.append(Engine(str(long_tiny_model), kv_cache_memory="4MiB", fault_hook=break_first_engine))
         return LocalBackend(engines[-1])
 
-    app = PagedChatApp(make_config(tmp_path, model), backend_factory=factory)
+    app = PagedChatApp(make_config(tmp_path, long_tiny_model), backend_factory=factory)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the model to load")
         session, prompt = await ask(pilot, "hello there", max_tokens=20)
@@ -100,10 +94,10 @@ async def test_a_stopped_engine_is_shown_in_the_tab_and_can_be_restarted(tmp_pat
 
 
 @pytest.mark.slow  # test_process_backend kills the engine; the stopped-engine test here restarts it in the app
-async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_path, model):
+async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_path, long_tiny_model):
     """The app's engine runs in a process of its own. Killed mid-reply (as the out-of-memory killer would), the
     app stays up: the reply keeps what came, the status line says what happened, and a restart brings it back."""
-    app = PagedChatApp(make_config(tmp_path, model))
+    app = PagedChatApp(make_config(tmp_path, long_tiny_model))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the model to load")
         first = app.backend
@@ -127,9 +121,9 @@ async def test_a_killed_engine_process_keeps_the_reply_so_far_and_restarts(tmp_p
         assert session.record.messages[-1].stats.finish_reason == "length"
 
 
-async def test_the_settings_dialog_refuses_what_a_request_would(tmp_path, model):
+async def test_the_settings_dialog_refuses_what_a_request_would(tmp_path, long_tiny_model):
     """F3 checks with SamplingParams' own rule: a temperature too small to divide by is refused, with why."""
-    app = PagedChatApp(make_config(tmp_path, model))
+    app = PagedChatApp(make_config(tmp_path, long_tiny_model))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.sessions, "a chat")
         before = app.active_session.record.settings
