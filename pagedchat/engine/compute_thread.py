@@ -52,14 +52,18 @@ class ComputeThread:
         if self._threads is not None:
             torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread: set it here
         while (job := self._jobs.get()) is not _STOP:
-            fn, args, future = job
-            if future is None:
-                try:
-                    fn(*args)
-                except BaseException:  # the engine's loop ends its own requests; never die without a word
-                    log.exception("job on %s failed", self._thread.name)
-                continue
+            self._run(*job)
+            del job  # its callable may be an engine's bound method: kept while the thread waits, it would keep
+            # the engine alive, whose finalizer is what closes an engine dropped without shutdown()
+
+    def _run(self, fn: Callable[..., Any], args: tuple, future: Future | None) -> None:
+        if future is None:
             try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the waiting caller, who raises it
-                future.set_exception(exc)
+                fn(*args)
+            except BaseException:  # the engine's loop ends its own requests; never die without a word
+                log.exception("job on %s failed", self._thread.name)
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the waiting caller, who raises it
+            future.set_exception(exc)
