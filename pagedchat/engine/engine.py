@@ -173,6 +173,8 @@ class Engine:
         self._stopped = False
         self._looping = False
         self._blameless_faults = 0              # failed steps in a row that failed no request
+        if autostart:  # before the first request too: its loop starts after the region in hand
+            self._compute.start(self._warm_while_idle)
 
     def _load_model(self, folder) -> DecoderModel:
         return packed_cache.load_model(folder, self.config, self.device, self.dtype, self.quantize, load_weights)
@@ -350,11 +352,19 @@ class Engine:
         try:
             while not self._stopped:
                 if not self.step() and not self.has_work():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
+                    self._warm_while_idle()
+                    if not self.has_work():
+                        self._wake.wait(timeout=0.5)
+                        self._wake.clear()
         except BaseException as exc:  # the loop itself broke: say so to every request, never hang one
             log.exception("the engine loop stopped")
             self._end_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _warm_while_idle(self) -> None:
+        """On the compute thread, while no request waits: the pool's next pages faulted in, a region at a time
+        (engine/pool_warmer.py)."""
+        while not (self._stopped or self.has_work()) and self.runner.warm_some():
+            pass
 
     def step(self) -> list[Update]:
         """Inbox, then schedule -> run -> sample -> postprocess (the loop's, or by hand with autostart=False). By

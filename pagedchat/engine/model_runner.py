@@ -12,6 +12,7 @@ from pagedchat.kernels import kv_pages
 from pagedchat.model import hugepages
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.engine.pages import CopyPlan
+from pagedchat.engine.pool_warmer import PoolWarmer
 from pagedchat.engine.scheduler import StepPlan
 from pagedchat.engine.records import NULL_PAGE
 from pagedchat.engine.sequence import Sequence
@@ -50,6 +51,7 @@ class ModelRunner:
         # Zeros, not empty: masked-out slots are still multiplied by a zero weight, and NaN * 0 is NaN.
         self.kv_caches = [zeros((len(g.layers), 2, g.num_pages + (g.window is not None), *page), self.kv_dtype,
                                 self.device) for g in groups]
+        self.warmers = [PoolWarmer(kv) for kv in self.kv_caches] if self.device.type == "cpu" else []
         self.cpu_caches = [self._host((len(g.layers), 2, g.num_cpu_pages, *page), self.kv_dtype) for g in groups]
         self.layer_groups = [0] * cfg.num_layers
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [None] * cfg.num_layers  # type: ignore[list-item]
@@ -57,6 +59,10 @@ class ModelRunner:
             for j, layer in enumerate(g.layers):
                 self.layer_groups[layer] = gi
                 self.layer_kv[layer] = (kv[j, 0], kv[j, 1])
+
+    def warm_some(self) -> bool:
+        """Fault in one region of the pool's next pages (engine/pool_warmer.py); False when none is left."""
+        return any(warmer.warm_some() for warmer in self.warmers)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -119,6 +125,8 @@ class ModelRunner:
             new = range(seq.num_computed, seq.num_computed + item.num_tokens)
             slots.extend(table[p // bs] * bs + p % bs for p in new)
             tables[id(seq)] = table if null is None else [null if p == NULL_PAGE else p for p in table]
+        if self.warmers and slots:
+            self.warmers[group].written(max(slots) // bs)
         width = max(len(t) for t in tables.values())
         padded = [tables[id(u.seq)] + [0] * (width - len(tables[id(u.seq)])) for u in units]
         dev = self.device

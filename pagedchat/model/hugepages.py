@@ -7,15 +7,19 @@ kernel's `transparent_hugepage` setting is `madvise`, as on many distributions, 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20  # smaller tensors stay in torch's allocations: a mapping each would waste its last page
+SMALL_PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; Python's mmap module does not name it
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool}
@@ -33,6 +37,23 @@ def anonymous(nbytes: int) -> torch.Tensor:
     except OSError:  # a kernel built without transparent huge pages: small pages serve
         pass
     return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the map
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault [address, address + nbytes) of anonymous memory in for writing, contents kept (MADV_POPULATE_WRITE):
+    the zeroing of a page's first touch paid now, by the caller, rather than by whoever writes there first. False
+    where the OS cannot (not Linux, or older than 5.14)."""
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return False
+    start = address - address % SMALL_PAGE
+    end = -(-(address + nbytes) // SMALL_PAGE) * SMALL_PAGE
+    return _libc().madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

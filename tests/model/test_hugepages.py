@@ -4,13 +4,18 @@ the advice is refused or unknown."""
 
 from __future__ import annotations
 
+import gc
 import mmap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedchat.engine.engine import Engine
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.pool_warmer import PoolWarmer
 from pagedchat.model import hugepages
 
 SMAPS = Path("/proc/self/smaps")
@@ -33,18 +38,27 @@ def write(path: Path) -> Path:
     return path
 
 
-def huge_page_advised(t: torch.Tensor) -> bool:
-    """Whether the mapping that holds t is eligible for transparent huge pages (smaps' THPeligible)."""
-    address = t.data_ptr()
-    eligible, inside = None, False
+def mapping(address: int) -> dict[str, str]:
+    """smaps' fields of the mapping that holds address (its first value each)."""
+    fields, inside = {}, False
     for line in SMAPS.read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "THPeligible:":
-            eligible = line.split()[1] == "1"
-    return bool(eligible)
+        elif inside:
+            fields[head.rstrip(":")] = line.split()[1]
+    return fields
+
+
+def huge_page_advised(t: torch.Tensor) -> bool:
+    """Whether the mapping that holds t is eligible for transparent huge pages (smaps' THPeligible)."""
+    return mapping(t.data_ptr()).get("THPeligible") == "1"
+
+
+def resident(t: torch.Tensor) -> int:
+    """Bytes of the mapping that holds t in memory (smaps' Rss)."""
+    return int(mapping(t.data_ptr())["Rss"]) * 1024
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -82,3 +96,96 @@ def test_a_cut_file_is_an_error(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match="ends inside tensor"):
         hugepages.read_safetensors(path)
+
+
+def populating() -> bool:
+    """Whether this OS faults memory in on request (Linux 5.14 and later); where not, populate says so."""
+    probe = hugepages.anonymous(hugepages.SMALL_PAGE)
+    return hugepages.populate(probe.data_ptr(), probe.numel())
+
+
+def test_populate_faults_memory_in_and_keeps_what_it_holds():
+    if not SMAPS.exists() or not populating():
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    memory = hugepages.anonymous(4 * hugepages.HUGE_PAGE)
+    memory[:5] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+    before = resident(memory)
+    assert hugepages.populate(memory.data_ptr() + 7, 3 * hugepages.HUGE_PAGE)
+    assert resident(memory) >= before + 2 * hugepages.HUGE_PAGE
+    assert memory[:5].tolist() == [1, 2, 3, 4, 5] and not memory[5:].any()
+
+
+def pool(layers: int, pages: int, page_bytes: int) -> torch.Tensor:
+    """A KV pool as the model runner makes it: [layers, 2, pages, page bytes] of lazily zeroed memory."""
+    return hugepages.anonymous(layers * 2 * pages * page_bytes).view(layers, 2, pages, page_bytes)
+
+
+def warm_all(warmer: PoolWarmer) -> int:
+    calls = 0
+    while warmer.warm_some():
+        calls += 1
+    return calls
+
+
+def test_the_warmer_faults_in_the_pages_past_the_last_written_a_region_at_a_time():
+    """Every layer's keys and values: first the pages of one huge page from the pool's start, then, once a step
+    wrote page p, those up to a huge page past it; one region per call, contents kept."""
+    if not SMAPS.exists() or not populating():
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    page_bytes = 64 * 1024
+    kv = pool(layers=3, pages=200, page_bytes=page_bytes)
+    kv[1, 1, 0, :4] = 7  # a step's write: the warmer keeps it
+    warmer = PoolWarmer(kv)
+    ahead = hugepages.HUGE_PAGE // page_bytes
+    assert (warmer.wanted, warmer.warmed) == (ahead, 0)
+    assert warm_all(warmer) == 6 and warmer.warmed == ahead
+    warmer.written(40)
+    assert warm_all(warmer) == 2 * 6 and warmer.warmed == 40 + 1 + ahead  # at most a huge page a call
+    assert resident(kv) >= 6 * warmer.warmed * page_bytes
+    warmer.written(199)  # the pool's end bounds it
+    warm_all(warmer)
+    assert warmer.warmed == 200 and not warmer.warm_some()
+    assert kv[1, 1, 0, :4].tolist() == [7] * 4 and int(kv.sum()) == 7 * 4
+
+
+def test_without_the_os_call_the_warmer_stops_and_steps_fault_in_themselves(monkeypatch):
+    monkeypatch.setattr(hugepages, "populate", lambda address, nbytes: False)
+    warmer = PoolWarmer(pool(layers=2, pages=10, page_bytes=4096))
+    assert not warmer.warm_some() and not warmer.supported and warmer.warmed == 0
+
+
+def test_an_idle_engine_warms_its_pool_before_a_request_and_past_what_replies_wrote(tiny_llama):
+    if not populating():
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    engine = Engine(str(tiny_llama), kv_cache_memory="256MiB")
+    try:
+        warmer = engine.runner.warmers[0]
+        assert warmer.ahead < warmer.num_pages
+
+        def settled() -> int:
+            deadline = time.monotonic() + 30
+            while warmer.warmed < warmer.wanted and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return warmer.warmed
+
+        assert settled() == warmer.ahead  # before any request: the pool's first huge page in every region
+        engine.generate([list(range(3, 40))], SamplingParams(max_tokens=60, ignore_eos=True))
+        last = (37 + 59 - 1) // engine.block_size  # the reply's last token is sampled, never written
+        assert settled() == last + 1 + warmer.ahead
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_still_ends_its_thread(tiny_llama):
+    """An engine that never ran a request: the warming job it starts with is its own method, and once the job is
+    done the waiting compute thread must not keep the engine alive, whose finalizer closes the thread."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="8MiB")
+    thread, warmer = engine._compute._thread, engine.runner.warmers[0]
+    deadline = time.monotonic() + 30
+    while warmer.warmed < warmer.wanted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)  # the job returns after its last region
+    del engine, warmer
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
