@@ -53,8 +53,9 @@ class ComputeThread:
             torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread: set it here
         while (job := self._jobs.get()) is not _STOP:
             self._run(*job)
-            del job  # its callable may be an engine's bound method: kept while the thread waits, it would keep
-            # the engine alive, whose finalizer is what closes an engine dropped without shutdown()
+            # Not held while the thread waits: the callable may be an engine's bound method, which would keep the
+            # engine alive, and its finalizer is what closes an engine dropped without shutdown().
+            del job
 
     def _run(self, fn: Callable[..., Any], args: tuple, future: Future | None) -> None:
         if future is None:

@@ -10,6 +10,8 @@ request that comes in waits for one region at most. Faulting in keeps the conten
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pagedchat.model import hugepages
@@ -22,7 +24,7 @@ class PoolWarmer:
     def __init__(self, pool: torch.Tensor):
         self.regions = [pool[layer, part].data_ptr() for layer in range(pool.shape[0]) for part in range(2)]
         self.num_pages = pool.shape[2]
-        self.page_bytes = pool[0, 0, 0].nbytes
+        self.page_bytes = pool.element_size() * math.prod(pool.shape[3:])
         self.ahead = max(1, hugepages.HUGE_PAGE // self.page_bytes)
         self.warmed = 0                    # pages [0, warmed) are faulted in, in every region
         self.wanted = min(self.num_pages, self.ahead)

@@ -8,6 +8,7 @@ kernel's `transparent_hugepage` setting is `madvise`, as on many distributions, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import struct
@@ -50,6 +51,7 @@ def populate(address: int, nbytes: int) -> bool:
     return _libc().madvise(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
+@functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -189,3 +189,8 @@ def test_an_engine_dropped_without_shutdown_still_ends_its_thread(tiny_llama):
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_an_empty_pool_has_nothing_to_warm():
+    warmer = PoolWarmer(torch.zeros(2, 2, 0, 16, 4))
+    assert warmer.wanted == 0 and not warmer.warm_some()
