@@ -123,7 +123,7 @@ class ChatView(Vertical):
         await self.log_view.cut(count)
 
     def view_at(self, index: int | None) -> MessageView | None:
-        return self.log_view.view_at(index)
+        return lists.first().view_at(index) if (lists := self.query(MessageList)) else None  # not composed, or closing
 
     async def focus_message(self, index: int) -> None:
         messages = self.session.record.messages

@@ -120,3 +120,17 @@ async def test_the_context_figure_of_a_streaming_chat_moves_about_once_a_second(
             await pilot.pause(0.02)
         assert session.busy
         assert 2 <= len(figures) <= 4, figures   # it moves, but not at every 0.25 s poll (each is a redraw)
+
+
+async def test_a_reply_goes_on_while_its_chat_has_no_log(tmp_path):
+    """Updates can reach a chat whose log is not there: a tab not yet composed, or the app taking its widgets down
+    as it closes. The reply's text is kept and the app does not fail (CI saw NoMatches here)."""
+    text = "a steady answer " * 60
+    app = scripted_app(tmp_path, [text], chunks=60)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        session = await start_reply(pilot, "one")
+        await app.chat_view(session).log_view.remove()
+        await wait_for(pilot, lambda: not session.busy, "the reply to end")
+        assert session.record.messages[-1].content == text
+        assert app._exception is None
