@@ -15,6 +15,7 @@ from pagedchat.backends.remote_metrics import ServerMetrics
 from pagedchat.engine.records import Outcome, ReplyHandle, Update
 
 if TYPE_CHECKING:  # the face names the engine's records without loading the engine's modules
+    from pagedchat.engine.core_loan import CoreLoan
     from pagedchat.engine.kv_snapshot import MemorySnapshot, PoolUsage
     from pagedchat.engine.params import SamplingParams
     from pagedchat.engine.structured import CompiledGrammar, GrammarSpec
@@ -54,6 +55,7 @@ Progress = Callable[[str, "float | None"], None]   # (stage, fraction done or No
 class Backend(Protocol):
     info: BackendInfo
     failure: str | None   # why it stopped for good (the local engine's loop broke), else None
+    core_loan: CoreLoan | None   # where the UI borrows a core from the engine's steps (the engine's process)
 
     def submit(self, messages: list[dict], params: "SamplingParams", *, previous: Outcome | None = None,
                on_update: OnUpdate | None = None) -> ReplyHandle:

@@ -14,11 +14,13 @@ heartbeat has a thread of its own, so that neither a long step nor a slow call r
 from __future__ import annotations
 
 import faulthandler
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedchat.engine.core_loan import CoreLoan
 from pagedchat.errors import PagedChatError, first_line
 
 POLL_S = 0.25   # how often, when no call comes, the engine's loop is checked for a failure to report
@@ -155,15 +157,16 @@ class EngineServer:
             self.send("failure", self.backend.failure)
 
 
-def serve(conn) -> None:
-    """Load the engine the app's first message asks for, say so, then answer the app until it stops or goes."""
+def serve(conn, loan: CoreLoan | None = None) -> None:
+    """Load the engine the app's first message asks for, say so, then answer the app until it stops or goes.
+    loan: the page through which the app's UI borrows a core from the engine's steps."""
     options = conn.recv()
     progress = lambda stage, fraction: conn.send(("progress", stage, fraction))  # noqa: E731
     try:
         from pagedchat.backends.local import LocalBackend
         from pagedchat.engine.engine import Engine
 
-        backend = LocalBackend(Engine(**options, progress=progress))
+        backend = LocalBackend(Engine(**options, progress=progress, core_loan=loan))
     except Exception as exc:
         conn.send(("failed", f"The model could not be loaded: {first_line(exc)}"))
         return
@@ -174,11 +177,13 @@ def serve(conn) -> None:
         backend.shutdown()
 
 
-def main(fd: str) -> None:
-    """The process's start (process.start_process): fd is this end of the app's socket pair. Its stdout and
-    stderr are the engine log, so a native crash's trace lands there too."""
+def main(fd: str, page_fd: str) -> None:
+    """The process's start (process.start_process): fd is this end of the app's socket pair, page_fd the file of
+    the CoreLoan page. Its stdout and stderr are the engine log, so a native crash's trace lands there too."""
     faulthandler.enable()
+    loan = CoreLoan(int(page_fd))
+    os.close(int(page_fd))
     try:
-        serve(Connection(int(fd)))
+        serve(Connection(int(fd)), loan)
     except (EOFError, OSError):  # the app went away while we loaded or answered
         pass

@@ -16,6 +16,8 @@ class LocalBackend:
     """pagedchat's own Engine, in this process: the app's Backend, and the TokenBackend that `pagedchat serve`
     and the bench drive."""
 
+    core_loan = None   # the UI, if any, shares this process's cores as it likes
+
     def __init__(self, engine) -> None:
         self.engine = engine
         plan = engine.cache_plan

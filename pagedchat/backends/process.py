@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedchat import interpreter
 from pagedchat.backends.base import BackendInfo, OnUpdate, Progress
+from pagedchat.engine.core_loan import CoreLoan
 from pagedchat.engine.records import FinishReason, Outcome, Update
 from pagedchat.errors import PagedChatError
 
@@ -107,22 +108,25 @@ def exit_text(code: int | None) -> str:
     return f"the engine process exited (code {code})"
 
 
-def start_process(log_path: Path | None) -> tuple[subprocess.Popen, Connection]:
-    """A fresh interpreter running engine_process.main, and our end of the socket pair to it. Not a fork (the app's
-    threads would be copied mid-flight) nor multiprocessing's spawn (which runs the caller's main script again).
-    Its own session: the terminal's signals are the app's, and the process ends when its socket closes."""
+def start_process(log_path: Path | None) -> tuple[subprocess.Popen, Connection, CoreLoan]:
+    """A fresh interpreter running engine_process.main, our end of the socket pair to it, and the page through
+    which the app borrows a core from it (engine/core_loan.py). Not a fork (the app's threads would be copied
+    mid-flight) nor multiprocessing's spawn (which runs the caller's main script again). Its own session: the
+    terminal's signals are the app's, and the process ends when its socket closes."""
     ours, theirs = socket.socketpair()
+    loan, page = CoreLoan.create()
     log = open_log(log_path)
     try:
         process = subprocess.Popen(interpreter.command("pagedchat.backends.engine_process", "main",
-                                                       str(theirs.fileno())),
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log,
+                                                       str(theirs.fileno()), str(page.fileno())),
+                                   pass_fds=(theirs.fileno(), page.fileno()), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         theirs.close()
+        page.close()
         if log is not subprocess.DEVNULL:
             log.close()
-    return process, Connection(ours.detach())
+    return process, Connection(ours.detach()), loan
 
 
 def open_log(path: Path | None):
@@ -149,7 +153,7 @@ class ProcessBackend:
     def __init__(self, options: dict[str, Any], progress: Progress,
                  log_path: Path | None = None) -> None:
         self._log_path = log_path
-        self._process, self._conn = start_process(log_path)
+        self._process, self._conn, self.core_loan = start_process(log_path)
         self._conn.send(options)
         self._keys = itertools.count(1)
         self._calls: dict[int, Future] = {}

@@ -197,6 +197,7 @@ class RemoteBackend:
     """An OpenAI-compatible server. Construct it off the UI thread: it connects and asks for the model."""
 
     failure = None   # a server that fails, fails requests: each says why, and the next one tries again
+    core_loan = None   # its engine computes elsewhere
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  progress: Callable[[str, float | None], None] | None = None) -> None:

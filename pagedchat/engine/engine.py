@@ -35,7 +35,8 @@ from pagedchat.engine.sampling import Row, Sampler
 from pagedchat.engine.scheduler import Scheduler, StepPlan
 from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
-from pagedchat.engine.threads import ThreadGovernor, cpu_seconds
+from pagedchat.engine.core_loan import CoreLoan
+from pagedchat.engine.threads import Lender, ThreadGovernor, step_threads
 from pagedchat.engine.sizing import parse_bytes, parse_dtype, parse_quantize, plan_cache
 from pagedchat.errors import RequestError
 from pagedchat.kernels import kv_pages
@@ -82,12 +83,14 @@ class _Model:
     sampler: Sampler
     core: EngineCore
     governor: ThreadGovernor | None   # the thread count, where the user left it to the engine
+    lender: Lender | None             # one thread fewer while the app's UI borrows a core
 
     def copy_pages(self, ops) -> None:
         self.runner.copy_pages(ops)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        if self.governor is None:
+        lending = self.lender is not None and self.lender.lending()
+        if self.governor is None or lending:   # the governor compares steps on its own counts only
             return self.runner.execute(plan)
         start = time.perf_counter()
         logits = self.runner.execute(plan)
@@ -101,11 +104,11 @@ class _Model:
         return self.sampler(logits, rows, lambda row: self.core.fault(Phase.SAMPLE, sampling[row][0].request_id))
 
 
-def _governor(device: torch.device, threads: int | None) -> ThreadGovernor | None:
-    """On the compute thread: a governor of its torch thread count, unless the user set one (or on a GPU)."""
-    if threads is not None or device.type != "cpu" or torch.get_num_threads() < 2:
-        return None
-    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, time.perf_counter, cpu_seconds)
+def _threads(device: torch.device, threads: int | None, loan: CoreLoan | None):
+    """On the compute thread, whose OpenMP count it is: threads.step_threads, on a CPU."""
+    if device.type != "cpu":
+        return None, None
+    return step_threads(torch.get_num_threads(), threads is not None, torch.set_num_threads, loan)
 
 
 class Engine:
@@ -117,7 +120,7 @@ class Engine:
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
                  autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None,
                  release_windows: bool = True, kv_cache_dtype: str | torch.dtype | None = None,
-                 speculative: str | None = "auto"):
+                 speculative: str | None = "auto", core_loan: CoreLoan | None = None):
         speculative = parse_speculative(speculative)
         folder = resolve_model(model, progress)
         self.model_path = folder
@@ -160,8 +163,8 @@ class Engine:
         self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)
-        self.governor = self._compute.call(_governor, self.device, threads)
-        self._model = _Model(self.runner, self.sampler, self.core, self.governor)
+        self.governor, lender = self._compute.call(_threads, self.device, threads, core_loan)
+        self._model = _Model(self.runner, self.sampler, self.core, self.governor, lender)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.tokenizer.eos_token_id)
         self.failure: str | None = None          # why the engine stopped, if it could not go on
         self._autostart = autostart

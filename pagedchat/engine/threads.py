@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -188,3 +189,35 @@ class ThreadGovernor:
             self._interval = min(self._interval * 2, LAST_INTERVAL)
             self._set(self.counts[self._rung])
         self._next_try = now + self._interval
+
+
+class Lender:
+    """Steps on one thread fewer while the app's UI thread borrows a core (core_loan.py), and back to the usual
+    count (the governor's, or the user's) once it gives the core back."""
+
+    def __init__(self, loan, set_threads: Callable[[int], None], usual: Callable[[], int]):
+        self._loan = loan
+        self._set = set_threads
+        self._usual = usual
+        self._lending = False
+
+    def lending(self) -> bool:
+        """Whether the step about to run leaves a core: checked, and the count set, before each step."""
+        asked = self._loan.asked
+        if asked != self._lending:
+            self._lending = asked
+            usual = self._usual()
+            self._set(max(1, usual - 1) if asked else usual)
+            self._loan.answer(asked)
+        return asked
+
+
+def step_threads(count: int, fixed: bool, set_threads: Callable[[int], None],
+                 loan) -> tuple[ThreadGovernor | None, Lender | None]:
+    """For a team of `count` threads: a governor of the count unless the user fixed it, and a lender of a core to
+    the app's UI where the app shares a CoreLoan; neither for one thread."""
+    if count < 2:
+        return None, None
+    governor = None if fixed else ThreadGovernor(count, set_threads, time.perf_counter, cpu_seconds)
+    usual = (lambda: governor.threads) if governor is not None else (lambda: count)
+    return governor, (Lender(loan, set_threads, usual) if loan is not None else None)

@@ -7,6 +7,8 @@ back as messages the app hands to `BackendLink`.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Callable
 
 from textual.app import App, ComposeResult
@@ -21,6 +23,10 @@ from pagedchat.tui.inspector import InspectorView
 
 BackendFactory = Callable[[Progress], Backend]
 FILL_EVERY_S = 1.0   # a streaming chat's context figure moves this often: each change is a screen update
+# A flush waits this long at most for the engine's steps to leave it a core (a decode step or two; a long
+# prompt's chunk is not waited for), looking this often.
+BORROW_WAIT_S = 0.01
+BORROW_LOOK_S = 0.001
 
 
 class StatusBar(Horizontal):
@@ -195,6 +201,21 @@ class BackendLink:
         if (status := self._status()) is not None:
             status.line.update("loading the model…")
         self.start()
+
+    async def borrow_core(self) -> None:
+        """Ask the engine for a core for a screen update, and wait until its steps leave one (BORROW_WAIT_S at
+        most); nothing where the backend lends none (engine/core_loan.py). Give it back with give_back_core."""
+        loan = self.backend.core_loan if self.backend is not None else None
+        if loan is None:
+            return
+        loan.ask()
+        give_up = time.monotonic() + BORROW_WAIT_S
+        while not loan.lent and time.monotonic() < give_up:
+            await asyncio.sleep(BORROW_LOOK_S)
+
+    def give_back_core(self) -> None:
+        if self.backend is not None and self.backend.core_loan is not None:
+            self.backend.core_loan.give_back()
 
     def poll(self, chats, inspector: InspectorView, force: bool = False) -> None:
         """While something runs: the chat in view's context figure and stalls; while the inspector is open, the

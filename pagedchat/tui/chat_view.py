@@ -102,8 +102,8 @@ class ChatView(Vertical):
         return self.log_view.views
 
     def _make_view(self, message: ChatMessage, index: int) -> MessageView:
-        reply = self.session.reply   # the live reply's view, mounted again, streams on
-        return MessageView(message, index, self, streamed=reply.tokens if index == reply.index else None)
+        live, cores = self.session.reply, self.services.link   # the live reply's view, mounted again, streams on
+        return MessageView(message, index, self, streamed=live.tokens if index == live.index else None, cores=cores)
 
     async def populate(self) -> None:
         if self.populated:

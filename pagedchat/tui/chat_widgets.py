@@ -108,6 +108,14 @@ class MessageActions(Protocol):
     async def action_stop(self) -> None: ...
 
 
+class CoreSource(Protocol):
+    """Where a flush borrows a core for its screen update: the engine, whose steps leave one meanwhile
+    (BackendLink; engine/core_loan.py tells why)."""
+
+    async def borrow_core(self) -> None: ...
+    def give_back_core(self) -> None: ...
+
+
 class MessageView(Vertical, can_focus=True):
     """One message. Focus it (alt+up from the input, or click) to copy, branch, edit or regenerate; its keys act
     through `actions`, and a message shown without them (compare's) takes none."""
@@ -124,13 +132,14 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(self, message: ChatMessage, index: int, actions: MessageActions | None = None, *,
-                 streamed: int | None = None) -> None:
+                 streamed: int | None = None, cores: CoreSource | None = None) -> None:
         """streamed: the message is a reply still being written, this many tokens so far (its view mounted
-        again mid-reply, as when the user scrolls back to it)."""
+        again mid-reply, as when the user scrolls back to it). cores: where its flushes borrow a core."""
         super().__init__(classes=f"message -{message.role}")
         self.message = message
         self.index = index
         self.actions = actions
+        self.cores = cores
         self._streaming = streamed is not None
         self._pending: list[str] = []
         self._flush_timer: Timer | None = None
@@ -271,6 +280,8 @@ class MessageView(Vertical, can_focus=True):
         self._pending.clear()
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
+        if self.cores is not None:   # given back once the screen update is drawn (_flushed)
+            await self.cores.borrow_core()
         if text:
             await self._put(self.shown_source + visible_controls(text), streaming=True)
         # After the text's last await, so that both go in one screen update: each lays out and draws the screen.
@@ -279,6 +290,8 @@ class MessageView(Vertical, can_focus=True):
         self.call_after_refresh(self._flushed, started, self._flush_timer)
 
     def _flushed(self, started: float, timer: Timer | None) -> None:
+        if self.cores is not None:
+            self.cores.give_back_core()
         if timer is not self._flush_timer:   # the stream ended (or began again) meanwhile
             return
         self._flush_gap = min(MAX_FLUSH_S, max(FLUSH_S, RENDER_SPACING * (time.thread_time() - started)))

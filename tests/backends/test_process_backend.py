@@ -215,3 +215,30 @@ def test_the_engine_process_goes_when_the_app_is_killed(tiny_llama, tmp_path):
         wait_until(gone)
     finally:
         app.kill()
+
+
+def test_the_app_borrows_a_core_from_the_engine_process(long_tiny_model):
+    """The page the app shares with its engine's process (engine/core_loan.py): while the app asks, the steps leave
+    a core and say so; given back, or once the ask runs out (an app that stopped mid-loan), they take it again."""
+    backend = ProcessBackend({**options(long_tiny_model), "threads": 2}, lambda stage, fraction: None)
+    loan, replies = backend.core_loan, []
+
+    def stepping(condition):
+        """condition(), with a reply always in hand, so that steps go on to see the page."""
+        if not replies or replies[-1].so_far().finish_reason is not None:
+            replies.append(backend.submit(QUESTION, SamplingParams(max_tokens=3000, ignore_eos=True)))
+        return condition()
+
+    try:
+        assert not loan.lent
+        loan.ask(hold_s=30)
+        wait_until(lambda: stepping(lambda: loan.lent))
+        loan.give_back()
+        wait_until(lambda: stepping(lambda: not loan.lent))
+        loan.ask(hold_s=0.2)
+        wait_until(lambda: stepping(lambda: loan.lent))
+        wait_until(lambda: stepping(lambda: not loan.lent))
+    finally:
+        for reply in replies:
+            reply.cancel()
+        backend.shutdown()

@@ -129,3 +129,40 @@ async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
         await pilot.pause(0.3)
         assert shown_text(view) == text
         assert not view.streaming
+
+
+class Cores:
+    """A CoreSource that counts, and notes what the view showed when each core came back."""
+
+    def __init__(self):
+        self.view: MessageView | None = None
+        self.borrowed = self.given_back = 0
+        self.shown_at_give_back: list[str] = []
+
+    async def borrow_core(self) -> None:
+        self.borrowed += 1
+
+    def give_back_core(self) -> None:
+        self.given_back += 1
+        self.shown_at_give_back.append(shown_text(self.view))
+
+
+async def test_each_flush_borrows_a_core_and_gives_it_back_once_its_text_is_drawn():
+    cores = Cores()
+
+    class Borrowing(App):
+        def compose(self):
+            with VerticalScroll():
+                yield MessageView(ChatMessage("assistant", ""), 0, cores=cores)
+
+    app = Borrowing()
+    async with app.run_test(size=(140, 45)) as pilot:
+        view = cores.view = app.query_one(MessageView)
+        await view.start_stream()
+        text = ""
+        for i in range(3):
+            view.feed(f"part {i}. ", 3)
+            text += f"part {i}. "
+            await pilot.pause(0.3)   # past the flush and its screen update
+            assert cores.borrowed == cores.given_back == i + 1
+            assert cores.shown_at_give_back[-1] == text
