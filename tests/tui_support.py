@@ -204,6 +204,7 @@ class StandInBackend:
     For screens that must not move, such as the snapshot tests."""
 
     failure = None
+    core_loan = None
 
     def __init__(self, memory: Callable[[], MemoryView], info: BackendInfo) -> None:
         self.memory_view = memory
