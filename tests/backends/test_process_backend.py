@@ -235,8 +235,9 @@ def test_the_app_borrows_a_core_from_the_engine_process(long_tiny_model):
         wait_until(lambda: stepping(lambda: loan.lent))
         loan.give_back()
         wait_until(lambda: stepping(lambda: not loan.lent))
-        loan.ask(hold_s=0.2)
+        loan.ask(hold_s=30)
         wait_until(lambda: stepping(lambda: loan.lent))
+        loan.ask(hold_s=0.3)   # renewed for a moment, then never given back
         wait_until(lambda: stepping(lambda: not loan.lent))
     finally:
         for reply in replies:
