@@ -31,7 +31,7 @@ from tiny_models import make_tiny_model
 from tui_support import make_config, notices, send, static_text, wait_for
 
 SIZE = (100, 32)
-LONG = 2000   # tokens: long enough to be stopped, forked or killed mid-way; the tests end them
+LONG = 4000   # tokens: long enough to be stopped, forked or killed mid-way on a fast machine; the tests end them
 HI = [{"role": "user", "content": "hello there"}]
 
 
