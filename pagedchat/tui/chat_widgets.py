@@ -276,12 +276,15 @@ class MessageView(Vertical, can_focus=True):
         if not self._streaming:
             self._flush_timer = None
             return
-        text = "".join(self._pending)
-        self._pending.clear()
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
         started = time.thread_time()
         if self.cores is not None:   # given back once the screen update is drawn (_flushed)
             await self.cores.borrow_core()
+            if not self._streaming:   # the reply ended meanwhile, and finish() drew it whole
+                self.cores.give_back_core()
+                return
+        text = "".join(self._pending)
+        self._pending.clear()
         if text:
             await self._put(self.shown_source + visible_controls(text), streaming=True)
         # After the text's last await, so that both go in one screen update: each lays out and draws the screen.
