@@ -202,11 +202,15 @@ class BackendLink:
             status.line.update("loading the model…")
         self.start()
 
+    @property
+    def _loan(self):
+        """The backend's CoreLoan, where it lends cores (engine/core_loan.py)."""
+        return self.backend.core_loan if self.backend is not None else None
+
     async def borrow_core(self) -> None:
         """Ask the engine for a core for a screen update, and wait until its steps leave one (BORROW_WAIT_S at
-        most); nothing where the backend lends none (engine/core_loan.py). Give it back with give_back_core."""
-        loan = self.backend.core_loan if self.backend is not None else None
-        if loan is None:
+        most); nothing where the backend lends none. Give it back with give_back_core."""
+        if (loan := self._loan) is None:
             return
         loan.ask()
         give_up = time.monotonic() + BORROW_WAIT_S
@@ -214,8 +218,8 @@ class BackendLink:
             await asyncio.sleep(BORROW_LOOK_S)
 
     def give_back_core(self) -> None:
-        if self.backend is not None and self.backend.core_loan is not None:
-            self.backend.core_loan.give_back()
+        if (loan := self._loan) is not None:
+            loan.give_back()
 
     def poll(self, chats, inspector: InspectorView, force: bool = False) -> None:
         """While something runs: the chat in view's context figure and stalls; while the inspector is open, the

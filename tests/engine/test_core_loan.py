@@ -4,7 +4,6 @@ while asked, and back once the core is given back or the ask runs out."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -17,10 +16,8 @@ from pagedchat.engine.threads import Lender, step_threads
 def two_views() -> tuple[CoreLoan, CoreLoan]:
     """The app's view and the engine's, as two processes map the page: two mappings of one file."""
     app, page = CoreLoan.create()
-    try:
-        return app, CoreLoan(os.dup(page.fileno()))
-    finally:
-        page.close()
+    with page:
+        return app, CoreLoan(page.fileno())
 
 
 def test_an_ask_reaches_the_other_view_and_so_does_the_answer():
@@ -44,29 +41,24 @@ def test_an_ask_not_given_back_runs_out():
     assert not engine.asked
 
 
-class Counts:
-    def __init__(self):
-        self.set: list[int] = []
-
-
 def test_the_lender_leaves_a_core_while_asked_and_returns_to_the_usual_count():
     app, engine = two_views()
-    counts, usual = Counts(), [4]
-    lender = Lender(engine, counts.set.append, lambda: usual[0])
-    assert not lender.lending() and counts.set == [] and not app.lent   # nothing asked: nothing set
+    counts, usual = [], [4]
+    lender = Lender(engine, counts.append, lambda: usual[0])
+    assert not lender.lending() and counts == [] and not app.lent   # nothing asked: nothing set
     app.ask()
-    assert lender.lending() and lender.lending() and counts.set == [3] and app.lent   # set once, answered
+    assert lender.lending() and lender.lending() and counts == [3] and app.lent   # set once, answered
     usual[0] = 2      # the governor moved meanwhile: the loan ends on its count
     app.give_back()
-    assert not lender.lending() and counts.set == [3, 2] and not app.lent
+    assert not lender.lending() and counts == [3, 2] and not app.lent
 
 
 def test_one_thread_has_no_core_to_lend_but_says_so():
     app, engine = two_views()
-    counts = Counts()
-    lender = Lender(engine, counts.set.append, lambda: 1)
+    counts = []
+    lender = Lender(engine, counts.append, lambda: 1)
     app.ask()
-    assert lender.lending() and counts.set == [1] and app.lent   # the app need not wait for a core never coming
+    assert lender.lending() and counts == [1] and app.lent   # the app need not wait for a core never coming
 
 
 def test_which_parts_a_team_gets():
