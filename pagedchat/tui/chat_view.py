@@ -123,7 +123,7 @@ class ChatView(Vertical):
         await self.log_view.cut(count)
 
     def view_at(self, index: int | None) -> MessageView | None:
-        return lists.first().view_at(index) if (lists := self.query(MessageList)) else None  # not composed, or closing
+        return log.view_at(index) if (log := MessageList.child_of(self)) is not None else None
 
     async def focus_message(self, index: int) -> None:
         messages = self.session.record.messages

@@ -214,7 +214,7 @@ class MessageView(Vertical, can_focus=True):
             await self.body.update(final)
 
     def set_stats(self, text: str) -> None:
-        for label in self.query(".stats").results(Label):
+        for label in self.query_children(".stats").results(Label):   # not a walk of the reply's blocks
             label.update(plain(text))
 
     # ---- streaming ----------------------------------------------------------------------------------------

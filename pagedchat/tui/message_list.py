@@ -17,6 +17,7 @@ from typing import Callable
 
 from textual import events
 from textual.containers import VerticalScroll
+from textual.widget import Widget
 
 from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.conversation import ChatMessage
@@ -71,10 +72,16 @@ class MessageList(VerticalScroll):
     def views(self) -> list[MessageView]:
         return list(self.query_children(MessageView))
 
+    @staticmethod
+    def child_of(parent: Widget) -> MessageList | None:
+        """parent's MessageList (None before it is composed, and while it closes), looked for among its children:
+        called at each batch of a reply's updates, where a query would match selectors on every message's widgets."""
+        return next((child for child in parent.children if isinstance(child, MessageList)), None)
+
     def view_at(self, index: int | None) -> MessageView | None:
         if index is None or not self.start <= index < self.end:
             return None
-        return next((v for v in self.views if v.index == index), None)
+        return next((v for v in self.children if isinstance(v, MessageView) and v.index == index), None)
 
     def _older_page(self, end: int, pages: float = 1) -> int:
         return older_page(self._messages(), end, *self._page_size(pages))
