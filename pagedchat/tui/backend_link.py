@@ -65,6 +65,9 @@ class StatusBar(Horizontal):
 
     def loaded(self) -> None:
         self.bar.display = False
+        # Determinate, so that its animation's timer stops: hidden, it still woke the main thread 15 times a
+        # second to draw nothing, beside the engine's threads.
+        self.bar.update(total=1, progress=1)
 
     def error(self, text: str) -> None:
         self.line.update(Content.styled(visible_controls(text), "$error"))
