@@ -8,8 +8,8 @@ the bench, because the machines are shared.
 With tabs > 1, a new tab for each further prompt, sent as soon as the one before has started (the replies start
 a second or so apart); the figure on both sides is the sum of the replies' rates (the engine alone gets all of
 its chats at once, so the first replies' head start, alone, favours the app a little).
-While they stream, a key is typed in the input now and then and the time until the terminal shows it is the
-key's echo.
+While all of them stream (each has shown text, and none has ended), a key is typed in the input now and then,
+and the time until the terminal shows it is the key's echo.
 """
 
 from __future__ import annotations
@@ -217,6 +217,11 @@ def replying(chats) -> list:
     return [c for c in chats or () if c.messages and c.messages[-1].role == "assistant"]
 
 
+def streaming(chats) -> list[bool]:
+    """Whether each reply has text yet (saved as it streams, twice a second)."""
+    return [bool(c.messages[-1].content) for c in replying(chats)]
+
+
 def finished(chats) -> list:
     return [c for c in replying(chats) if c.messages[-1].stats and c.messages[-1].stats.finish_reason in FINAL]
 
@@ -274,6 +279,10 @@ def _drive(term: Terminal, data: Path, prompts: list[str]):
         # Enter again until the message is taken (the model may still be loading).
         wait_until(lambda: len(replying(_chats(data))) >= count, f"reply {count} to start",
                    nudge=lambda: term.type("\r"))
+    # Keys are timed while every tab streams: not before, while the last tab is still being built and its prompt
+    # read, nor once a reply has ended.
+    wait_until(lambda: (chats := _chats(data)) and (finished(chats) or all(streaming(chats))), "the replies to stream",
+               every=0.1)
     echoes = []
     while len(prompts) > 1 and not finished(_chats(data)):
         echoes.append(echo(term))
