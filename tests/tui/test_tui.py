@@ -526,6 +526,30 @@ async def test_model_pull_progress_shows_in_the_app(tmp_path):
         assert "no network in this test" in static_text(app, "#status") and not bar.display
 
 
+async def test_the_loading_bar_stops_its_animation_once_hidden(tmp_path):
+    """Hidden when the load ends, the bar must not keep its animation's timer: it woke the UI thread 15 times a
+    second, beside the engine's threads, to draw nothing."""
+    import threading
+
+    from textual.widgets import ProgressBar
+
+    release = threading.Event()
+
+    def factory(progress):
+        progress("loading weights", None)   # no fraction: the bar animates
+        release.wait(10)
+        raise RuntimeError("no model in this test")
+
+    app = PagedChatApp(make_config(tmp_path), backend_factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        inner = app.query_one("#load-progress", ProgressBar).query_one("Bar")
+        await wait_for(pilot, lambda: static_text(app, "#status") == "loading weights", "the stage")
+        assert inner.auto_refresh is not None
+        release.set()
+        await wait_for(pilot, lambda: app.link.error, "the failure")
+        assert inner.auto_refresh is None
+
+
 async def test_closed_chat_can_be_reopened(config):
     app = PagedChatApp(config)
     async with app.run_test(size=SIZE) as pilot:
