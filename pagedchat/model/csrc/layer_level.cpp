@@ -202,9 +202,9 @@ inline f8 exp8(f8 x) {
   return gone ? splat(0.f) : p * reinterpret_cast<f8>(e);
 }
 
-// The sequences a unit attends for, [b0, b1), with one KV head h.
+// The sequences a unit attends for, [b0, b1), with one KV head h and its group's query heads [e0, e1).
 struct Chunk {
-  int64_t b0, b1, h;
+  int64_t b0, b1, h, e0, e1;
 };
 
 // The pages the chunk's sequences read for its KV head, page index by page index: at index p, sequence b0's page
@@ -245,7 +245,7 @@ inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn
 }
 
 // The query heads of one KV head's group share its keys and values: each page is read from memory once for all
-// of them and then stays in L1, where a pass per head read every key and value from L2 (or further) once per head.
+// of them (or for a unit's run of them, where attend splits the groups) and then stays in L1, where a pass per head read every key and value from L2 (or further) once per head.
 // Per head the arithmetic is unchanged, so the results are the same bits.
 struct Group {
   int64_t first, size;  // the group's first query head of the sequence, and its heads
@@ -255,7 +255,8 @@ struct Group {
 
 inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scratch) {
   const int64_t size = a.heads / a.kv_heads;
-  return {b * a.heads + c.h * size, size, attend_scratch_row(a), scratch + (b - c.b0) * attend_scratch(a)};
+  return {b * a.heads + c.h * size + c.e0, c.e1 - c.e0, attend_scratch_row(a),
+          scratch + (b - c.b0) * attend_scratch(a)};
 }
 
 // out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of each sequence's group: V vectors
@@ -533,9 +534,11 @@ void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
 }
 
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
+  const int64_t size = a.heads / a.kv_heads;
   for (int64_t u = unit0; u < unit1; ++u) {
-    const int64_t b0 = u / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
-    const Chunk c{b0, b1, u % a.kv_heads};
+    const int64_t part = u % a.parts, group = u / a.parts;  // a group's parts side by side: one thread reads its pages
+    const int64_t b0 = group / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
+    const Chunk c{b0, b1, group % a.kv_heads, part * size / a.parts, (part + 1) * size / a.parts};
     by_page(a.page, [&](auto e) { attend_unit<decltype(e)>(a, c, scratch); });
   }
 }

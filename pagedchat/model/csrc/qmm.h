@@ -143,6 +143,7 @@ struct AttendArgs {
   int64_t max_keys;  // the most keys any sequence attends to (its window's, or its context)
   int64_t batch;     // the sequences
   int64_t chunk;     // the sequences a unit takes: consecutive ones, each with the unit's KV head
+  int64_t parts;     // the runs of a group's query heads a unit takes one of (1: the whole group)
 };
 
 // One step's rotary turn of q and k, with k and v written into the caches (layer_level.cpp).

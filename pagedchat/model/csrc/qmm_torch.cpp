@@ -428,12 +428,17 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunks = std::min<int64_t>(batch, (2 * threads + kv_heads - 1) / kv_heads);
   const int64_t chunk = std::min<int64_t>(16, (batch + chunks - 1) / chunks);
+  // Fewer units than that (a chat or two, a model of few KV heads: SmolLM2-135M's three): a group's query heads
+  // split into runs, a unit each, or one thread takes two heads' work while the other waits for it. Per head the
+  // arithmetic is the same; the runs read the group's keys and values once each.
+  const int64_t units = (batch + chunk - 1) / chunk * kv_heads;
+  const int64_t parts = std::min<int64_t>(heads / kv_heads, (2 * threads + units - 1) / units);
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                              page, tables.data_ptr<int32_t>(), tables.size(1),
                              lens.data_ptr<int32_t>(), heads, kv_heads, d, k_cache.size(1), float(scale), window,
-                             out.data_ptr<float>(), max_keys, batch, chunk};
+                             out.data_ptr<float>(), max_keys, batch, chunk, parts};
   const qmm::Level& lv = level_at(level);
-  at::parallel_for(0, (batch + chunk - 1) / chunk * kv_heads, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t b) {
     std::unique_ptr<float[]> scratch(new float[chunk * qmm::attend_scratch(args)]);
     lv.attend(args, a, b, scratch.get());
   });
