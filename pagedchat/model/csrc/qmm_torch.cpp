@@ -428,9 +428,9 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunks = std::min<int64_t>(batch, (2 * threads + kv_heads - 1) / kv_heads);
   const int64_t chunk = std::min<int64_t>(16, (batch + chunks - 1) / chunks);
-  // Fewer units than that (a chat or two, a model of few KV heads: SmolLM2-135M's three): a group's query heads
-  // split into runs, a unit each, or one thread takes two heads' work while the other waits for it. Per head the
-  // arithmetic is the same; the runs read the group's keys and values once each.
+  // Fewer units than that (a chat or two on a model of few KV heads, as the default model is): a group's query
+  // heads split into runs, a unit each, or one thread takes two KV heads' work while another waits for it. Per
+  // head the arithmetic is the same; the runs read the group's keys and values once each.
   const int64_t units = (batch + chunk - 1) / chunk * kv_heads;
   const int64_t parts = std::min<int64_t>(heads / kv_heads, (2 * threads + units - 1) / units);
   const qmm::AttendArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
