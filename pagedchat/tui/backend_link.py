@@ -65,7 +65,7 @@ class StatusBar(Horizontal):
 
     def loaded(self) -> None:
         self.bar.display = False
-        # Determinate, so that its animation's timer stops: hidden, it still woke the main thread 15 times a
+        # Determinate, so that its animation's timer stops: hidden, it still woke the main thread many times a
         # second to draw nothing, beside the engine's threads.
         self.bar.update(total=1, progress=1)
 

@@ -245,8 +245,9 @@ inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn
 }
 
 // The query heads of one KV head's group share its keys and values: each page is read from memory once for all
-// of them (or for a unit's run of them, where attend splits the groups) and then stays in L1, where a pass per head read every key and value from L2 (or further) once per head.
-// Per head the arithmetic is unchanged, so the results are the same bits.
+// of them (or for a unit's run of them, where attend splits the groups) and then stays in L1, where a pass per
+// head read every key and value from L2 (or further) once per head. Per head the arithmetic is unchanged, so the
+// results are the same bits.
 struct Group {
   int64_t first, size;  // the group's first query head of the sequence, and its heads
   int64_t stride;       // floats between the heads' scores (scratch)
@@ -536,7 +537,7 @@ void QMM_LOCAL(rope_write)(const RopeArgs& a, int64_t t0, int64_t t1) {
 void QMM_LOCAL(attend)(const AttendArgs& a, int64_t unit0, int64_t unit1, float* scratch) {
   const int64_t size = a.heads / a.kv_heads;
   for (int64_t u = unit0; u < unit1; ++u) {
-    const int64_t part = u % a.parts, group = u / a.parts;  // a group's parts side by side: one thread reads its pages
+    const int64_t part = u % a.parts, group = u / a.parts;  // a group's runs side by side, often on one thread
     const int64_t b0 = group / a.kv_heads * a.chunk, b1 = b0 + a.chunk < a.batch ? b0 + a.chunk : a.batch;
     const Chunk c{b0, b1, group % a.kv_heads, part * size / a.parts, (part + 1) * size / a.parts};
     by_page(a.page, [&](auto e) { attend_unit<decltype(e)>(a, c, scratch); });
