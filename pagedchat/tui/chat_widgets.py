@@ -17,7 +17,9 @@ from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.geometry import Size
 from textual.message import Message
+from textual.reactive import Reactive
 from textual.timer import Timer
 from rich.markdown import Markdown as RichMarkdown
 from textual.widget import Widget
@@ -46,6 +48,30 @@ def action_name(method) -> str:
     """The name a Binding gives for an `action_*` method, taken from the method itself: check_action compares
     against this rather than a spelled-out string, so renaming the method breaks where it is named."""
     return method.__name__.removeprefix("action_")
+
+
+def laid_out_size() -> Reactive[Size]:
+    """A virtual size whose change repaints the widget. Textual's own lays the whole screen out again, a frame
+    later, though a layout has just set it to what it laid out: a streaming reply's flush cost two layouts, the
+    second not lent, as the engine's core had been given back. For widgets whose scrollbars and anchoring the
+    layout itself keeps."""
+    return Reactive(Size(0, 0), layout=False)
+
+
+class Blocks(Static):
+    """Markdown blocks drawn by Rich in one Static: a streaming reply's live part, and each part that settled."""
+
+    virtual_size = laid_out_size()
+
+
+class SettledBlocks(Vertical):
+    virtual_size = laid_out_size()
+
+
+class StatsLine(Label):
+    """A reply's stats line, rewritten at each flush while it streams."""
+
+    virtual_size = laid_out_size()
 
 
 class PromptInput(TextArea):
@@ -131,6 +157,8 @@ class MessageView(Vertical, can_focus=True):
         Binding("escape", "back", "Back to input", show=False),
     ]
 
+    virtual_size = laid_out_size()
+
     def __init__(self, message: ChatMessage, index: int, actions: MessageActions | None = None, *,
                  streamed: int | None = None, cores: CoreSource | None = None) -> None:
         """streamed: the message is a reply still being written, this many tokens so far (its view mounted
@@ -153,15 +181,15 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
-        yield Vertical(classes="settled")   # a streaming reply's blocks above its last few (streaming.py)
-        live = Static(classes="live")       # while it streams, its last few blocks
+        yield SettledBlocks(classes="settled")   # a streaming reply's blocks above its last few (streaming.py)
+        live = Blocks(classes="live")            # while it streams, its last few blocks
         live.display = False
         yield live
         yield Markdown(visible_controls(self.message.content), classes="body")
         if self.message.role == "assistant":
             stats = self.message.stats
             line = self._live_line(self._progress()) if self._streaming else stats_line(stats) if stats else ""
-            yield Label(plain(line), classes="stats")
+            yield StatsLine(plain(line), classes="stats")
 
     @property
     def body(self) -> Markdown:
@@ -205,7 +233,7 @@ class MessageView(Vertical, can_focus=True):
             self._settled_text = ""
         rest = text[len(self._settled_text):]
         if cut := settle_point(rest):
-            await self.settled.mount(Static(RichMarkdown(rest[:cut]), classes="settled-part"))
+            await self.settled.mount(Blocks(RichMarkdown(rest[:cut]), classes="settled-part"))
             self._settled_text += rest[:cut]
             rest = rest[cut:]
         live, final = (rest, "") if streaming else ("", rest)

@@ -19,7 +19,7 @@ from textual import events
 from textual.containers import VerticalScroll
 from textual.widget import Widget
 
-from pagedchat.tui.chat_widgets import MessageView
+from pagedchat.tui.chat_widgets import MessageView, laid_out_size
 from pagedchat.tui.conversation import ChatMessage
 
 PAGE_SCREENS = 1.5     # a page of messages, mounted at once, is about this many screens of rows
@@ -56,6 +56,8 @@ def newer_page(messages: list[ChatMessage], start: int, rows: int, width: int) -
 
 class MessageList(VerticalScroll):
     """The chat's log: the views of messages[start:end], in order, each knowing its index."""
+
+    virtual_size = laid_out_size()   # its scrollbars and its anchor at the end are set by the layout
 
     def __init__(self, messages: Callable[[], list[ChatMessage]],
                  make_view: Callable[[ChatMessage, int], MessageView],

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from textual.app import App
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
 
+from pagedchat.tui import chat_widgets
 from pagedchat.tui.chat_widgets import MessageView
+from pagedchat.tui.message_list import MessageList
 from pagedchat.tui.conversation import ChatMessage
 from pagedchat.tui.streaming import SETTLE_LINES, settle_point
+
+TCSS = Path(chat_widgets.__file__).with_name("pagedchat.tcss")
 
 
 def guide(items: int) -> str:
@@ -166,3 +172,48 @@ async def test_each_flush_borrows_a_core_and_gives_it_back_once_its_text_is_draw
             await pilot.pause(0.3)   # past the flush and its screen update
             assert cores.borrowed == cores.given_back == i + 1
             assert cores.shown_at_give_back[-1] == text
+
+
+async def test_a_flush_lays_the_screen_out_once():
+    """Textual lays the screen out again, a frame later, when a layout changes a widget's virtual size. A reply's
+    widgets and the chat's list repaint instead (the layout set that size), so a flush costs one layout."""
+    # A question taller than the screen: the list scrolls from the start (its scrollbar's coming is a layout too).
+    messages = [ChatMessage("user", "\n\n".join(f"line {i}" for i in range(60))), ChatMessage("assistant", "")]
+
+    class Chat(App):
+        CSS_PATH = TCSS   # the app's heights: replies as tall as their text, the list scrolling
+
+        def compose(self):
+            yield MessageList(lambda: messages, lambda message, index: MessageView(message, index), lambda: None)
+
+    app = Chat()
+    async with app.run_test(size=(140, 45)) as pilot:
+        log = app.query_one(MessageList)
+        await log.show_last()
+        log.anchor()
+        view = log.view_at(1)
+        await view.start_stream()
+        await pilot.pause(0.3)
+        screen, layouts, flushes = app.screen, [], []
+        lay_out, flushed = screen._refresh_layout, view._flushed
+
+        def counted_layout(*args, **kwargs):
+            if screen._layout_required:   # a layout, not a scroll's reflow
+                layouts.append(1)
+            return lay_out(*args, **kwargs)
+
+        def counted_flush(*args):
+            flushes.append(1)
+            return flushed(*args)
+
+        screen._refresh_layout, view._flushed = counted_layout, counted_flush
+        # One paragraph, growing by a few wrapped lines a flush: nothing settles (a settled part's mount is a layout
+        # of its own), while the reply and the list's scrollable height grow at each flush.
+        words = [f"word{i}" for i in range(1000)]
+        for i in range(10):
+            view.feed(" ".join(words[i * 100:(i + 1) * 100]) + " ", 100)
+            await pilot.pause(0.3)
+        await pilot.pause(1.5)   # the last flush, and a frame for any layout after it
+        assert view.shown_source == " ".join(words) + " " and len(view.settled.children) == 0
+        assert len(flushes) >= 2 and len(layouts) == len(flushes)
+        assert log.scroll_y == log.max_scroll_y > 0   # at the end as it grew
