@@ -72,7 +72,8 @@ class MessageList(VerticalScroll):
 
     @property
     def views(self) -> list[MessageView]:
-        return list(self.query_children(MessageView))
+        # Its children looked at, not queried: view_at runs at each batch of a reply's updates.
+        return [child for child in self.children if isinstance(child, MessageView)]
 
     @staticmethod
     def child_of(parent: Widget) -> MessageList | None:
@@ -83,7 +84,7 @@ class MessageList(VerticalScroll):
     def view_at(self, index: int | None) -> MessageView | None:
         if index is None or not self.start <= index < self.end:
             return None
-        return next((v for v in self.children if isinstance(v, MessageView) and v.index == index), None)
+        return next((v for v in self.views if v.index == index), None)
 
     def _older_page(self, end: int, pages: float = 1) -> int:
         return older_page(self._messages(), end, *self._page_size(pages))
