@@ -301,7 +301,8 @@ class MessageView(Vertical, can_focus=True):
         return f"generating · {self._streamed_tokens} tokens"
 
     async def _flush(self) -> None:
-        if not self._streaming:
+        # A flush due after its tab was hidden renders nothing: the text waits, and on_show draws it.
+        if not self._streaming or not self.shown:
             self._flush_timer = None
             return
         # The main thread's own CPU time: waiting for its turn on a busy machine is not rendering work.
