@@ -5,9 +5,11 @@ is typed into a new chat, and the reply line's tok/s is read from what the app s
 in this process, answers the same conversation with the same parameters. Rounds alternate, as everywhere in
 the bench, because the machines are shared.
 
-With tabs > 1, a new tab for each further prompt, sent as soon as the one before has started (the replies start
-a second or so apart); the figure on both sides is the sum of the replies' rates (the engine alone gets all of
-its chats at once, so the first replies' head start, alone, favours the app a little).
+With tabs > 1, a new tab for each further prompt, typed but not sent; then the tabs are sent one after another, the
+last first, so that the replies start within a fraction of a second, as the engine alone's do (it gets all of its
+chats at once). Sent as each tab was built, the first reply ran alone, then beside the building of the others, and
+a later one's window took in the next one's start: the ratio measured the start more than four tabs generating.
+The figure on both sides is the sum of the replies' rates.
 While all of them stream (each has shown text, and none has ended), a key is typed in the input now and then,
 and the time until the terminal shows it is the key's echo.
 """
@@ -41,7 +43,7 @@ MORE_PROMPTS = (
 DEFAULT_MAX_TOKENS = 450
 START = "from pagedchat.cli import main; raise SystemExit(main())"
 PLACEHOLDER = b"Enter sends"  # the prompt input's placeholder: the app is up and its input shown
-NEW_CHAT, BACKSPACE = "\x0e", "\x7f"   # ctrl+n
+NEW_CHAT, PREVIOUS_CHAT, BACKSPACE = "\x0e", "\x1b[5;5~", "\x7f"   # ctrl+n, ctrl+pageup
 ECHO_KEY = "\u00a4"   # typed to time its echo: a character no reply writes
 ECHO_EVERY_S = 0.25
 # How often the app's file is read for the replies' end. The figures are the app's own, so a late look changes
@@ -52,8 +54,8 @@ TIMEOUT_S = 300.0
 
 
 def wait_until(condition: Callable[[], object], what: str, timeout: float = TIMEOUT_S, every: float = 0.05,
-               nudge: Callable[[], None] | None = None):
-    """Poll condition() until it returns something true; nudge() (if given) runs about once a second."""
+               nudge: Callable[[], None] | None = None, nudge_every: float = 1.0):
+    """Poll condition() until it returns something true; nudge() (if given) runs about every nudge_every s."""
     deadline = time.monotonic() + timeout
     last_nudge = 0.0
     while True:
@@ -62,7 +64,7 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = TIME
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        if nudge is not None and time.monotonic() - last_nudge > 1.0:
+        if nudge is not None and time.monotonic() - last_nudge > nudge_every:
             nudge()
             last_nudge = time.monotonic()
         time.sleep(every)
@@ -276,11 +278,14 @@ def _drive(term: Terminal, data: Path, prompts: list[str]):
                 raise TimeoutError("timed out waiting for a new tab")
             time.sleep(0.3)   # focus arrives just after the first paint
         term.type(prompt)
-        # Enter again until the message is taken (the model may still be loading).
+    for count in range(1, len(prompts) + 1):
+        if count > 1:
+            term.type(PREVIOUS_CHAT)
+        # Enter again until the message is taken: the model may still be loading, or the tab just shown not yet
+        # have its input focused (an Enter before then is lost).
         wait_until(lambda: len(replying(_chats(data))) >= count, f"reply {count} to start",
-                   nudge=lambda: term.type("\r"))
-    # Keys are timed while every tab streams: not before, while the last tab is still being built and its prompt
-    # read, nor once a reply has ended.
+                   nudge=lambda: term.type("\r"), nudge_every=0.1 if count > 1 else 1.0)
+    # Keys are timed while every tab streams: not before every reply has shown text, nor once one has ended.
     wait_until(lambda: (chats := _chats(data)) and (finished(chats) or all(streaming(chats))), "the replies to stream",
                every=0.1)
     echoes = []
