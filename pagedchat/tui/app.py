@@ -15,6 +15,7 @@ time. What is saved when is marked through a Saver.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -396,6 +397,7 @@ class PagedChatApp(App):
         self.exit()
 
     def on_unmount(self) -> None:
+        gc.unfreeze()   # what BackendLink.arrived froze: another app in this process (tests) must not leak it
         self._remove_exit_signals()
         if self.backend is not None:
             self.backend.shutdown()

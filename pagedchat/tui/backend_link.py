@@ -8,6 +8,7 @@ back as messages the app hands to `BackendLink`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Callable
 
@@ -119,6 +120,12 @@ class BackendLink:
             self.error_said = None
         self.backend = backend
         status.loaded()
+        # What exists now (the app's widgets, its chats, the backend's client) lives about as long as the app. Out
+        # of the collector's reach, a full collection while replies stream walks only what came since: each walk
+        # of everything held the main thread for tens of ms, which the engine's threads waited on at a barrier.
+        # The app unfreezes as it ends.
+        gc.collect()
+        gc.freeze()
         return True
 
     def failed(self, error: str) -> None:

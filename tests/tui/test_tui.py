@@ -28,8 +28,8 @@ from pagedchat.tui.screens.modals import ChatSettingsScreen, EditMessageScreen
 from pagedchat.tui.store import DB_NAME, Store
 from pagedchat.tui.transfer import ExportFormat
 from tiny_models import make_tiny_model
-from tui_support import (EngineHold, EngineThrottle, make_config, notices, quick_pilot,  # noqa: F401 (autouse)
-                         screen_text, send, static_text, wait_for)
+from tui_support import (EngineHold, EngineThrottle, chat_once, make_config, notices,  # noqa: F401 (autouse)
+                         quick_pilot, screen_text, scripted_app, send, static_text, wait_for)
 
 SIZE = (100, 32)
 LONG = 400  # tokens: about half a second of generation on a CPU core (EngineHold keeps one running)
@@ -580,3 +580,22 @@ async def test_the_palette_offers_the_chat_commands(config):
         await wait_for(pilot, lambda: "Give this chat a new title" in screen_text(app), "the rename command")
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, RenameScreen), "the rename dialog")
+
+
+async def test_a_full_collection_while_replies_stream_leaves_out_what_the_app_built_before(tmp_path):
+    """Once the backend is up, what the app has built lives about as long as it does: a full collection, which
+    otherwise held the main thread for tens of ms while replies streamed, walks only what came since. The app
+    lets it go as it ends, so that another app in this process leaks nothing."""
+    import gc
+
+    app = scripted_app(tmp_path, ["a short reply"])
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.backend is not None, "the engine")
+        screen, prompt = app.screen, app.active_chat.prompt
+        gc.collect()
+        walked = gc.get_objects(generation=2)
+        assert not any(o is screen or o is prompt for o in walked)
+        del walked
+        session = await chat_once(pilot, "hello")
+        assert session.record.messages[-1].content == "a short reply"
+    assert gc.get_freeze_count() == 0
