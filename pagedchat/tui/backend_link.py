@@ -123,7 +123,8 @@ class BackendLink:
         # What exists now (the app's widgets, its chats, the backend's client) lives about as long as the app. Out
         # of the collector's reach, a full collection while replies stream walks only what came since: each walk
         # of everything held the main thread for tens of ms, which the engine's threads waited on at a barrier.
-        # The app unfreezes as it ends.
+        # Unfrozen first, so that a backend this one replaces can go; the app unfreezes as it ends.
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
         return True
