@@ -109,15 +109,23 @@ struct PanelBlock {
 
 // Activation rows quantized per 32 inputs, as llama.cpp's Q8_0 does: int8 codes q, the block's scale d, and d *
 // (sum of the codes) per 16 inputs, which turns a weight's per-block offset into one multiply (s32 the same per
-// 32, for weights with one offset per block). The sums are stored by column, so that one load holds a block's
-// sums for several activation rows.
+// 32, for weights with one offset per block). Everything is stored block by block, the rows of a block side by
+// side: a tile's rows then lie at fixed offsets from one address, which a tile of many rows needs to keep its
+// sums in registers (with a pointer per row, the addresses spilled), and one load holds a block's sums for
+// several rows.
 struct Activations {
-  const int8_t* q;    // [m][k]
-  const float* d32;   // [m][k / 32]
+  const int8_t* q;    // [k / 32][m][32]
+  const float* d32;   // [k / 32][m]
   const float* s16;   // [k / 16][m]
   const float* s32;   // [k / 32][m]
   int64_t k, m;
 };
+
+namespace {
+// Row i's codes of block j, and their scale.
+inline const int8_t* codes_at(const Activations& x, int64_t i, int64_t j) { return x.q + 32 * (j * x.m + i); }
+inline const float* scale_at(const Activations& x, int64_t i, int64_t j) { return x.d32 + j * x.m + i; }
+}  // namespace
 
 // The KV pages' element types (kernels/kv_pages.py). An int8 row of a token's KV head is head_dim codes, then its
 // float32 scale's 4 bytes.

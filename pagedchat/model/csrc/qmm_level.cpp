@@ -287,8 +287,8 @@ void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8
     for (int64_t j = 0; j < k / 32; ++j) {
       for (int64_t i = r0; i < r1; ++i) {
         int sums[2];
-        const float d = quantize_block(x + i * k + 32 * j, q + i * k + 32 * j, sums);
-        d32[i * k / 32 + j] = d;
+        const float d = quantize_block(x + i * k + 32 * j, q + 32 * (j * m + i), sums);
+        d32[j * m + i] = d;
         s16[(2 * j) * m + i] = d * float(sums[0]);
         s16[(2 * j + 1) * m + i] = d * float(sums[1]);
         s32[j * m + i] = d * float(sums[0] + sums[1]);
@@ -419,15 +419,14 @@ constexpr bool TWO_OFFSETS = T == Q6_K;  // one per 16; every other type has one
 
 template <int T, int R>
 inline Block step256(const uint8_t* row, int64_t j, const Activations& x, int64_t i0, __m256* acc) {
-  const int64_t k = x.k;
   const Block b = block<T>(row, j);
   const __m256i u = SIGNED<T> ? _mm256_sign_epi8(b.u, b.u) : b.u;
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + r;
-    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * k + 32 * j));
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_at(x, i, j)));
     if (SIGNED<T>) q = _mm256_sign_epi8(q, b.u);
     const __m256 p = _mm256_cvtepi32_ps(dot256(u, q));
-    acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(b.a, _mm256_broadcast_ss(x.d32 + i * k / 32 + j)), acc[r]);
+    acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(b.a, _mm256_broadcast_ss(scale_at(x, i, j))), acc[r]);
   }
   return b;
 }
@@ -441,11 +440,13 @@ void store(const float* partial, int64_t i0, float* y, int64_t ldy) {
 
 constexpr int ROWS = 16;  // 16 accumulators and two blocks fit in AVX-512's 32 registers
 
-// The panel's vectors on AVX-512: 16 weight rows, one per 32-bit lane; 12 activation rows a pass.
+// The panel's vectors on AVX-512: 16 weight rows, one per 32-bit lane. A pass takes up to TILE activation rows, an
+// accumulator each beside a unit's code vectors; TILE_UNITS2 for the types of two scale units a block (Q6_K),
+// whose widest tiles ran slower (docs/bench.md).
 struct PanelIsa {
   using I = __m512i;
   using F = __m512;
-  static constexpr int ROWS = 16, TILE = 12;
+  static constexpr int ROWS = 16, TILE = 16, TILE_UNITS2 = 12;
 #if defined(__AVX512VNNI__)
   static constexpr bool DPBUSD = true;
 #else
@@ -517,11 +518,13 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
     const __mmask64 negative = SIGNED<T> ? _mm512_movepi8_mask(w) : 0;
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
-      __m512i q = _mm512_loadu_si512(x.q + i * k + 32 * j);
+      __m512i q = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_at(x, i, j)))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_at(x, i, j + 1))), 1);
       if (SIGNED<T>) q = _mm512_mask_sub_epi8(q, negative, _mm512_setzero_si512(), q);
       const __m512 p = _mm512_cvtepi32_ps(dot512(u, q));
-      const float* d = x.d32 + i * k / 32 + j;  // the two blocks' scales, each over its 8 lanes
-      const __m512 d16 = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(d[1]), 1);
+      const __m512 d16 =  // the two blocks' scales, each over its 8 lanes
+          _mm512_insertf32x8(_mm512_set1_ps(*scale_at(x, i, j)), _mm256_set1_ps(*scale_at(x, i, j + 1)), 1);
       acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(a, d16), acc[r]);
     }
     if (TWO_OFFSETS<T>) {
@@ -557,7 +560,7 @@ constexpr int ROWS = 8;  // 8 accumulators and a block fit in AVX2's 16 register
 struct PanelIsa {
   using I = __m256i;
   using F = __m256;
-  static constexpr int ROWS = 8, TILE = 8;
+  static constexpr int ROWS = 8, TILE = 8, TILE_UNITS2 = 8;
 #if defined(__AVXVNNI__)
   static constexpr bool DPBUSD = true;
 #else
@@ -665,6 +668,7 @@ struct Packed {
   static constexpr int PER = B::K ? 8 : 1;                 // blocks of 32 per file block
   static constexpr int UNITS = TWO_OFFSETS<T> ? 2 : 1;     // scale units per block of 32
   static constexpr int N = 8 / UNITS;                      // code vectors per unit
+  static constexpr int TILE = UNITS == 2 ? V::TILE_UNITS2 : V::TILE;  // the most activation rows a pass takes
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
   // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
   static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
@@ -821,10 +825,10 @@ __attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const type
                                                     const Activations& x, int64_t i0, int64_t j, int h,
                                                     const Dot& dot) {
   using V = PanelIsa;
-  const int64_t k = x.k, m = x.m;
+  const int64_t m = x.m;
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    acc[r] = V::fmadd(V::cvt(dot(r)), V::mul(terms.a, V::bcastf(x.d32 + (i0 + r) * k / 32 + j)), acc[r]);
+    acc[r] = V::fmadd(V::cvt(dot(r)), V::mul(terms.a, V::bcastf(scale_at(x, i0 + r, j))), acc[r]);
   if constexpr (S::OFFSET) {
     const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
 #pragma GCC unroll 16
@@ -839,7 +843,6 @@ template <int R, class S>
 __attribute__((always_inline)) inline void step_dots(const S& s, const Activations& x, int64_t i0, int64_t j,
                                                      PanelIsa::I (&dots)[R][S::STEP][S::UNITS]) {
   using V = PanelIsa;
-  const int64_t k = x.k;
   V::I pairs[R][S::STEP];  // maddubs results summed in int16, G at a time
 #pragma GCC unroll 8
   for (int d = 0; d < 8; ++d) {
@@ -850,7 +853,7 @@ __attribute__((always_inline)) inline void step_dots(const S& s, const Activatio
     for (int t = 0; t < S::STEP; ++t)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const V::I b = V::bcast4(x.q + (i0 + r) * k + 32 * (j + t) + 4 * d);
+        const V::I b = V::bcast4(codes_at(x, i0 + r, j + t) + 4 * d);
         const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[t]), V::sign8(b, w[t])) : V::maddubs(w[t], b);
         pairs[r][t] = e % S::G == 0 ? p : V::add16(pairs[r][t], p);
         if (e % S::G == S::G - 1) dots[r][t][h] = V::widen(e < S::G ? V::izero() : dots[r][t][h], pairs[r][t]);
@@ -865,7 +868,6 @@ template <int R, class S>
 void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
                 bool fetch) {
   using V = PanelIsa;
-  const int64_t k = x.k;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
   // Few rows without VNNI, where the decoding's instructions show: the blocks that share fields take their dots
@@ -887,41 +889,50 @@ void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t 
         typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
         for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
         add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
-                       [&](int r) { return S::dot(w, x.q + (i0 + r) * k + 32 * j + 4 * S::N * h); });
+                       [&](int r) { return S::dot(w, codes_at(x, i0 + r, j) + 4 * S::N * h); });
       }
     }
   }
   for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
 }
 
-// Every tile of TILE activation rows against a panel's lane groups (one source each, Packed or Buffered), over
-// blocks [j0, j1), each pass taking the groups in turn; the first pass fetches ahead where asked.
+// The activation rows a tile takes: m split into as few tiles of at most S::TILE rows as can be, all but the last
+// of one height (16 rows as 16, 20 as 10 and 10, not 16 and 4, a tile's decoding shared by few rows).
+template <class S>
+int64_t tile_height(int64_t m) {
+  const int64_t tiles = (m + S::TILE - 1) / S::TILE;
+  return (m + tiles - 1) / tiles;
+}
+
+// Every tile of activation rows (tile_height) against a panel's lane groups (one source each, Packed or
+// Buffered), over blocks [j0, j1), each pass taking the groups in turn; the first pass fetches ahead where asked.
 template <class S>
 void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int64_t ldy, int64_t j0, int64_t j1,
                  bool fetch) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
-  for (int64_t i = 0; i < m; i += TILE)
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
+  const int64_t height = tile_height<S>(m);
+  for (int64_t i = 0; i < m; i += height)
     for (int g = 0; g < GROUPS; ++g)
-      by_rows<TILE>(m - i < TILE ? m - i : TILE, [&](auto rows) {
+      by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
         panel_tile<decltype(rows)::value>(groups[g], x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
                                           fetch && i == 0 && g == 0);
       });
 }
 
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
-// every activation row, TILE rows a pass. A pass takes each lane group in turn, so that the panel's outputs of
-// those rows are written whole at once: a line of them written by one group and completed by the next a pass over
-// every row later has left the cache by then, at a prompt's many rows. One tile decodes its codes in registers
+// every activation row, a tile of rows (tile_height) a pass. A pass takes each lane group in turn, so that the
+// panel's outputs of those rows are written whole at once: a line of them written by one group and completed by
+// the next a pass over every row later has left the cache by then, at a prompt's many rows. One tile decodes its codes in registers
 // as it goes; more than one decode them once into a buffer, SPAN blocks at a time (a stack buffer L1 holds
 // beside the tiles' activations), and every tile reads them there.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = PanelIsa::TILE;
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
   constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
   const int64_t nb = x.k / 32;
   const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
-  if (m <= TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
+  if (m <= Packed<T>::TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
     for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
       Packed<T> groups[GROUPS];
       for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
@@ -982,7 +993,6 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
   using S = Buffered<T>;
   constexpr int64_t CHUNK = 8;
   constexpr int UNIT_BYTES = 4 * S::N;
-  const int64_t k = x.k;
   alignas(64) int32_t dots[CHUNK * S::UNITS][AMX_TILE_ROWS][16];
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
@@ -991,7 +1001,7 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
     for (int64_t j = c0; j < c1; ++j)
       for (int h = 0; h < S::UNITS; ++h) {
         _tile_zero(0);
-        _tile_loadd(1, x.q + i0 * k + 32 * j + UNIT_BYTES * h, k);
+        _tile_loadd(1, codes_at(x, i0, j) + UNIT_BYTES * h, 32);
         _tile_loadd(2, s.at(j, S::N * h), 64);
         _tile_dpbsud(0, 1, 2);
         _tile_stored(0, dots[(j - c0) * S::UNITS + h], 64);
@@ -1085,16 +1095,15 @@ void add_offsets(const float* c16, const Activations& x, float* y, int64_t ldy) 
 
 void dot_row(const Decoded& w, bool is_signed, const Activations& x, int64_t i, float* y) {
   const int64_t k = x.k;
-  const int8_t* q = x.q + i * k;
-  const float* d32 = x.d32 + i * k / 32;
   float sum = 0.f;
   for (int64_t g = 0; g < k / 16; ++g) {
+    const int8_t* q = codes_at(x, i, g / 2) + 16 * (g % 2);
     int32_t dot = 0;
     for (int l = 0; l < 16; ++l) {
       const int32_t u = is_signed ? int32_t(int8_t(w.u[16 * g + l])) : int32_t(w.u[16 * g + l]);
-      dot += u * int32_t(q[16 * g + l]);
+      dot += u * int32_t(q[l]);
     }
-    sum += w.a16[g] * float(dot) * d32[g / 2];
+    sum += w.a16[g] * float(dot) * *scale_at(x, i, g / 2);
   }
   *y = sum;
 }

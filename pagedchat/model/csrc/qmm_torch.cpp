@@ -204,7 +204,7 @@ int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, (1 << 12) / k); 
 template <typename Make>
 Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorOptions& options,
                         const qmm::Level& lv, const Make& make) {
-  Quantized a{at::empty({m, k}, options.dtype(at::kChar)), at::empty({m, k / 32}, options),
+  Quantized a{at::empty({k / 32, m, 32}, options.dtype(at::kChar)), at::empty({k / 32, m}, options),
               at::empty({k / 16, m}, options), at::empty({k / 32, m}, options), {}};
   int8_t* qs = a.q.data_ptr<int8_t>();
   float *ds = a.d32.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
