@@ -441,8 +441,8 @@ void store(const float* partial, int64_t i0, float* y, int64_t ldy) {
 constexpr int ROWS = 16;  // 16 accumulators and two blocks fit in AVX-512's 32 registers
 
 // The panel's vectors on AVX-512: 16 weight rows, one per 32-bit lane. A pass takes up to TILE activation rows, an
-// accumulator each beside a unit's code vectors; TILE_UNITS2 for the types of two scale units a block (Q6_K),
-// whose widest tiles ran slower (docs/bench.md).
+// accumulator each beside a unit's code vectors; TILE_UNITS2 where the codes come from a buffer and a block has
+// two scale units (Q6_K): such tiles ran slower at the full height (docs/bench.md).
 struct PanelIsa {
   using I = __m512i;
   using F = __m512;
@@ -668,7 +668,7 @@ struct Packed {
   static constexpr int PER = B::K ? 8 : 1;                 // blocks of 32 per file block
   static constexpr int UNITS = TWO_OFFSETS<T> ? 2 : 1;     // scale units per block of 32
   static constexpr int N = 8 / UNITS;                      // code vectors per unit
-  static constexpr int TILE = UNITS == 2 ? V::TILE_UNITS2 : V::TILE;  // the most activation rows a pass takes
+  static constexpr int TILE = V::TILE;  // the most activation rows a pass takes
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
   // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
   static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
@@ -793,6 +793,7 @@ struct Buffered : Packed<T> {
 
   uint8_t* at(int64_t j, int v) const { return buffer + BYTES * (j - j0) + int64_t(sizeof(V::I)) * v; }
   static constexpr int STEP = 1;
+  static constexpr int TILE = P::UNITS == 2 ? V::TILE_UNITS2 : V::TILE;  // the most activation rows a pass takes
   void fill(int64_t j1, bool fetch) const {
     for (int64_t j = j0; j < j1; j += P::STEP) {
       if (fetch)
