@@ -923,9 +923,9 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
 // every activation row, a tile of rows (tile_height) a pass. A pass takes each lane group in turn, so that the
 // panel's outputs of those rows are written whole at once: a line of them written by one group and completed by
-// the next a pass over every row later has left the cache by then, at a prompt's many rows. One tile decodes its codes in registers
-// as it goes; more than one decode them once into a buffer, SPAN blocks at a time (a stack buffer L1 holds
-// beside the tiles' activations), and every tile reads them there.
+// the next a pass over every row later has left the cache by then, at a prompt's many rows. One tile decodes its
+// codes in registers as it goes; more than one decode them once into a buffer, SPAN blocks at a time (a stack
+// buffer L1 holds beside the tiles' activations), and every tile reads them there.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
