@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import dataclasses
+import gc
 import itertools
 import re
 import sqlite3
@@ -586,8 +587,6 @@ async def test_a_full_collection_while_replies_stream_leaves_out_what_the_app_bu
     """Once the backend is up, what the app has built lives about as long as it does: a full collection, which
     otherwise held the main thread for tens of ms while replies streamed, walks only what came since. The app
     lets it go as it ends, so that another app in this process leaks nothing."""
-    import gc
-
     app = scripted_app(tmp_path, ["a short reply"])
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend is not None, "the engine")

@@ -122,8 +122,12 @@ struct Activations {
 };
 
 namespace {
+// Bytes from a row's codes of a block to the next row's (a block's 32 codes): the stride of a tile of rows.
+constexpr int64_t CODES_STRIDE = 32;
 // Row i's codes of block j, and their scale.
-inline const int8_t* codes_at(const Activations& x, int64_t i, int64_t j) { return x.q + 32 * (j * x.m + i); }
+inline const int8_t* codes_at(const Activations& x, int64_t i, int64_t j) {
+  return x.q + CODES_STRIDE * (j * x.m + i);
+}
 inline const float* scale_at(const Activations& x, int64_t i, int64_t j) { return x.d32 + j * x.m + i; }
 }  // namespace
 

@@ -287,7 +287,7 @@ void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8
     for (int64_t j = 0; j < k / 32; ++j) {
       for (int64_t i = r0; i < r1; ++i) {
         int sums[2];
-        const float d = quantize_block(x + i * k + 32 * j, q + 32 * (j * m + i), sums);
+        const float d = quantize_block(x + i * k + 32 * j, q + CODES_STRIDE * (j * m + i), sums);
         d32[j * m + i] = d;
         s16[(2 * j) * m + i] = d * float(sums[0]);
         s16[(2 * j + 1) * m + i] = d * float(sums[1]);
@@ -1002,7 +1002,7 @@ void amx_tile(const Buffered<T>& s, const Activations& x, int64_t i0, float* y, 
     for (int64_t j = c0; j < c1; ++j)
       for (int h = 0; h < S::UNITS; ++h) {
         _tile_zero(0);
-        _tile_loadd(1, codes_at(x, i0, j) + UNIT_BYTES * h, 32);
+        _tile_loadd(1, codes_at(x, i0, j) + UNIT_BYTES * h, CODES_STRIDE);
         _tile_loadd(2, s.at(j, S::N * h), 64);
         _tile_dpbsud(0, 1, 2);
         _tile_stored(0, dots[(j - c0) * S::UNITS + h], 64);
