@@ -862,39 +862,46 @@ __attribute__((always_inline)) inline void step_dots(const S& s, const Activatio
   }
 }
 
-// R activation rows against a panel's weight rows, one per lane, over blocks [j0, j1): y[(i0 + r) * ldy + lane],
-// the sums carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as
-// one pass over every block).
-template <int R, class S>
-void panel_tile(const S& s, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
+// R activation rows against G lane groups of a panel (groups[g] the weight rows of y's lanes from PanelIsa::ROWS
+// g on), one weight row per lane, over blocks [j0, j1): y[(i0 + r) * ldy + PanelIsa::ROWS * g + lane], the sums
+// carried on from y's where j0 > 0 (a float stored and read back is the same float: the same bits as one pass
+// over every block). Each group's sums take the same operations in the same order whatever G is.
+template <int R, int G, class S>
+void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0, int64_t j1,
                 bool fetch) {
   using V = PanelIsa;
-  typename V::F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy) : V::zero();
+  typename V::F acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy + V::ROWS * g) : V::zero();
   // Few rows without VNNI, where the decoding's instructions show: the blocks that share fields take their dots
-  // together, in registers. The VNNI levels read a row no faster this way (docs/bench.md).
-  if constexpr (S::STEP > 1 && R * S::STEP * S::UNITS <= 8 && !PanelIsa::DPBUSD) {
+  // together, in registers (a group's at a time; counting every group's, so that they fit). The VNNI levels read
+  // a row no faster this way (docs/bench.md).
+  if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= 8 && !PanelIsa::DPBUSD) {
     for (int64_t j = j0; j < j1; j += S::STEP) {
       if (fetch)
-        for (int t = 0; t < S::STEP; ++t) s.fetch_ahead(j + t);
+        for (int t = 0; t < S::STEP; ++t) groups[0].fetch_ahead(j + t);
       typename V::I dots[R][S::STEP][S::UNITS];
-      step_dots<R>(s, x, i0, j, dots);
-      for (int t = 0; t < S::STEP; ++t)
-        for (int h = 0; h < S::UNITS; ++h)
-          add_unit<R, S>(acc, s.terms(j + t, h), x, i0, j + t, h, [&](int r) { return dots[r][t][h]; });
+      for (int g = 0; g < G; ++g) {
+        step_dots<R>(groups[g], x, i0, j, dots);
+        for (int t = 0; t < S::STEP; ++t)
+          for (int h = 0; h < S::UNITS; ++h)
+            add_unit<R, S>(acc[g], groups[g].terms(j + t, h), x, i0, j + t, h, [&](int r) { return dots[r][t][h]; });
+      }
     }
   } else {
     for (int64_t j = j0; j < j1; ++j) {
-      if (fetch) s.fetch_ahead(j);
-      for (int h = 0; h < S::UNITS; ++h) {
-        typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
-        for (int d = 0; d < S::N; ++d) w[d] = s.code(j, S::N * h + d);
-        add_unit<R, S>(acc, s.terms(j, h), x, i0, j, h,
-                       [&](int r) { return S::dot(w, codes_at(x, i0 + r, j) + 4 * S::N * h); });
-      }
+      if (fetch) groups[0].fetch_ahead(j);
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < S::UNITS; ++h) {
+          typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
+          for (int d = 0; d < S::N; ++d) w[d] = groups[g].code(j, S::N * h + d);
+          add_unit<R, S>(acc[g], groups[g].terms(j, h), x, i0, j, h,
+                         [&](int r) { return S::dot(w, codes_at(x, i0 + r, j) + 4 * S::N * h); });
+        }
     }
   }
-  for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy, acc[r]);
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy + V::ROWS * g, acc[g][r]);
 }
 
 // The activation rows a tile takes: m split into as few tiles of at most S::TILE rows as can be, all but the last
@@ -915,8 +922,8 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
   for (int64_t i = 0; i < m; i += height)
     for (int g = 0; g < GROUPS; ++g)
       by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
-        panel_tile<decltype(rows)::value>(groups[g], x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
-                                          fetch && i == 0 && g == 0);
+        panel_tile<decltype(rows)::value, 1>(groups + g, x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
+                                             fetch && i == 0 && g == 0);
       });
 }
 
@@ -925,11 +932,14 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
 // panel's outputs of those rows are written whole at once: a line of them written by one group and completed by
 // the next a pass over every row later has left the cache by then, at a prompt's many rows. One tile decodes its
 // codes in registers as it goes; more than one decode them once into a buffer, SPAN blocks at a time (a stack
-// buffer L1 holds beside the tiles' activations), and every tile reads them there.
+// buffer L1 holds beside the tiles' activations), and every tile reads them there. Up to ONE_PASS_ROWS rows (a
+// few chats' decode step, or one chat's with a draft) take every lane group in one pass, block by block: with a
+// pass per group, the later groups re-read the panel from the cache while no fetch ran ahead, and the step waited
+// on memory and on the arithmetic in turn. More rows would spill both groups' accumulators.
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, ONE_PASS_ROWS = 4;
   constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
   const int64_t nb = x.k / 32;
   const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
@@ -937,7 +947,13 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
     for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
       Packed<T> groups[GROUPS];
       for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
-      tile_passes(groups, x, m, y + n, ldy, 0, nb, true);
+      if (m <= ONE_PASS_ROWS) {
+        by_rows<ONE_PASS_ROWS>(m, [&](auto rows) {
+          panel_tile<decltype(rows)::value, GROUPS>(groups, x, 0, y + n, ldy, 0, nb, true);
+        });
+      } else {
+        tile_passes(groups, x, m, y + n, ldy, 0, nb, true);
+      }
     }
     return;
   }
