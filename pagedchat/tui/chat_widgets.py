@@ -178,8 +178,12 @@ class MessageView(Vertical, can_focus=True):
         self._settled_text = ""     # the text the settled Statics show, in order
         self._live_text = ""        # the text the live Static shows
         self._unrendered: str | None = None   # a final text that waits for the view to be shown
+        # Composing reads the message afresh (the chat keeps its text current), so until then a reply's text
+        # and its end need nothing from the view: a view mounted mid-reply is told of them from its creation.
+        self._composed = False
 
     def compose(self) -> ComposeResult:
+        self._composed = True
         yield Label("You" if self.message.role == "user" else "Assistant", classes="role")
         yield SettledBlocks(classes="settled")   # a streaming reply's blocks above its last few (streaming.py)
         live = Blocks(classes="live")            # while it streams, its last few blocks
@@ -252,7 +256,7 @@ class MessageView(Vertical, can_focus=True):
 
     async def start_stream(self, prefix: str = "") -> None:
         """Begin a reply (prefix: text it already has, as when a branch continues a live reply)."""
-        if prefix:
+        if prefix and self._composed:
             await self._show(prefix)
         self._streaming = True
         self._unrendered = None
@@ -281,6 +285,8 @@ class MessageView(Vertical, can_focus=True):
         """Queue text for the next flush; cheap, called once per batch of updates. A view nobody can see (its
         tab is not the one shown) only queues: it renders what came when it is shown (on_show)."""
         self._streamed_tokens += tokens
+        if not self._composed:
+            return
         if text:
             self._pending.append(text)
         if self._flush_timer is None and self.shown:
@@ -343,6 +349,8 @@ class MessageView(Vertical, can_focus=True):
         self._streaming = False
         self.message.content = content
         self.message.stats = stats
+        if not self._composed:
+            return
         self.set_stats(stats_line(stats) if stats else "")
         self._unrendered = content
         if self.shown:

@@ -82,9 +82,9 @@ class MessageList(VerticalScroll):
         return next((child for child in parent.children if isinstance(child, MessageList)), None)
 
     def view_at(self, index: int | None) -> MessageView | None:
-        if index is None or not self.start <= index < self.end:
-            return None
-        return next((v for v in self.views if v.index == index), None)
+        """Message `index`'s view while it is among the list's children: a page being mounted is there before
+        `start` and `end` take it in, and a reply's update or end meanwhile is for its view all the same."""
+        return next((v for v in self.views if v.index == index), None) if index is not None else None
 
     def _older_page(self, end: int, pages: float = 1) -> int:
         return older_page(self._messages(), end, *self._page_size(pages))

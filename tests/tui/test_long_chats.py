@@ -184,8 +184,11 @@ async def test_a_reply_scrolled_out_of_the_list_streams_on_when_scrolled_back(tm
             await load_newer(pilot, chat)
         view = chat.view_at(reply)
         assert session.busy and view.streaming
+        await wait_for(pilot, lambda: view.is_mounted, "the reply's new view mounted")
         shown = len(view.shown_source)
         await wait_for(pilot, lambda: len(view.shown_source) > shown, "the reply growing in its new view")
+        # What it shows is the reply so far, with nothing missed or repeated while it was being mounted.
+        assert session.record.messages[reply].content.startswith(view.shown_source)
 
         await pilot.press("escape")
         await wait_for(pilot, lambda: not session.busy, "the reply stopped")

@@ -137,6 +137,46 @@ async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
         assert not view.streaming
 
 
+class EmptyList(App):
+    def compose(self):
+        yield VerticalScroll()
+
+
+def reply_so_far(text: str) -> tuple[ChatMessage, MessageView]:
+    """A live reply's message and a view of it made mid-reply, as a page mounted on a scroll back makes it."""
+    message = ChatMessage("assistant", text)
+    return message, MessageView(message, 0, streamed=len(text.split()))
+
+
+def take(message: ChatMessage, view: MessageView, text: str) -> None:
+    """What the chat does with a reply's update: the message's text first, then the view told."""
+    message.content += text
+    view.feed(text, len(text.split()))
+
+
+async def test_a_view_told_of_its_reply_before_it_composes_shows_each_word_once():
+    app = EmptyList()
+    async with app.run_test(size=(140, 45)) as pilot:
+        message, view = reply_so_far("one two ")
+        take(message, view, "three ")   # the view is in the list, not yet composed
+        await app.query_one(VerticalScroll).mount(view)
+        take(message, view, "four")
+        await pilot.pause(0.3)   # past the flush
+        assert view.streaming and shown_text(view) == "one two three four"
+        assert "4 tokens" in str(view.query_one(".stats").content)
+
+
+async def test_a_reply_that_ends_before_its_view_composes_shows_its_end():
+    app = EmptyList()
+    async with app.run_test(size=(140, 45)) as pilot:
+        message, view = reply_so_far("one two ")
+        await view.finish("one two three", None)
+        await app.query_one(VerticalScroll).mount(view)
+        await pilot.pause()
+        assert not view.streaming and shown_text(view) == "one two three"
+        assert "generating" not in str(view.query_one(".stats").content)
+
+
 class Cores:
     """A CoreSource that counts, and notes what the view showed when each core came back."""
 
