@@ -14,10 +14,8 @@ time. What is saved when is marked through a Saver.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -49,12 +47,12 @@ from pagedchat.tui.screens.modals import UnsavedQuitScreen
 from pagedchat.tui.session import ChatSession
 from pagedchat.tui.store import BUSY_TIMEOUT_S, Store
 from pagedchat.tui.tabs import ChatTabs, TabHooks
+from pagedchat.tui.terminal import install_exit_signals, remove_exit_signals, terminal_driver
 from pagedchat.tui.themes import load_themes
 
 TICK_S = 0.25          # inspector refresh and page-ownership polling
 DRAFT_S = 2.0          # each chat's unsent input is saved this often, if it changed
 RECONNECT_S = 3.0      # a server that could not be reached is tried again this often, in the background
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
 
 def default_backend_factory(config: AppConfig) -> BackendFactory:
@@ -162,7 +160,7 @@ class PagedChatApp(App):
     async def on_mount(self) -> None:
         self.store = self._open_store()
         self.saver = Saver(self.store, lambda text, severity: self.notify(text, severity=severity, timeout=10))
-        self._install_exit_signals()
+        install_exit_signals(self._exit_on_signal)
         self.prompt_history = PromptHistory(self.store.recent_prompts())
         hooks = TabHooks(self._new_record, lambda: self.theme_variables, self._chat_changed,
                          lambda: self.refresh_memory(force=True))
@@ -369,21 +367,8 @@ class PagedChatApp(App):
         self.keep_drafts()
 
     # ---- signals and the end ----------------------------------------------------------------------------------
-    def _install_exit_signals(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-            for sig in EXIT_SIGNALS:
-                loop.add_signal_handler(sig, self._exit_on_signal)
-        except (NotImplementedError, RuntimeError, ValueError):  # no signals here, or not the main thread
-            pass
-
-    def _remove_exit_signals(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-            for sig in EXIT_SIGNALS:
-                loop.remove_signal_handler(sig)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass
+    def get_driver_class(self):
+        return terminal_driver(super().get_driver_class())   # one that survives its terminal's hang-up
 
     def _exit_on_signal(self) -> None:
         """SIGTERM, or SIGHUP (the terminal closed): save each live reply as it stands, marked interrupted
@@ -398,7 +383,7 @@ class PagedChatApp(App):
 
     def on_unmount(self) -> None:
         gc.unfreeze()   # what BackendLink.arrived froze: another app in this process (tests) must not leak it
-        self._remove_exit_signals()
+        remove_exit_signals()
         if self.backend is not None:
             self.backend.shutdown()
         if self.store is not None:
