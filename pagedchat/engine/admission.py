@@ -26,6 +26,7 @@ class Match:
     cpu: tuple[int, ...]
     source: int | None = None   # the cached page whose first `partial` tokens the admission copies
     partial: int = 0
+    ready: bool = True          # False: this step's forward pass writes the source, so it is copied next step
 
     @property
     def pages(self) -> int:
@@ -71,8 +72,8 @@ def common_match(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[
     start = pages * groups[0].block_size + partial
     # A window group maps nothing its window no longer reaches from the start (the match inside a page moves
     # it), so an admission holds no more pages than a running chat's window and chunk.
-    return [replace(m, partial=partial, source=m.source if partial else None).from_page(group.first_needed(start))
-            for group, m in zip(groups, matches)]
+    return [replace(m, partial=partial, source=m.source if partial else None, ready=m.ready or not partial)
+            .from_page(group.first_needed(start)) for group, m in zip(groups, matches)]
 
 
 def _plan(groups: tuple[GroupPool, ...], hashes: list[int], tokens: list[int], token_budget: int,
@@ -90,10 +91,12 @@ def _fits(groups: tuple[GroupPool, ...], matches: list[Match], num_tokens: int) 
 @dataclass(frozen=True)
 class Admission:
     """Where an admitted sequence starts computing (the tokens before are cached), and how many tokens it
-    computes this step: 0 when it was not admitted. The scheduler sets its num_computed to start."""
+    computes this step: 0 when it was not admitted, for want of room or because it waits for a page this step
+    writes. The scheduler sets its num_computed to start."""
 
     start: int
     num_tokens: int
+    waits: bool = False
 
 
 def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> Admission:
@@ -101,12 +104,15 @@ def admit(groups: tuple[GroupPool, ...], seq: Sequence, token_budget: int) -> Ad
     Admission of 0 tokens) when a group has no room.
 
     The last prompt token is always computed: its logits pick the first new token. The first group counts the
-    prefix-cache lookup of a sequence whose lookup is not counted yet (seq.prefix_counted).
+    prefix-cache lookup of a sequence whose lookup is not counted yet (seq.prefix_counted). A prompt whose best
+    match ends inside a page that this step writes waits for the next (engine/scheduler.py).
     """
     first = groups[0]
     bs = first.block_size
     hashes = chain_hashes(seq.token_ids, bs, (len(seq.token_ids) - 1) // bs)
     matches, start, n = _plan(groups, hashes, seq.token_ids, token_budget, partial_page=True)
+    if not all(m.ready for m in matches):
+        return Admission(start, 0, waits=True)
     fits = n > 0 and _fits(groups, matches, start + n)
     if not fits and n > 0 and matches[0].partial:
         # Copying a partial page pins its source beside the fresh page it is copied into: in a pool with no page

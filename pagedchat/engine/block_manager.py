@@ -157,7 +157,7 @@ class BlockManager:
         parent = hashes[match.pages - 1] if match.pages else None
         limit = min(self.block_size - 1, len(tokens) - 1 - start)
         best, best_n = self.prefix.partial(parent, tokens[start:start + limit] if limit > 0 else [])
-        return Match(match.skip, match.gpu, match.cpu, best, best_n)
+        return Match(match.skip, match.gpu, match.cpu, best, best_n, best is None or self.prefix.written(best))
 
     def fits(self, match: Match, num_tokens: int) -> bool:
         """Whether the pool has the pages that mapping match and growing to num_tokens take."""

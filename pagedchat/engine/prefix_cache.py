@@ -72,20 +72,23 @@ class PrefixCache:
 
     def partial(self, parent: int | None, tokens: list[int]) -> tuple[int | None, int]:
         """(page, n): the published page after `parent` whose first n tokens match the most of `tokens`, or
-        (None, 0). A page published this step is skipped: mapping it is safe the step it is written (attention
-        reads after every write), but copying it is not (copies run before the forward pass writes it)."""
+        (None, 0); of equal matches, one written before this step. A page published this step may be mapped
+        the step it is written (attention reads after every write), but copied only from the next (copies run
+        before the forward pass writes it): see written()."""
         best, best_n = None, 0
         for page in self.children.get(parent, ()) if tokens else ():
-            if page in self.fresh:
-                continue
             n = 0
             for a, b in zip(self.pool.pages[page].tokens, tokens):
                 if a != b:
                     break
                 n += 1
-            if n > best_n:
+            if n > best_n or (n == best_n and best in self.fresh and page not in self.fresh):
                 best, best_n = page, n
         return best, best_n
+
+    def written(self, page: int) -> bool:
+        """Whether page's content was written by a step before this one."""
+        return page not in self.fresh
 
     def end_step(self) -> None:
         """The step's forward pass wrote the pages published in it: they may be copy sources from now on."""

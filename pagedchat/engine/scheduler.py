@@ -4,6 +4,10 @@ Every step has a token budget. Running sequences go first, oldest first: a decod
 prompt being prefilled takes what the budget leaves after every running decode has its token (chunked
 prefill), so a long paste never stalls the other chats. Then swapped-out and waiting sequences join.
 
+A waiting sequence whose prompt continues into a page that this step's forward pass writes (a shared system
+prompt's last page, while its first chat computes it) waits a step: the page can be copied only once written,
+and computing the tokens it holds instead would do that work once for every chat that came with the first.
+
 The batch is shared per request: a request's n replies count as one request running n sequences (its share).
 - Joining: the queued sequence whose request runs the fewest goes first (a swapped one before a waiting one
   among equals, then in queue order), so a new request never waits behind another's n replies.
@@ -29,6 +33,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from pagedchat.engine.admission import Admission
 from pagedchat.engine.ngram import Speculation
 from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.pages import CopyPlan
@@ -169,10 +174,11 @@ class Scheduler:
                 return False
         return True
 
-    def _next_in(self) -> Sequence | None:
-        """The queued sequence to join next: its request runs the fewest; swapped first, then queue order."""
+    def _next_in(self, held: set[Sequence] = frozenset()) -> Sequence | None:
+        """The queued sequence to join next, of those not held: its request runs the fewest; swapped first, then
+        queue order."""
         shares = self._shares()
-        queued = [*self.swapped, *self.waiting]
+        queued = [s for s in (*self.swapped, *self.waiting) if s not in held]
         return min(queued, key=lambda s: shares[s.request], default=None)  # min keeps the first of equals
 
     def _share_slots(self) -> None:
@@ -197,31 +203,38 @@ class Scheduler:
 
     def _join(self, plan: StepPlan, budget: int) -> None:
         """Swapped and waiting sequences join while the budget, the batch and the pool allow; the first that
-        does not fit stops the others (a smaller one behind it would otherwise keep a long prompt out)."""
-        while budget > 0 and len(self.running) < self.max_seqs and (seq := self._next_in()) is not None:
+        does not fit stops the others (a smaller one behind it would otherwise keep a long prompt out). One that
+        waits for a page this step writes lets the others by."""
+        held: set[Sequence] = set()
+        while budget > 0 and len(self.running) < self.max_seqs and (seq := self._next_in(held)) is not None:
             if seq.status is SeqStatus.SWAPPED:
                 n = min(seq.num_uncomputed, budget)
                 if not self.pages.swap_in(seq, n):
                     return
                 self.swapped.remove(seq)
             else:
-                n = self._admit(seq, budget)
-                if n == 0:
+                admission = self._admit(seq, budget)
+                if admission.waits:
+                    held.add(seq)
+                    continue
+                if admission.num_tokens == 0:
                     return
+                n = admission.num_tokens
                 self.waiting.remove(seq)
             self._insert_running(seq)
             self._schedule(plan, seq, n)
             budget -= n
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admit a waiting seq with its cached prefix: the tokens it computes this step, 0 if it has no room."""
+    def _admit(self, seq: Sequence, budget: int) -> Admission:
+        """Admit a waiting seq with its cached prefix: how many tokens it computes this step (0 if it has no room
+        or waits)."""
         admission = self.pages.admit(seq, budget)
         if admission.num_tokens:
             self.set_computed(seq, admission.start)
             if not seq.prefix_counted:  # its first admission: what the prefix cache served it
                 seq.prefix_counted = True
                 seq.cached_tokens = admission.start
-        return admission.num_tokens
+        return admission
 
     def _insert_running(self, seq: Sequence) -> None:
         """Keep running in arrival order: the oldest are scheduled first."""

@@ -95,8 +95,10 @@ def test_prefix_inside_a_page_is_copied_not_recomputed():
     a = make_seq(system + toks(14, 1), "a")  # its second page fills up: a full page can be offered
     prefill(bm, a)
     late = make_seq(system + toks(6, 2), "late")
-    assert prefill(bm, late) == 10, "a page written in this very step cannot be copied yet"
-    bm.free_seq(late)
+    used = bm.pool.num_available()
+    admission = bm.admit(late, 10**6)
+    assert admission.waits and admission.num_tokens == 0, "a page written in this very step is copied next step"
+    assert table_of(late) == [] and bm.pool.num_available() == used, "a waiting admission takes nothing"
     bm.end_step()
     bm.take_ops()
     b = make_seq(system + toks(6, 2), "b")

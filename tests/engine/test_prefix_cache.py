@@ -52,7 +52,7 @@ def test_a_run_takes_gpu_pages_then_cpu_pages_and_stops_at_a_gap():
     assert c.run(hashes, 0, 5) == ([6, 7], [cpu_pages[0]]), "a GPU page after a CPU one ends the run"
 
 
-def test_partial_picks_the_longest_match_after_the_parent_and_skips_fresh_pages():
+def test_partial_picks_the_longest_match_after_the_parent_and_prefers_written_pages():
     c = cache()
     prompt = toks(BS) + [1, 2, 3, 9]
     hashes = chain_hashes(prompt, BS, 1)
@@ -60,15 +60,19 @@ def test_partial_picks_the_longest_match_after_the_parent_and_skips_fresh_pages(
     far = toks(BS) + [1, 7, 7, 7]
     c.publish(3, chain_hashes(near, BS, 2), 1, near)
     c.publish(4, chain_hashes(far, BS, 2), 1, far)
-    assert c.partial(hashes[0], prompt[BS:]) == (None, 0), "both were written this step"
-    c.end_step()
     assert c.partial(hashes[0], prompt[BS:]) == (3, 2)
+    assert not c.written(3), "published this step: its forward pass writes it"
+    c.end_step()
+    assert c.written(3) and c.partial(hashes[0], prompt[BS:]) == (3, 2)
     assert c.partial(None, prompt[BS:]) == (None, 0), "no page follows the root with those tokens"
     assert c.partial(hashes[0], []) == (None, 0)
-    c.publish(5, chain_hashes(prompt, BS, 2), 1, prompt)  # written by this step's forward pass
-    assert c.partial(hashes[0], prompt[BS:]) == (3, 2), "a page published this step is not a copy source yet"
+    tie = toks(BS) + [1, 2, 8, 8]
+    c.publish(6, chain_hashes(tie, BS, 2), 1, tie)
+    assert c.partial(hashes[0], prompt[BS:]) == (3, 2), "of equal matches, the page already written"
+    c.publish(5, chain_hashes(prompt, BS, 2), 1, prompt)
+    assert c.partial(hashes[0], prompt[BS:]) == (5, 4) and not c.written(5), "the longest, though written this step"
     c.end_step()
-    assert c.partial(hashes[0], prompt[BS:]) == (5, 4)
+    assert c.written(5) and c.partial(hashes[0], prompt[BS:]) == (5, 4)
 
 
 def test_recent_lookups_keep_the_last_64():

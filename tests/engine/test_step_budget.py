@@ -1,0 +1,47 @@
+"""A step's token budget (engine/scheduler.py): sized in time by a StepTimer, and not spent on tokens that a
+page being written this step will serve next step."""
+
+from __future__ import annotations
+
+from fake_engine import make_seq, toks
+from pagedchat.engine.block_manager import BlockManager
+from pagedchat.engine.page_groups import PageGroups
+from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.sequence import SeqStatus
+
+BS = 16
+
+
+def run(scheduler: Scheduler, pages: PageGroups) -> StepPlan:
+    """One step without a model: plan it, count its chunks computed and append a token where one is sampled,
+    end it."""
+    plan = scheduler.schedule()
+    for item in plan.scheduled:
+        scheduler.set_computed(item.seq, item.seq.num_computed + item.num_tokens)
+        if item.samples:
+            item.seq.token_ids.append(1)
+    pages.end_step()
+    return plan
+
+
+def chunks(plan: StepPlan) -> dict[str, int]:
+    return {item.seq.request_id: item.num_tokens for item in plan.scheduled}
+
+
+def test_chats_continuing_into_a_page_written_this_step_wait_for_it_and_let_others_by():
+    """Chats that come with the first on one system prompt, which ends inside a page: the first computes it, the
+    others wait one step and then copy that page, computing their own tokens alone. A chat on another prompt,
+    queued behind them, is not held up."""
+    pages = PageGroups((BlockManager(64, BS),))
+    scheduler = Scheduler(pages, max_tokens_per_step=512, max_seqs=8)
+    system = toks(2 * BS + 8)
+    first = make_seq(system + toks(10, 1), "first")
+    same = [make_seq(system + toks(5, 2 + i), f"same{i}") for i in range(3)]
+    other = make_seq(toks(20, 9), "other")
+    for seq in (first, *same, other):
+        scheduler.add(seq)
+    assert chunks(run(scheduler, pages)) == {"first": 50, "other": 20}
+    assert all(seq.status is SeqStatus.WAITING and not seq.prefix_counted for seq in same)
+    assert chunks(run(scheduler, pages)) == {"first": 1, "other": 1, **{seq.request_id: 5 for seq in same}}
+    assert [seq.cached_tokens for seq in same] == [len(system)] * 3
+    assert pages.counters.cow_copies == 3
