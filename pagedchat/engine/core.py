@@ -181,6 +181,7 @@ class EngineCore:
         lock = contextlib.nullcontext() if lock is None else lock
         with lock:
             plan = self.schedule()
+        began = time.perf_counter()
         model.copy_pages(plan.group_ops)  # even for a step that computes nothing: preemptions may plan swap-outs
         self.fault(Phase.COPY)
         tokens: list[Sampled | Exception] = []
@@ -189,7 +190,9 @@ class EngineCore:
             self.fault(Phase.FORWARD)
             tokens = model.sample(plan, logits)
             self.fault(Phase.SAMPLE)
+        seconds = time.perf_counter() - began
         with lock:
+            self.scheduler.observe(plan, seconds)
             return self.postprocess(plan, tokens, time.perf_counter())
 
     def schedule(self) -> StepPlan:

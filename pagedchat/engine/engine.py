@@ -32,7 +32,7 @@ from pagedchat.engine.page_groups import PageGroups
 from pagedchat.engine.params import SamplingParams, sibling_seed
 from pagedchat.engine.records import FinishReason, Outcome, Sampled, Update
 from pagedchat.engine.sampling import Row, Sampler
-from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.scheduler import STEP_SECONDS, Scheduler, StepPlan, StepTimer
 from pagedchat.engine.sequence import Sequence
 from pagedchat.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 from pagedchat.engine.core_loan import CoreLoan
@@ -120,7 +120,8 @@ class Engine:
                  threads: int | None = None, progress: Callable[[str, float | None], None] | None = None,
                  autostart: bool = True, fault_hook: FaultHook | None = None, quantize: str | None = None,
                  release_windows: bool = True, kv_cache_dtype: str | torch.dtype | None = None,
-                 speculative: str | None = "auto", core_loan: CoreLoan | None = None):
+                 speculative: str | None = "auto", core_loan: CoreLoan | None = None,
+                 step_seconds: float | None = STEP_SECONDS):
         speculative = parse_speculative(speculative)
         folder = resolve_model(model, progress)
         self.model_path = folder
@@ -159,7 +160,8 @@ class Engine:
         # Drafts from each chat's own text, verified in one step (engine/ngram.py): "off" turns it off.
         self.speculation = None if speculative == "off" else Speculation(
             speculative, max_context=self.config.max_position_embeddings)
-        self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs, self.speculation)
+        timer = None if step_seconds is None else StepTimer(step_seconds)
+        self.scheduler = Scheduler(self.pages, max_tokens_per_step, max_seqs, self.speculation, timer)
         self.core = EngineCore(self.pages, self.scheduler, Detokenizer(self.tokenizer), self.eos_token_ids,
                                self.config.max_position_embeddings, fault_hook)
         self.sampler = Sampler(self.eos_token_ids)

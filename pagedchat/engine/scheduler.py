@@ -2,7 +2,8 @@
 
 Every step has a token budget. Running sequences go first, oldest first: a decode costs one token, and a
 prompt being prefilled takes what the budget leaves after every running decode has its token (chunked
-prefill), so a long paste never stalls the other chats. Then swapped-out and waiting sequences join.
+prefill), so a long paste never stalls the other chats. Then swapped-out and waiting sequences join. The
+budget is max_tokens_per_step, or with a StepTimer what takes about its seconds, whichever is fewer.
 
 A waiting sequence whose prompt continues into a page that this step's forward pass writes (a shared system
 prompt's last page, while its first chat computes it) waits a step: the page can be copied only once written,
@@ -59,6 +60,39 @@ class ScheduledSeq:
         return 1 + len(self.draft) if self.samples else 0
 
 
+STEP_SECONDS = 0.5  # Engine's default: see StepTimer
+
+
+@dataclass
+class StepTimer:
+    """Sizes a step to take about `seconds`, so that a long paste holds every other chat's next token back by
+    about that long, whatever the model's size and the machine's speed. The seconds a token costs are learnt
+    from the steps that computed at least `least` tokens (smaller ones mostly read the weights), each step's
+    figure averaged with the ones before, so the budget follows a machine that gets busy or a context that
+    grows."""
+
+    seconds: float
+    least: int = 64
+    per_token: float | None = None  # None until a step of `least` tokens has run: the budget is the most
+
+    def __post_init__(self):
+        if not self.seconds > 0:
+            raise ValueError(f"step_seconds must be above 0 (None: every step max_tokens_per_step), not {self.seconds}")
+
+    def tokens(self, most: int) -> int:
+        """This step's budget: at most `most`, at least `least`."""
+        if self.per_token is None:
+            return most
+        return max(min(self.least, most), min(most, int(self.seconds / self.per_token)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step computed `tokens` tokens in `seconds`."""
+        if tokens < self.least or seconds <= 0:
+            return
+        cost = seconds / tokens
+        self.per_token = cost if self.per_token is None else (self.per_token + cost) / 2
+
+
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -76,10 +110,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pages: PageGroups, max_tokens_per_step: int = 512, max_seqs: int = 64,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, timer: StepTimer | None = None):
         self.pages = pages
         self.speculation = speculation
         self.max_tokens_per_step = max(max_tokens_per_step, max_seqs)
+        self.timer = timer
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
@@ -117,11 +152,22 @@ class Scheduler:
     def all_seqs(self) -> list[Sequence]:
         return [*self.running, *self.swapped, *self.waiting]
 
+    def step_tokens(self) -> int:
+        """This step's token budget (module docstring)."""
+        most = self.max_tokens_per_step
+        return most if self.timer is None else self.timer.tokens(most)
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """The plan's model work took `seconds`: what the timer sizes the next steps by."""
+        if self.timer is not None:
+            self.timer.observe(plan.num_tokens, seconds)
+
     def schedule(self) -> StepPlan:
         self.plan = plan = StepPlan()
         self._share_slots()
+        budget = self.step_tokens()
         decodes = sum(1 for s in self.running if s.num_uncomputed == 1)
-        prefill_budget = self.max_tokens_per_step - decodes
+        prefill_budget = budget - decodes
         drafting = self.speculation is not None and self.speculation.active(len(self.running))
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
@@ -134,7 +180,7 @@ class Scheduler:
             # A prefill chunk, even of one token, and a draft come out of the prefill budget.
             prefill_budget -= len(draft) if decode else n
             self._schedule(plan, seq, n + len(draft), draft)
-        self._join(plan, self.max_tokens_per_step - plan.num_tokens)
+        self._join(plan, budget - plan.num_tokens)
         plan.group_ops = self.pages.take_ops()
         return plan
 

@@ -67,6 +67,18 @@ def test_chunked_prompts(tiny_q4, alone, step_tokens):
     engine.shutdown()
 
 
+def test_steps_sized_in_time(tiny_q4, alone):
+    """A step timer whose target no step meets cuts every prompt into chunks of its least tokens, where a step of
+    its most would have taken them whole: the same bits."""
+    steps = []
+    for seconds in (None, 1e-9):
+        engine = Engine(str(tiny_q4), kv_cache_memory="4MiB", autostart=False, step_seconds=seconds)
+        assert differing(run_together(engine, requests()), alone) == []
+        steps.append(engine.steps)
+        engine.shutdown()
+    assert steps[1] > steps[0]
+
+
 @pytest.mark.parametrize("swap", [None, "4MiB"], ids=["recomputed", "swapped"])
 def test_preempted(tiny_q4, alone, swap):
     """A pool too small for every chat at once: chats are preempted, then recomputed or swapped back in."""

@@ -3,10 +3,11 @@ page being written this step will serve next step."""
 
 from __future__ import annotations
 
+import pytest
 from fake_engine import make_seq, toks
 from pagedchat.engine.block_manager import BlockManager
 from pagedchat.engine.page_groups import PageGroups
-from pagedchat.engine.scheduler import Scheduler, StepPlan
+from pagedchat.engine.scheduler import Scheduler, StepPlan, StepTimer
 from pagedchat.engine.sequence import SeqStatus
 
 BS = 16
@@ -45,3 +46,33 @@ def test_chats_continuing_into_a_page_written_this_step_wait_for_it_and_let_othe
     assert chunks(run(scheduler, pages)) == {"first": 1, "other": 1, **{seq.request_id: 5 for seq in same}}
     assert [seq.cached_tokens for seq in same] == [len(system)] * 3
     assert pages.counters.cow_copies == 3
+
+
+def test_a_timer_sizes_steps_from_those_of_its_least_tokens_or_more():
+    timer = StepTimer(seconds=0.5, least=64)
+    assert timer.tokens(512) == 512, "nothing measured yet: the most"
+    timer.observe(32, 10.0)
+    assert timer.tokens(512) == 512, "a step of fewer tokens mostly reads the weights: not a measure"
+    timer.observe(100, 1.0)
+    assert timer.tokens(512) == 64, "0.01 s a token: 50, raised to the least"
+    timer.observe(200, 0.2)
+    assert timer.per_token == (0.01 + 0.001) / 2 and timer.tokens(512) == 90
+    assert timer.tokens(80) == 80 and timer.tokens(32) == 32, "never above the most"
+    with pytest.raises(ValueError, match="step_seconds must be above 0"):
+        StepTimer(seconds=0)
+
+
+def test_a_scheduler_with_a_timer_cuts_a_prompt_into_chunks_of_its_budget():
+    pages = PageGroups((BlockManager(64, BS),))
+    scheduler = Scheduler(pages, max_tokens_per_step=512, max_seqs=8, timer=StepTimer(seconds=1.0, least=64))
+    long, late = make_seq(toks(700), "long"), make_seq(toks(30, 1), "late")
+    scheduler.add(long)
+    plan = run(scheduler, pages)
+    assert chunks(plan) == {"long": 512}
+    scheduler.observe(plan, 512 / 100)  # 100 tokens a second: a second's step is 100 tokens
+    scheduler.add(late)
+    assert chunks(run(scheduler, pages)) == {"long": 100}, "the oldest running prompt takes the budget first"
+    plan = run(scheduler, pages)
+    assert chunks(plan) == {"long": 88, "late": 12}
+    scheduler.observe(plan, 0.01)
+    assert scheduler.step_tokens() == int(1.0 / ((0.01 + 0.0001) / 2)), "averaged with the last step's cost"
