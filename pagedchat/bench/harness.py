@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from pagedchat.backends.local import LocalBackend
-from pagedchat.bench.bandwidth import read_bandwidths
+from pagedchat.bench.bandwidth import read_bandwidth, read_bandwidths
 from pagedchat.bench.options import BenchConfig, BenchError
 from pagedchat.bench.engine_runner import (WARM_REPEATS, EngineRun, cold_prompts, engine_kwargs, new_engine,
                                            run_engine_level, ttft_cold_warm, warm_up)
@@ -126,6 +126,7 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
     prompts = work.prompts[:n]
     label = f"{n} chat{'s' * (n > 1)}"
     rounds, first, cold_warm = [], None, None
+    gauged = n == 1 and cfg.bandwidth  # one chat's decode is bound by memory: its share, round by round
     for r in range(cfg.repeat):
         of = f" · round {r + 1} of {cfg.repeat}" if cfg.repeat > 1 else ""
         if engine is None:  # a fresh engine per round: each starts with a cold prefix cache
@@ -133,6 +134,7 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
         backend = LocalBackend(engine)
         warm_up(backend, work)
         progress.describe(f"{PAGEDCHAT} · {label}{of}")
+        before = _gauge(gauged)
         run: EngineRun = run_engine_level(backend, prompts, cfg.max_tokens, progress, f"c{n}r{r}")
         first = first or run
         if n == top and r == 0:  # the system prompt is cached now
@@ -142,10 +144,13 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
         engine.shutdown()
         engine = None
         gc.collect()
-        results = [RoundResult(PAGEDCHAT, run.stats)]
+        after = _gauge(gauged)
+        results = [RoundResult(PAGEDCHAT, run.stats, _pair(before, after))]
         for runner in every:
             progress.describe(f"{runner.label} · {label}{of}")
-            results.append(RoundResult(runner.key, runner.run(prompts, cfg.max_tokens, progress)))
+            stats = runner.run(prompts, cfg.max_tokens, progress)
+            before, after = after, _gauge(gauged)
+            results.append(RoundResult(runner.key, stats, _pair(before, after)))
         rounds.append(tuple(results))
     ours = median_round([rnd[0].stats for rnd in rounds])
     figures = []
@@ -161,6 +166,15 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
     level = Level(chats=n, prompt_tokens=tuple(len(p) for p in prompts), memory_at_peak=first.peak,
                   sharing=first.sharing, engine=ours, peers=tuple(figures), rounds=tuple(rounds))
     return level, engine, cold_warm
+
+
+def _gauge(on: bool) -> float | None:
+    """The read bandwidth in huge pages now, where on: it moves from minute to minute on some machines."""
+    return read_bandwidth(huge_pages=True) if on else None
+
+
+def _pair(before: float | None, after: float | None) -> tuple[float, float] | None:
+    return None if before is None or after is None else (before, after)
 
 
 def _cold_first_tokens(work: Workload, cold_warm, peers: list[Peer], progress) -> tuple[Timed, ...]:

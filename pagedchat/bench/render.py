@@ -77,11 +77,15 @@ def bandwidth_lines(report: Report) -> list[str]:
     torch_bw = report.machine.read_bandwidth_torch
     if torch_bw is not None:  # the shares are of the huge pages' figure: pagedchat's weights sit in them
         how = f"in huge pages, as pagedchat's weights are; {torch_bw / 2**30:,.1f} in torch's own memory; {how}"
-    line = f"memory read bandwidth {bw / 2**30:,.1f} GiB/s ({how})"
+    line = f"memory read bandwidth {bw / 2**30:,.1f} GiB/s at the start ({how})"
+    around = report.round_bandwidths()
+    if around:
+        line += f"; {min(around) / 2**30:,.1f}-{max(around) / 2**30:,.1f} GiB/s around the one-chat rounds"
     shares = report.bandwidth_shares()
     if shares:
         line += (f"; one chat's decode reads the weights ({size(report.weights.weight_bytes)} a token) at "
-                 + ", ".join(f"{100 * s:.0f}% of it ({label})" for label, s in shares))
+                 + ", ".join(f"{100 * s:.0f}% ({label})" for label, s in shares)
+                 + " of the bandwidth measured just before and after each of its rounds (median)")
     return [line]
 
 

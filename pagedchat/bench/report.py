@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pagedchat.bench.options import BenchConfig
 from pagedchat.bench.engine_runner import ColdWarm
 from pagedchat.bench.capacity import Capacity, DtypeCapacity, PeakAccounting, Sharing, TokenCost, WeightCapacity
-from pagedchat.bench.stats import RunStats
+from pagedchat.bench.stats import RunStats, median
 
 PAGEDCHAT = "pagedchat"  # the runner key of pagedchat's own rounds
 
@@ -24,7 +24,7 @@ class Machine:
     load_average_at_end: tuple[float, ...] | None
     cpu_level: str = ""  # the best level of pagedchat's kernels this CPU runs ("": not built)
     torch_level: str = ""  # the level torch's own CPU kernels run at (SDPA, ...): ATEN_CPU_CAPABILITY lowers it
-    read_bandwidth: float | None = None  # bytes/s a big torch.sum reads on every core, in huge pages (bandwidth.py)
+    read_bandwidth: float | None = None  # bytes/s a big torch.sum reads on every core, in huge pages, at the start
     read_bandwidth_torch: float | None = None  # the same from torch's own allocation; None where no huge pages
 
 
@@ -50,6 +50,16 @@ class WorkloadInfo:
 class RoundResult:
     runner: str        # PAGEDCHAT or a peer runner's key
     stats: RunStats
+    # The read bandwidth in huge pages just before the round and just after it, at one chat (bandwidth.py).
+    read_bandwidth: tuple[float, float] | None = None
+
+    def bandwidth_share(self, weight_bytes: int) -> float | None:
+        """The share of the bandwidth around the round that its decode reached, reading weight_bytes a token."""
+        from pagedchat.bench.bandwidth import share
+
+        if self.read_bandwidth is None:
+            return None
+        return share(weight_bytes, self.stats.decode_tokens_per_s, sum(self.read_bandwidth) / 2)
 
 
 @dataclass(frozen=True)
@@ -105,17 +115,25 @@ class Report:
     page_dtypes: tuple[DtypeCapacity, ...] = ()  # every kv_cache_dtype in this run's KV budget
 
     def bandwidth_shares(self) -> list[tuple[str, float]]:
-        """(label, share) of each runner's one-chat decode in the measured read bandwidth: the weights' bytes
-        read per token times its tokens/s; none without a one-chat level or a measured bandwidth."""
-        from pagedchat.bench.bandwidth import share
-
+        """(label, share) of each alternating runner's one-chat decode in the read bandwidth: the weights' bytes
+        read per token times its tokens/s, over the bandwidth measured around the same round, the median of its
+        rounds. The bandwidth can move from minute to minute, so a share is taken against a measure of the moment.
+        None without a one-chat level or measured bandwidths."""
         one = next((lv for lv in self.levels if lv.chats == 1), None)
         if one is None:
             return []
-        runners = [(PAGEDCHAT, one.engine)] + [(p.label, p.stats) for p in one.peers]
-        shares = [(label, share(self.weights.weight_bytes, stats.decode_tokens_per_s, self.machine.read_bandwidth))
-                  for label, stats in runners]
-        return [(label, s) for label, s in shares if s is not None]
+        labels = {PAGEDCHAT: PAGEDCHAT, **{p.runner: p.label for p in one.peers}}
+        out = []
+        for key, label in labels.items():
+            shares = [s for rnd in one.rounds for res in rnd if res.runner == key
+                      if (s := res.bandwidth_share(self.weights.weight_bytes)) is not None]
+            if shares:
+                out.append((label, median(shares)))
+        return out
+
+    def round_bandwidths(self) -> list[float]:
+        """Every read bandwidth measured around the one-chat rounds, in bytes/s."""
+        return [bw for lv in self.levels for rnd in lv.rounds for res in rnd for bw in res.read_bandwidth or ()]
 
     @property
     def peer_labels(self) -> list[tuple[str, str]]:

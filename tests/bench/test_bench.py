@@ -332,29 +332,42 @@ def test_tables_render(tiny_llama, monkeypatch):
     assert "**1. What one token costs**" in md and "| chats | runner |" in md and md.count("|---:|") >= 1
     assert rep.machine.read_bandwidth > 0 and "memory read bandwidth " in text
     assert rep.machine.read_bandwidth_torch is None or rep.machine.read_bandwidth_torch > 0
+    around = [res.read_bandwidth for rnd in rep.levels[0].rounds for res in rnd]
+    assert len(around) == 2 and all(len(pair) == 2 and min(pair) > 0 for pair in around)
+    assert around[0][1] == around[1][0], "one measure between two runners' rounds: after the one, before the next"
+    assert "GiB/s around the one-chat rounds" in md
 
 
-def test_the_header_gives_each_runners_share_of_the_bandwidth_at_one_chat(tiny_llama, monkeypatch):
+def test_the_header_gives_each_runners_share_of_the_bandwidth_around_its_one_chat_rounds(tiny_llama, monkeypatch):
     import dataclasses
 
     monkeypatch.setitem(LOADERS, "llama.cpp", _stand_in_llamacpp)
     rep = run_bench(BenchConfig(model=str(tiny_llama), chats=(1, 2), max_tokens=MAX_TOKENS,
                                 system_tokens=SYSTEM_TOKENS, against=("llama.cpp",), kv_cache_memory="1MiB",
-                                startup=False, bandwidth=False))
+                                startup=False, bandwidth=False, repeat=2))
     assert rep.machine.read_bandwidth is None and rep.machine.read_bandwidth_torch is None  # not measured
-    # the stand-in decodes 100 tok/s: with 10 MiB/s, weights of w bytes take w * 100 / 10 MiB of it
-    rep = dataclasses.replace(rep, machine=dataclasses.replace(rep.machine, read_bandwidth=10 * 2**20,
-                                                               read_bandwidth_torch=8 * 2**20))
+    assert rep.bandwidth_shares() == [] and rep.round_bandwidths() == []
+    # Each round its own bandwidth: 10 MiB/s around the first (8 before, 12 after), 20 around the second.
+    mib = 2**20
+    around = [(8 * mib, 12 * mib), (16 * mib, 24 * mib)]
+    one = rep.levels[0]
+    rounds = tuple(tuple(dataclasses.replace(res, read_bandwidth=bw) for res in rnd)
+                   for rnd, bw in zip(one.rounds, around))
+    rep = dataclasses.replace(rep, levels=(dataclasses.replace(one, rounds=rounds), *rep.levels[1:]),
+                              machine=dataclasses.replace(rep.machine, read_bandwidth=40 * mib,
+                                                          read_bandwidth_torch=30 * mib))
     weights = rep.weights.weight_bytes
-    ours = rep.levels[0].engine.decode_tokens_per_s * weights / (10 * 2**20)
-    assert rep.bandwidth_shares() == [("pagedchat", pytest.approx(ours)),
-                                      ("llama.cpp, shared prompt", pytest.approx(weights * 100 / (10 * 2**20)))]
+    ours = [rnd[0].stats.decode_tokens_per_s * weights / (bw * mib) for rnd, bw in zip(rounds, (10, 20))]
+    theirs = [weights * 100 / (bw * mib) for bw in (10, 20)]  # the stand-in decodes 100 tok/s
+    assert rep.bandwidth_shares() == [("pagedchat", pytest.approx(sum(ours) / 2)),
+                                      ("llama.cpp, shared prompt", pytest.approx(sum(theirs) / 2))]
     line = next(line for line in header_lines(rep) if line.startswith("memory read bandwidth"))
-    assert line.startswith("memory read bandwidth 0.0 GiB/s (in huge pages, as pagedchat's weights are; 0.0 in "
-                           "torch's own memory; a 1 GiB torch.sum on every core, best of 5); "
-                           "one chat's decode reads the weights (")
-    assert line.endswith(f"a token) at {100 * ours:.0f}% of it (pagedchat), "
-                         f"{100 * weights * 100 / (10 * 2**20):.0f}% of it (llama.cpp, shared prompt)")
+    assert line.startswith("memory read bandwidth 0.0 GiB/s at the start (in huge pages, as pagedchat's weights "
+                           "are; 0.0 in torch's own memory; a 1 GiB torch.sum on every core, best of 5); "
+                           "0.0-0.0 GiB/s around the one-chat rounds; one chat's decode reads the weights (")
+    assert line.endswith(f"a token) at {50 * sum(ours):.0f}% (pagedchat), {50 * sum(theirs):.0f}% (llama.cpp, "
+                         "shared prompt) of the bandwidth measured just before and after each of its rounds (median)")
+    assert rep.round_bandwidths() == [8 * mib, 12 * mib] * 2 + [16 * mib, 24 * mib] * 2
     without = dataclasses.replace(rep, machine=dataclasses.replace(rep.machine, read_bandwidth=None))
     assert not any(line.startswith("memory read bandwidth") for line in header_lines(without))
 
