@@ -36,7 +36,7 @@ settings: config.toml in the user config dir (see README); flags override it.
 
 ASK_MAX_TOKENS = 512
 ENGINE_FLAGS = ("model", "kv_cache_memory", "swap_space", "device", "dtype", "kv_cache_dtype", "threads", "quantize",
-                "max_seqs", "speculative")
+                "max_seqs", "speculative", "step_seconds")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
@@ -65,6 +65,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, default=None) -> None:
     p.add_argument("--speculative", choices=("auto", "ngram", "off"), default=default,
                    help="draft tokens from the chat's own text and verify them in one step (docs/speculative.md); "
                    "auto: while few chats run (default), ngram: always, off: never")
+    p.add_argument("--step-seconds", type=positive_float, metavar="SECONDS", default=default,
+                   help="how long a step that prefills a prompt takes, about: a long prompt holds the other "
+                   "chats' next tokens back that long (default: 0.5; more gives prompts bigger steps)")
     p.add_argument("--quantize", choices=("int4", "int8"), default=default,
                    help="pack a safetensors model's weights group-wise (weight-only; changes its numbers). GGUF "
                    "files keep their own quantization without it")

@@ -12,6 +12,7 @@ Example `config.toml` (every key optional):
     threads = 2                                      # torch threads on the CPU; default: adapts to the load
     max_seqs = 64                                    # sequences in one batch (--max-num-seqs)
     speculative = "auto"                             # drafts from the chat's own text: auto, ngram or off
+    step_seconds = 0.5                               # how long a step with a prompt in it takes, about
     system_prompt = "You are a helpful assistant."   # for new chats
     theme = "pagedchat-dark"                         # used until a theme is picked in the app
     server = "http://127.0.0.1:8000/v1"              # an OpenAI-compatible server instead of the local engine
@@ -38,6 +39,7 @@ This module imports nothing heavy: `pagedchat --help` reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from pagedchat.argtypes import KV_CACHE_DTYPES
 from pagedchat.engine.ngram import parse_speculative
+from pagedchat.engine.scheduler import STEP_SECONDS
 from pagedchat.engine.params import CHAT_FIELDS, SamplingSettings, fields_problem
 from pagedchat.errors import PagedChatError
 from pagedchat.paths import config_dir, data_dir
@@ -82,6 +85,7 @@ class EngineOptions:
     quantize: str | None = None              # int4 / int8: pack a safetensors model's weights group-wise
     max_seqs: int = 64                       # sequences in one batch (serve's --max-num-seqs, vLLM's name)
     speculative: str = "auto"                # n-gram drafts from the chat's own text: auto, ngram or off
+    step_seconds: float = STEP_SECONDS       # a step's tokens take about this long (docs/memory.md#chunked-prefill)
 
     def kwargs(self) -> dict:
         """Engine's keyword arguments (plain values: they also cross to the engine process)."""
@@ -136,7 +140,7 @@ class AppConfig:
 # The TOML schema: key -> accepted types. Checked by hand so an error names the key and the file.
 _TOP = {"model": (str,), "kv_cache_memory": (str, int), "swap_space": (str, int), "block_size": (int,),
         "device": (str,), "dtype": (str,), "kv_cache_dtype": (str,), "threads": (int,), "quantize": (str,),
-        "max_seqs": (int,), "speculative": (str,),
+        "max_seqs": (int,), "speculative": (str,), "step_seconds": (int, float),
         "system_prompt": (str,), "theme": (str,), "server": (str,), "api_key": (str,)}
 _KIND_NAMES = {str: "string", int: "whole number", float: "number"}   # in words: "must be a int" read oddly
 # [sampling]: the settings a chat keeps, as engine/params.py declares them (TOML has no null: an unset seed is
@@ -178,6 +182,8 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     for key in ("block_size", "threads", "max_seqs"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")
+    if not (math.isfinite(out.get("step_seconds", 1)) and out.get("step_seconds", 1) > 0):
+        raise ConfigError(f"{source}: step_seconds must be a number of seconds above 0, not {out['step_seconds']!r}")
     if out.get("kv_cache_dtype", "auto").lower() not in KV_CACHE_DTYPES:
         raise ConfigError(f"{source}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
                           f"{out['kv_cache_dtype']!r}")

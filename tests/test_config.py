@@ -48,6 +48,9 @@ def test_explicit_path_must_exist(tmp_path):
     ("max_seqs = 0", "max_seqs must be at least 1"),
     ("kv_cache_dtype = 'fp4'", "kv_cache_dtype must be one of auto, float32, bfloat16, int8, not 'fp4'"),
     ("speculative = 'sometimes'", "speculative must be one of auto, ngram, off"),
+    ("step_seconds = 0", "step_seconds must be a number of seconds above 0, not 0"),
+    ("step_seconds = inf", "step_seconds must be a number of seconds above 0, not inf"),
+    ("step_seconds = 'fast'", "step_seconds must be a number, not 'fast'"),
     ("[sampling]\ntemperature = 'hot'", "temperature must be a number, not 'hot'"),
     ("[keys]\nnew_chat = 3", r"\[keys\]"),
     ("sampling = 3", r"\[sampling\] must be a table"),
@@ -148,6 +151,16 @@ def test_keys_textual_reports_are_bindings(keys):
 def test_keys_textual_never_reports_are_refused_with_the_reason(keys, problem):
     """Accepted silently before, such a binding never fired and the action lost its key."""
     assert (binding_problem(keys) or "").startswith(problem)
+
+
+def test_step_seconds_is_an_engine_setting_and_a_flag(tmp_path):
+    """config.toml's step_seconds reaches the engine's options, and --step-seconds overrides it."""
+    from pagedchat.cli import build_parser
+
+    (tmp_path / "config.toml").write_text("step_seconds = 2\n")
+    assert load_config(tmp_path / "config.toml").engine.kwargs()["step_seconds"] == 2.0
+    args = build_parser().parse_args(["ask", "--step-seconds", "0.25", "hi"])
+    assert load_config(tmp_path / "config.toml", step_seconds=args.step_seconds).engine.step_seconds == 0.25
 
 
 def test_speculative_is_an_engine_setting_and_a_flag(tmp_path):

@@ -31,6 +31,7 @@ steps, verified drafts and forks (tests/engine/test_scheduler.py holds both rule
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -76,8 +77,9 @@ class StepTimer:
     per_token: float | None = None  # None until a step of `least` tokens has run: the budget is the most
 
     def __post_init__(self):
-        if not self.seconds > 0:
-            raise ValueError(f"step_seconds must be above 0 (None: every step max_tokens_per_step), not {self.seconds}")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"step_seconds must be a number of seconds above 0 (None: every step "
+                             f"max_tokens_per_step), not {self.seconds}")
 
     def tokens(self, most: int) -> int:
         """This step's budget: at most `most`, at least `least`."""

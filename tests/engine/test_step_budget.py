@@ -58,7 +58,7 @@ def test_a_timer_sizes_steps_from_those_of_its_least_tokens_or_more():
     timer.observe(200, 0.2)
     assert timer.per_token == (0.01 + 0.001) / 2 and timer.tokens(512) == 90
     assert timer.tokens(80) == 80 and timer.tokens(32) == 32, "never above the most"
-    with pytest.raises(ValueError, match="step_seconds must be above 0"):
+    with pytest.raises(ValueError, match="step_seconds must be a number of seconds above 0"):
         StepTimer(seconds=0)
 
 
