@@ -32,7 +32,7 @@ def test_it_is_both_faces(backend):
 
 
 def test_prompts_submitted_together_are_admitted_in_one_step(backend):
-    prompts = [backend.prompt_ids(f"question number {i} about pages") for i in range(3)]
+    prompts = [backend.prompt_ids(f"{i} is the number of this question about pages") for i in range(3)]
     seen = []
     replies = backend.submit_ids(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
                                  request_ids=["a", "b", "c"], on_update=seen.append)
@@ -46,6 +46,24 @@ def test_prompts_submitted_together_are_admitted_in_one_step(backend):
     assert [o.generated_tokens for o in outcomes] == [4, 4, 4]
     assert all(o.prompt_tokens == len(p) and o.prefilled_tokens == len(p) for o, p in zip(outcomes, prompts))
     assert sum(u.tokens for u in seen) == 12 and backend.usage().pages_used == 0
+
+
+def test_prompts_sharing_the_start_of_a_page_written_this_step_wait_for_it(backend):
+    """The others copy the shared start of the page the first writes, a step later, rather than compute it."""
+    prompts = [backend.prompt_ids(f"question number {i} about pages") for i in range(3)]
+    shared = next(n for n, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    assert 0 < shared < 16, "the prompts part inside their first page"
+    seen = []
+    replies = backend.submit_ids(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                                 request_ids=["a", "b", "c"], on_update=seen.append)
+    backend.engine.step()
+    assert {u.request_id for u in seen} == {"a"}
+    backend.engine.step()
+    assert {u.request_id for u in seen} == {"a", "b", "c"}
+    drain(backend)
+    outcomes = [r.result(timeout=0) for r in replies]
+    assert [o.cached_tokens for o in outcomes] == [0, shared, shared]
+    assert all(o.prefilled_tokens == len(p) - o.cached_tokens for o, p in zip(outcomes, prompts))
 
 
 def test_a_batch_with_one_request_that_cannot_run_starts_none(backend):
