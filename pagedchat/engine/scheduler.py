@@ -74,7 +74,7 @@ class StepTimer:
 
     seconds: float
     least: int = 64
-    per_token: float | None = None  # None until a step of `least` tokens has run: the budget is the most
+    per_token: float | None = None  # None until a step of `least` tokens has run
 
     def __post_init__(self):
         if not (math.isfinite(self.seconds) and self.seconds > 0):
@@ -82,10 +82,12 @@ class StepTimer:
                              f"max_tokens_per_step), not {self.seconds}")
 
     def tokens(self, most: int) -> int:
-        """This step's budget: at most `most`, at least `least`."""
+        """This step's budget: at most `most`, at least `least`. The least until a step has been measured: the
+        first prompt of a large model on a slow machine would otherwise hold every stream back for seconds."""
+        least = min(self.least, most)
         if self.per_token is None:
-            return most
-        return max(min(self.least, most), min(most, int(self.seconds / self.per_token)))
+            return least
+        return max(least, min(most, int(self.seconds / self.per_token)))
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step computed `tokens` tokens in `seconds`."""

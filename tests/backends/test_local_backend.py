@@ -15,7 +15,8 @@ from pagedchat.errors import PagedChatError, RequestError
 
 @pytest.fixture
 def backend(tiny_llama):
-    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False)  # stepped by hand
+    # Stepped by hand, every step of max_tokens_per_step: tests here count steps.
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False, step_seconds=None)
     yield LocalBackend(engine)
     engine.shutdown()
 

@@ -50,9 +50,9 @@ def test_chats_continuing_into_a_page_written_this_step_wait_for_it_and_let_othe
 
 def test_a_timer_sizes_steps_from_those_of_its_least_tokens_or_more():
     timer = StepTimer(seconds=0.5, least=64)
-    assert timer.tokens(512) == 512, "nothing measured yet: the most"
-    timer.observe(32, 10.0)
-    assert timer.tokens(512) == 512, "a step of fewer tokens mostly reads the weights: not a measure"
+    assert timer.tokens(512) == 64, "nothing measured yet: the least"
+    timer.observe(32, 0.001)
+    assert timer.tokens(512) == 64, "a step of fewer tokens mostly reads the weights: not a measure"
     timer.observe(100, 1.0)
     assert timer.tokens(512) == 64, "0.01 s a token: 50, raised to the least"
     timer.observe(200, 0.2)
@@ -65,14 +65,15 @@ def test_a_timer_sizes_steps_from_those_of_its_least_tokens_or_more():
 def test_a_scheduler_with_a_timer_cuts_a_prompt_into_chunks_of_its_budget():
     pages = PageGroups((BlockManager(64, BS),))
     scheduler = Scheduler(pages, max_tokens_per_step=512, max_seqs=8, timer=StepTimer(seconds=1.0, least=64))
-    long, late = make_seq(toks(700), "long"), make_seq(toks(30, 1), "late")
+    long, late = make_seq(toks(300), "long"), make_seq(toks(90, 1), "late")
     scheduler.add(long)
     plan = run(scheduler, pages)
-    assert chunks(plan) == {"long": 512}
-    scheduler.observe(plan, 512 / 100)  # 100 tokens a second: a second's step is 100 tokens
+    assert chunks(plan) == {"long": 64}, "a first step of the least, to measure"
+    scheduler.observe(plan, 64 / 100)  # 100 tokens a second: a second's step is 100 tokens
     scheduler.add(late)
     assert chunks(run(scheduler, pages)) == {"long": 100}, "the oldest running prompt takes the budget first"
+    run(scheduler, pages)
     plan = run(scheduler, pages)
-    assert chunks(plan) == {"long": 88, "late": 12}
+    assert chunks(plan) == {"long": 36, "late": 64}
     scheduler.observe(plan, 0.01)
     assert scheduler.step_tokens() == int(1.0 / ((0.01 + 0.0001) / 2)), "averaged with the last step's cost"
