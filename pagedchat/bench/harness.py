@@ -169,7 +169,7 @@ def _run_level(cfg: BenchConfig, n: int, top: int, work: Workload, engine, every
 
 
 def _gauge(on: bool) -> float | None:
-    """The read bandwidth in huge pages now, where on: it moves from minute to minute on some machines."""
+    """The read bandwidth in huge pages now, where on: on some machines it moves from one second to the next."""
     return read_bandwidth(huge_pages=True) if on else None
 
 

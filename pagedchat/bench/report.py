@@ -117,8 +117,8 @@ class Report:
     def bandwidth_shares(self) -> list[tuple[str, float]]:
         """(label, share) of each alternating runner's one-chat decode in the read bandwidth: the weights' bytes
         read per token times its tokens/s, over the bandwidth measured around the same round, the median of its
-        rounds. The bandwidth can move from minute to minute, so a share is taken against a measure of the moment.
-        None without a one-chat level or measured bandwidths."""
+        rounds. On some machines the bandwidth moves from one second to the next, so a share is taken against a
+        measure of the moment. None without a one-chat level or measured bandwidths."""
         one = next((lv for lv in self.levels if lv.chats == 1), None)
         if one is None:
             return []
