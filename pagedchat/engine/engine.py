@@ -444,7 +444,7 @@ class Engine:
                 self.failure = error
             self._stopped = True
             handles, self._handles = list(self._handles.values()), {}
-            finals = [h._final_update(self.core.detokenizer.finish(h._seq), reason,
+            finals = [h._final_update(self.core.detokenizer.finish(h._seq)[1], reason,
                                       f"engine stopped: {error}" if error else None) for h in handles]
         for handle, update in zip(handles, finals):  # outside the lock: listeners may call memory()
-            handle._deliver(update)
+            handle._end(update)

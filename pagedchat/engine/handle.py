@@ -30,6 +30,7 @@ class RequestHandle:
     _lock: threading.Lock = field(default_factory=threading.Lock)  # a shutdown may end it from another thread
     _outcome: Outcome | None = None
     _figures: Outcome | None = None  # so far, as of the engine's last step
+    _streamed: tuple[int, int] = (0, 0)  # characters and tokens its updates have carried so far
 
     def cancel(self) -> None:
         self._cancel(self.request_id)
@@ -57,28 +58,49 @@ class RequestHandle:
 
     def _deliver(self, update: Update) -> None:
         with self._lock:
-            if self._done.is_set():  # ended already (shutdown): nothing may follow the final update
+            if not self._put(update):
                 return
-            self._figures = self._seq.figures()
-            if update.finished:
-                self._outcome = update.outcome
-            self._updates.put(update)
-            if update.finished:
-                self._done.set()
+        self._notify(update)
+
+    def _end(self, final: Update) -> None:
+        """End the request with final (a shutdown's or a failed loop's), its text and tokens all those of the
+        outcome that no update has carried yet. A step hands its updates over after it lets go of the engine's
+        lock, so this may come between: that step's update is then dropped, and its text comes here instead."""
+        with self._lock:
+            chars, tokens = self._streamed
+            outcome = final.outcome
+            final = dataclasses.replace(final, text=outcome.text[chars:], tokens=len(outcome.token_ids) - tokens,
+                                        token_ids=tuple(outcome.token_ids[tokens:]))
+            if not self._put(final):
+                return
+        self._notify(final)
+
+    def _put(self, update: Update) -> bool:
+        """Queue update (the handle's lock held); False once the request has ended: nothing follows the final."""
+        if self._done.is_set():
+            return False
+        self._figures = self._seq.figures()
+        self._streamed = (self._streamed[0] + len(update.text), self._streamed[1] + update.tokens)
+        if update.finished:
+            self._outcome = update.outcome
+        self._updates.put(update)
+        if update.finished:
+            self._done.set()
+        return True
+
+    def _notify(self, update: Update) -> None:
         if self.on_update is not None:
             try:
                 self.on_update(update)
             except Exception:  # a broken listener must not stop the engine
                 log.exception("on_update callback failed for %s", self.request_id)
 
-    def _final_update(self, text: tuple[str, str], reason: FinishReason | None = None,
-                      error: str | None = None) -> Update:
-        """A final update with what the request has so far (text: the detokenizer's finish(), what is left to
-        stream and the whole), ending it with reason (default: the reason the engine gave it). Built under the
-        engine's lock, so that the sequence does not move meanwhile."""
+    def _final_update(self, whole: str, reason: FinishReason | None = None, error: str | None = None) -> Update:
+        """A final update with what the request has so far (whole: its reply's text), ending it with reason
+        (default: the reason the engine gave it); _end gives it the text and tokens not yet streamed. Built under
+        the engine's lock, so that the sequence does not move meanwhile."""
         seq = self._seq
-        rest, whole = text
         outcome = seq.outcome(whole)
         if reason is not None:
             outcome = dataclasses.replace(outcome, finish_reason=reason, error=error)
-        return seq.update(rest, outcome=outcome)
+        return seq.update("", outcome=outcome)

@@ -195,6 +195,24 @@ def test_shutdown_ends_running_and_queued_requests_within_a_second(tiny_llama):
         engine.submit(A, PARAMS)
 
 
+def test_a_shutdown_between_a_step_and_its_delivery_loses_no_text(tiny_llama):
+    """A step hands its updates over after it lets go of the engine's lock; a shutdown that comes between ends
+    the request, and its final update carries that step's text and tokens, which its own update then cannot."""
+    engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False)
+    handle = engine.submit(A, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    pending = engine._compute.call(engine.core.run_step, engine._model, engine._lock)  # stepped, not delivered
+    assert pending and not pending[0][1].finished and pending[0][1].tokens == 1
+    engine.shutdown()
+    engine._deliver(pending)  # too late: the request has ended
+    updates = list(handle)
+    outcome = handle.result(timeout=0)
+    assert outcome.finish_reason == "cancelled" and len(outcome.token_ids) == 4
+    assert "".join(u.text for u in updates) == outcome.text
+    assert sum(u.tokens for u in updates) == 4 and [t for u in updates for t in u.token_ids] == outcome.token_ids
+
+
 def test_shutdown_ends_a_request_that_never_left_the_inbox(tiny_llama):
     engine = Engine(str(tiny_llama), kv_cache_memory="2MiB", autostart=False)
     handle = engine.submit(A, PARAMS)
