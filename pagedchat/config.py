@@ -39,7 +39,6 @@ This module imports nothing heavy: `pagedchat --help` reads it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from pagedchat.argtypes import KV_CACHE_DTYPES
 from pagedchat.engine.ngram import parse_speculative
-from pagedchat.engine.scheduler import STEP_SECONDS
+from pagedchat.engine.scheduler import STEP_SECONDS, check_step_seconds
 from pagedchat.engine.params import CHAT_FIELDS, SamplingSettings, fields_problem
 from pagedchat.errors import PagedChatError
 from pagedchat.paths import config_dir, data_dir
@@ -182,8 +181,11 @@ def parse_config(text: str, source: str = "config.toml") -> dict:
     for key in ("block_size", "threads", "max_seqs"):
         if out.get(key, 1) < 1:
             raise ConfigError(f"{source}: {key} must be at least 1")
-    if not (math.isfinite(out.get("step_seconds", 1)) and out.get("step_seconds", 1) > 0):
-        raise ConfigError(f"{source}: step_seconds must be a number of seconds above 0, not {out['step_seconds']!r}")
+    if "step_seconds" in out:
+        try:
+            check_step_seconds(out["step_seconds"])
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     if out.get("kv_cache_dtype", "auto").lower() not in KV_CACHE_DTYPES:
         raise ConfigError(f"{source}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
                           f"{out['kv_cache_dtype']!r}")

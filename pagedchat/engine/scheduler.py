@@ -64,6 +64,12 @@ class ScheduledSeq:
 STEP_SECONDS = 0.5  # Engine's default: see StepTimer
 
 
+def check_step_seconds(seconds: float) -> None:
+    """Raise ValueError unless seconds is a step time a StepTimer can size by (config.toml's check too)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"step_seconds must be a number of seconds above 0, not {seconds!r}")
+
+
 @dataclass
 class StepTimer:
     """Sizes a step to take about `seconds`, so that a long paste holds every other chat's next token back by
@@ -77,9 +83,7 @@ class StepTimer:
     per_token: float | None = None  # None until a step of `least` tokens has run
 
     def __post_init__(self):
-        if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise ValueError(f"step_seconds must be a number of seconds above 0 (None: every step "
-                             f"max_tokens_per_step), not {self.seconds}")
+        check_step_seconds(self.seconds)
 
     def tokens(self, most: int) -> int:
         """This step's budget: at most `most`, at least `least`. The least until a step has been measured: the
