@@ -29,7 +29,10 @@ def new_engine(cfg: BenchConfig, max_chats: int, describe: Callable[[str], None]
     from pagedchat.engine.engine import Engine
 
     describe("loading the engine")
-    return Engine(**engine_kwargs(cfg, max_chats))
+    engine = Engine(**engine_kwargs(cfg, max_chats))
+    if engine.model.huge_pages is not None:  # what a moment's idling gives a user's engine, before any timing
+        engine.model.huge_pages.finish()
+    return engine
 
 
 def warm_up(backend: TokenBackend, work: Workload) -> None:

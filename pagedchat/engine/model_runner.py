@@ -61,7 +61,12 @@ class ModelRunner:
                 self.layer_kv[layer] = (kv[j, 0], kv[j, 1])
 
     def warm_some(self) -> bool:
-        """Fault in one region of the pool's next pages (engine/pool_warmer.py); False when none is left."""
+        """One turn of what the engine's idle time is for: the weights' next huge pages, where they were read into
+        small ones (model/hugepages.py's Collapser), then a region of the pool's next pages
+        (engine/pool_warmer.py). False when none is left."""
+        huge_pages = self.model.huge_pages
+        if huge_pages is not None and huge_pages.collapse_some():
+            return True
         return any(warmer.warm_some() for warmer in self.warmers)
 
     @property

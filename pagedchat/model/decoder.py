@@ -176,6 +176,8 @@ class DecoderModel:
             raise ModelError(
                 f"the weights lack tensor {exc.args[0]!r}: not a {config.architecture} checkpoint?") from None
         self.precision = cached.precision if cached else " + ".join(dict.fromkeys(build.labels))
+        # The weights' huge pages still to come (model/hugepages.py's Collapser): the engine's idle time does it.
+        self.huge_pages = cached.huge_pages if cached else None
         self.runs_blocks = build.runs_blocks  # whether pagedchat's kernels run any of it
         self.runs_int4 = build.runs_int4      # whether any of it runs as int4 groups
         self.built: Builder | None = build  # what was built, by key: for the packed-weights cache to save

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedchat.model import qmm, quant
+from pagedchat.model import hugepages, qmm, quant
 from pagedchat.model.blocks import Blocks, BlockLinear, block_parts, concat
 from pagedchat.model.forms import Dense, EmbedTable, Form, Int4Groups, Panels, Plain, Split
 
@@ -170,6 +170,7 @@ class PackedWeights:
     forms: dict[str, Form]
     embed: EmbedTable
     precision: str  # DecoderModel.precision
+    huge_pages: hugepages.Collapser | None = None  # where the tensors still wait for their huge pages
 
 
 class Builder:

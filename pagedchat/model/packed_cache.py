@@ -48,9 +48,9 @@ def read(path: Path) -> PackedWeights | None:
     if not path.is_file():
         return None
     try:
-        tensors, meta = hugepages.read_safetensors(path)
+        tensors, meta, collapser = hugepages.read_safetensors(path)
         forms = {key: decode(text) for key, text in json.loads(meta["forms"]).items()}
-        return PackedWeights(tensors, forms, EmbedTable(meta["embed"]), meta["precision"])
+        return PackedWeights(tensors, forms, EmbedTable(meta["embed"]), meta["precision"], collapser)
     except Exception as exc:  # a cut-off or foreign file: JSON, struct, key and size errors alike
         log.warning("ignoring unreadable packed-weights cache %s: %s", path, exc)
         return None

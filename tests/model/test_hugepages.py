@@ -67,15 +67,57 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
 
 
-def test_read_gives_safetensors_tensors_large_ones_in_huge_pages(tmp_path):
-    path = write(tmp_path / "w.safetensors")
-    got, meta = hugepages.read_safetensors(path)
-    assert_same(got, load_file(str(path)))
-    assert meta == {"forms": "{}"}
+def huge_pages_here() -> bool:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not SMAPS.exists() or not thp.exists() or "[never]" in thp.read_text():
+    return SMAPS.exists() and thp.exists() and "[never]" not in thp.read_text()
+
+
+def in_huge_pages(t: torch.Tensor) -> int:
+    """Bytes of the mapping that holds t in huge pages (smaps' AnonHugePages)."""
+    return int(mapping(t.data_ptr())["AnonHugePages"]) * 1024
+
+
+def test_read_gives_safetensors_tensors_large_ones_in_huge_pages(tmp_path, monkeypatch):
+    """Where the kernel cannot collapse small pages later, the large tensors' mappings are advised for huge
+    pages before they are read."""
+    monkeypatch.setattr(hugepages, "can_collapse", lambda: False)
+    path = write(tmp_path / "w.safetensors")
+    got, meta, later = hugepages.read_safetensors(path)
+    assert_same(got, load_file(str(path)))
+    assert meta == {"forms": "{}"} and later is None
+    if not huge_pages_here():
         pytest.skip("no transparent huge pages here")
     assert huge_page_advised(got["big"])
+
+
+def test_read_into_small_pages_then_collapsed_keeps_every_byte(tmp_path):
+    """Where the kernel can (MADV_COLLAPSE), the large tensors are read into small pages, quick to hand out,
+    and the Collapser turns their whole huge pages into huge ones, contents kept."""
+    if not huge_pages_here() or not hugepages.can_collapse():
+        pytest.skip("no MADV_COLLAPSE here")
+    path = write(tmp_path / "w.safetensors")
+    got, _, later = hugepages.read_safetensors(path)
+    assert later is not None and in_huge_pages(got["big"]) == 0
+    calls = 0
+    while later.collapse_some():
+        calls += 1
+    assert calls >= 1 and not later.collapse_some()
+    assert in_huge_pages(got["big"]) >= hugepages.HUGE_PAGE
+    assert_same(got, load_file(str(path)))
+
+
+def test_a_refused_collapse_leaves_the_rest_to_the_kernels_own_thread(monkeypatch):
+    """A collapse the kernel refuses (no huge page free, say) ends the Collapser's work: what is left is advised
+    for huge pages instead, and the contents stay."""
+    if not huge_pages_here():
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setattr(hugepages, "MADV_COLLAPSE", 0x7FFF)  # an advice no kernel knows: EINVAL
+    memory = hugepages.anonymous(3 * hugepages.HUGE_PAGE, huge=False)
+    memory[::4096] = 9
+    collapser = hugepages.Collapser([memory])
+    assert not huge_page_advised(memory)
+    assert not collapser.collapse_some() and not collapser.collapse_some()
+    assert huge_page_advised(memory) and int(memory.sum()) == 9 * len(range(0, memory.numel(), 4096))
 
 
 @pytest.mark.parametrize("advice", ["refused", "unknown"])
@@ -87,7 +129,7 @@ def test_read_falls_back_to_small_pages(tmp_path, monkeypatch, advice):
     else:
         monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     path = write(tmp_path / "w.safetensors")
-    got, _ = hugepages.read_safetensors(path)
+    got, _, _ = hugepages.read_safetensors(path)
     assert_same(got, load_file(str(path)))
 
 
@@ -172,6 +214,25 @@ def test_an_idle_engine_warms_its_pool_before_a_request_and_past_what_replies_wr
         engine.generate([list(range(3, 40))], SamplingParams(max_tokens=60, ignore_eos=True))
         last = (37 + 59 - 1) // engine.block_size  # the reply's last token is sampled, never written
         assert settled() == last + 1 + warmer.ahead
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_engine_collapses_its_weights_into_huge_pages(tiny_llama):
+    """The engine's idle turns take the weights' Collapser first: weights read into small pages (a tiny model's
+    are too small, so a stand-in of three huge pages is handed to it) are in huge pages once a reply is done."""
+    if not huge_pages_here() or not hugepages.can_collapse():
+        pytest.skip("no MADV_COLLAPSE here")
+    engine = Engine(str(tiny_llama), kv_cache_memory="8MiB")
+    try:
+        weights = hugepages.anonymous(3 * hugepages.HUGE_PAGE, huge=False)
+        weights.fill_(5)
+        engine.model.huge_pages = hugepages.Collapser([weights])
+        engine.generate([list(range(3, 20))], SamplingParams(max_tokens=4, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while in_huge_pages(weights) < 2 * hugepages.HUGE_PAGE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert in_huge_pages(weights) >= 2 * hugepages.HUGE_PAGE and int(weights.min()) == 5
     finally:
         engine.shutdown()
 
