@@ -101,6 +101,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """One forward over every scheduled chunk; logits [sampled rows, vocab] in plan order (a draft's chunk
         samples each of its last 1 + k positions)."""
+        if self.model.huge_pages is not None:  # an engine that is never idle gets them too, a huge page a step
+            self.model.huge_pages.collapse_some(hugepages.HUGE_PAGE)
         ids, positions, rows = [], [], []
         for item in plan.scheduled:
             start = item.seq.num_computed

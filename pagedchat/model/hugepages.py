@@ -74,9 +74,10 @@ def can_collapse() -> bool:
 
 class Collapser:
     """Tensors read into small pages, turned into huge ones a step at a time (MADV_COLLAPSE keeps the contents
-    and the addresses) by whoever has time: the engine's loop while no request waits (engine.py), or one that
-    wants them now (the bench). Each tensor's whole huge pages are collapsed; the bytes before its first boundary
-    and after its last stay small, as they would in a mapping advised for huge pages. Safe from several threads."""
+    and the addresses) by whoever has time: the engine's loop while no request waits (engine.py), a huge page
+    before each step of an engine that is never idle (model_runner.py), or one that wants them now (the bench).
+    Each tensor's whole huge pages are collapsed; the bytes before its first boundary and after its last stay
+    small, as they would in a mapping advised for huge pages. Safe from several threads."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self._ranges: list[tuple[torch.Tensor, int, int]] = []  # (tensor, start, end) left, the tensor kept alive
@@ -87,14 +88,14 @@ class Collapser:
                 self._ranges.append((t, start, end))
         self._lock = threading.Lock()
 
-    def collapse_some(self) -> bool:
-        """Collapse the next COLLAPSE_STEP bytes. False when nothing is left. Where the kernel cannot (no huge
-        page free, say), the rest is advised for huge pages instead, for the kernel's own collapsing thread."""
+    def collapse_some(self, nbytes: int = COLLAPSE_STEP) -> bool:
+        """Collapse the next nbytes (whole huge pages). False when nothing is left. Where the kernel cannot (no
+        huge page free, say), the rest is advised for huge pages instead, for the kernel's own collapsing thread."""
         with self._lock:
             if not self._ranges:
                 return False
             t, start, end = self._ranges[0]
-            stop = min(end, start + COLLAPSE_STEP)
+            stop = min(end, start + max(HUGE_PAGE, nbytes // HUGE_PAGE * HUGE_PAGE))
             if stop < end:
                 self._ranges[0] = (t, stop, end)
             else:

@@ -237,6 +237,26 @@ def test_an_idle_engine_collapses_its_weights_into_huge_pages(tiny_llama):
         engine.shutdown()
 
 
+def test_an_engine_that_is_never_idle_collapses_a_huge_page_a_step(tiny_llama):
+    """Stepped by hand, an engine has no idle turns: each step collapses one huge page before its forward pass,
+    so a server that is always busy still gets its weights into huge pages."""
+    if not huge_pages_here() or not hugepages.can_collapse():
+        pytest.skip("no MADV_COLLAPSE here")
+    engine = Engine(str(tiny_llama), kv_cache_memory="8MiB", autostart=False)
+    try:
+        weights = hugepages.anonymous(4 * hugepages.HUGE_PAGE, huge=False)
+        weights.fill_(5)
+        engine.model.huge_pages = hugepages.Collapser([weights])  # three whole huge pages at least
+        engine.submit(list(range(3, 20)), SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()
+        assert in_huge_pages(weights) == hugepages.HUGE_PAGE
+        engine.step()
+        engine.step()
+        assert in_huge_pages(weights) >= 3 * hugepages.HUGE_PAGE and int(weights.min()) == 5
+    finally:
+        engine.shutdown()
+
+
 def test_an_engine_dropped_without_shutdown_still_ends_its_thread(tiny_llama):
     """An engine that never ran a request: the warming job it starts with is its own method, and once the job is
     done the waiting compute thread must not keep the engine alive, whose finalizer closes the thread."""
