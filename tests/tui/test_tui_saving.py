@@ -107,7 +107,9 @@ async def test_a_closed_chat_reopens_with_its_unsent_input(tmp_path):
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: app.active_session is not first, "a second chat")
         app.chats.show(first)
-        await wait_for(pilot, lambda: app.active_session is first, "the first chat in view")
+        # In view and activated, as a user sees it before the next key: the input back under the cursor.
+        await wait_for(pilot, lambda: app.active_session is first and app.focused is app.active_chat.prompt,
+                       "the first chat in view, its input focused")
         await pilot.press("ctrl+w")
         await wait_for(pilot, lambda: first.id not in app.sessions, "the chat closed")
         await app.reopen_chat(first.id)
