@@ -28,6 +28,7 @@ HUGE_PAGE = 2 << 20  # smaller tensors stay in torch's allocations: a mapping ea
 SMALL_PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; Python's mmap module does not name it
 MADV_COLLAPSE = 25  # Linux 6.1 and later; nor this one
+THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 COLLAPSE_STEP = 8 * HUGE_PAGE  # one idle turn's share: a request that comes in waits for this much at most
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -63,13 +64,20 @@ def populate(address: int, nbytes: int) -> bool:
 @functools.cache
 def can_collapse() -> bool:
     """Whether this kernel turns a range's small pages into huge ones on request (MADV_COLLAPSE): asked once,
-    of a scratch mapping."""
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+    of a scratch mapping. Not where huge pages are switched off: the collapse would ignore that setting."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE") or _switched_off():
         return False
     scratch = anonymous(2 * HUGE_PAGE, huge=False)
     scratch.fill_(1)
     start = -(-scratch.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     return _libc().madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
+
+
+def _switched_off() -> bool:
+    try:
+        return "[never]" in THP_SWITCH.read_text()
+    except OSError:  # no such setting: a kernel without transparent huge pages, which the probe finds out
+        return False
 
 
 class Collapser:

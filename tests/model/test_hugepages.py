@@ -106,6 +106,18 @@ def test_read_into_small_pages_then_collapsed_keeps_every_byte(tmp_path):
     assert_same(got, load_file(str(path)))
 
 
+def test_huge_pages_switched_off_are_not_collapsed_into(monkeypatch, tmp_path):
+    """`transparent_hugepage` set to never: MADV_COLLAPSE would ignore it, so nothing is collapsed."""
+    switch = tmp_path / "enabled"
+    switch.write_text("always madvise [never]\n")
+    monkeypatch.setattr(hugepages, "THP_SWITCH", switch)
+    hugepages.can_collapse.cache_clear()
+    try:
+        assert not hugepages.can_collapse()
+    finally:
+        hugepages.can_collapse.cache_clear()
+
+
 def test_a_refused_collapse_leaves_the_rest_to_the_kernels_own_thread(monkeypatch):
     """A collapse the kernel refuses (no huge page free, say) ends the Collapser's work: what is left is advised
     for huge pages instead, and the contents stay."""
