@@ -146,14 +146,16 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             start, end = entry["data_offsets"]
             nbytes = end - start
-            data = anonymous(nbytes, huge=not later) if nbytes >= HUGE_PAGE else torch.empty(nbytes, dtype=torch.uint8)
-            if later and nbytes >= HUGE_PAGE:  # small pages faulted in at once, not one fault per page in read()
-                populate(data.data_ptr(), nbytes)
+            if nbytes >= HUGE_PAGE:
+                data = anonymous(nbytes, huge=not later)
+                if later:  # the small pages faulted in at once, not one fault per page inside read()
+                    populate(data.data_ptr(), nbytes)
+                large.append(data)
+            else:
+                data = torch.empty(nbytes, dtype=torch.uint8)
             f.seek(8 + size + start)
             _read_into(f, data.numpy(), name)
             tensors[name] = data.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
-            if nbytes >= HUGE_PAGE:
-                large.append(data)
     return tensors, meta, Collapser(large) if later else None
 
 
