@@ -68,7 +68,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 
 def huge_pages_here() -> bool:
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp = hugepages.THP_SWITCH
     return SMAPS.exists() and thp.exists() and "[never]" not in thp.read_text()
 
 
