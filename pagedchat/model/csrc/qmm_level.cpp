@@ -873,6 +873,8 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
   typename V::F acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy + V::ROWS * g) : V::zero();
+  // Both loops over the lane groups are unrolled: left rolled, GCC keeps acc in memory, indexed by the group,
+  // and every unit waits on its stores (docs/bench.md#few-rows-at-avx2-the-lane-groups-loop-unrolled).
   // Few rows without VNNI, where the decoding's instructions show: the blocks that share fields take their dots
   // together, in registers (a group's at a time; counting every group's, so that they fit). The VNNI levels read
   // a row no faster this way (docs/bench.md).
@@ -881,6 +883,7 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
       if (fetch)
         for (int t = 0; t < S::STEP; ++t) groups[0].fetch_ahead(j + t);
       typename V::I dots[R][S::STEP][S::UNITS];
+#pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         step_dots<R>(groups[g], x, i0, j, dots);
         for (int t = 0; t < S::STEP; ++t)
@@ -891,6 +894,7 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
   } else {
     for (int64_t j = j0; j < j1; ++j) {
       if (fetch) groups[0].fetch_ahead(j);
+#pragma GCC unroll 4
       for (int g = 0; g < G; ++g)
         for (int h = 0; h < S::UNITS; ++h) {
           typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
