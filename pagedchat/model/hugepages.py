@@ -69,8 +69,15 @@ def can_collapse() -> bool:
         return False
     scratch = anonymous(2 * HUGE_PAGE, huge=False)
     scratch.fill_(1)
-    start = -(-scratch.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    start, _ = _whole_huge_pages(scratch)
     return _libc().madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
+
+
+def _whole_huge_pages(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses of the whole huge pages t's bytes cover: from its first 2 MiB boundary to its last (an empty
+    range where there is none)."""
+    first = t.data_ptr()
+    return -(-first // HUGE_PAGE) * HUGE_PAGE, (first + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
 
 
 def _switched_off() -> bool:
@@ -90,8 +97,7 @@ class Collapser:
     def __init__(self, tensors: list[torch.Tensor]):
         self._ranges: list[tuple[torch.Tensor, int, int]] = []  # (tensor, start, end) left, the tensor kept alive
         for t in tensors:
-            start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-            end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+            start, end = _whole_huge_pages(t)
             if end > start:
                 self._ranges.append((t, start, end))
         self._lock = threading.Lock()
