@@ -669,6 +669,7 @@ struct Packed {
   static constexpr int UNITS = TWO_OFFSETS<T> ? 2 : 1;     // scale units per block of 32
   static constexpr int N = 8 / UNITS;                      // code vectors per unit
   static constexpr int TILE = V::TILE;  // the most activation rows a pass takes
+  static constexpr bool CROSS = false;  // Buffered's
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
   // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
   static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
@@ -793,7 +794,13 @@ struct Buffered : Packed<T> {
 
   uint8_t* at(int64_t j, int v) const { return buffer + BYTES * (j - j0) + int64_t(sizeof(V::I)) * v; }
   static constexpr int STEP = 1;
-  static constexpr int TILE = P::UNITS == 2 ? V::TILE_UNITS2 : V::TILE;  // the most activation rows a pass takes
+  // Without VNNI a panel of two lane groups takes both in a pass, code vector by code vector (panel_tile), so that
+  // each activation broadcast and code load serves more products; its int16 sums and both groups' accumulators
+  // fill AVX2's registers at a few rows a pass (docs/bench.md#many-rows-at-avx2-both-lane-groups-in-a-pass).
+  static constexpr bool CROSS = V::ROWS < PANEL_ROWS && !V::DPBUSD;
+  static constexpr int CROSS_TILE = 4;
+  // The most activation rows a pass takes.
+  static constexpr int TILE = CROSS ? CROSS_TILE : P::UNITS == 2 ? V::TILE_UNITS2 : V::TILE;
   void fill(int64_t j1, bool fetch) const {
     for (int64_t j = j0; j < j1; j += P::STEP) {
       if (fetch)
@@ -813,6 +820,7 @@ struct Buffered : Packed<T> {
     }
   }
   V::I code(int64_t j, int d) const { return V::loadu(at(j, d)); }
+  void code_step(int64_t j, int d, V::I* w) const { w[0] = code(j, d); }
   typename P::Terms terms(int64_t j, int h) const {
     return {V::loadf(reinterpret_cast<const float*>(at(j, 8 + 2 * h))),
             V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h)))};
@@ -837,27 +845,35 @@ __attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const type
   }
 }
 
-// The unit dots of blocks j..j + S::STEP - 1 with R activation rows, code vector by code vector (code_step), each
-// summed as unit_dot sums it without VNNI: dots[r][t][h] is S::dot of block j + t's unit h with row i0 + r, the
-// same integers.
-template <int R, class S>
-__attribute__((always_inline)) inline void step_dots(const S& s, const Activations& x, int64_t i0, int64_t j,
-                                                     PanelIsa::I (&dots)[R][S::STEP][S::UNITS]) {
+// The unit dots of blocks j..j + S::STEP - 1 with R activation rows and G lane groups (groups[g]), code vector by
+// code vector (code_step), each summed as unit_dot sums it without VNNI: dots[g][r][t][h] is S::dot of group g's
+// block j + t's unit h with row i0 + r, the same integers. Each activation broadcast serves every group.
+template <int R, int G, class S>
+__attribute__((always_inline)) inline void step_dots(const S* groups, const Activations& x, int64_t i0, int64_t j,
+                                                     PanelIsa::I (&dots)[G][R][S::STEP][S::UNITS]) {
   using V = PanelIsa;
-  V::I pairs[R][S::STEP];  // maddubs results summed in int16, G at a time
+  V::I pairs[G][R][S::STEP];  // maddubs results summed in int16, S::G at a time
 #pragma GCC unroll 8
   for (int d = 0; d < 8; ++d) {
     const int h = d / S::N, e = d % S::N;
-    V::I w[S::STEP];
-    s.code_step(j, d, w);
+    V::I w[G][S::STEP];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) groups[g].code_step(j, d, w[g]);
 #pragma GCC unroll 4
     for (int t = 0; t < S::STEP; ++t)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const V::I b = V::bcast4(codes_at(x, i0 + r, j + t) + 4 * d);
-        const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[t]), V::sign8(b, w[t])) : V::maddubs(w[t], b);
-        pairs[r][t] = e % S::G == 0 ? p : V::add16(pairs[r][t], p);
-        if (e % S::G == S::G - 1) dots[r][t][h] = V::widen(e < S::G ? V::izero() : dots[r][t][h], pairs[r][t]);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[g][t]), V::sign8(b, w[g][t])) : V::maddubs(w[g][t], b);
+          pairs[g][r][t] = e % S::G == 0 ? p : V::add16(pairs[g][r][t], p);
+          // Each long int16 sum held in a register as it grows: left free, GCC sums a unit's products as a tree
+          // and parks them on the stack (the same integers either way).
+          if constexpr (S::G > 2) __asm__("" : "+x"(pairs[g][r][t]));
+          if (e % S::G == S::G - 1)
+            dots[g][r][t][h] = V::widen(e < S::G ? V::izero() : dots[g][r][t][h], pairs[g][r][t]);
+        }
       }
   }
 }
@@ -882,14 +898,24 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
     for (int64_t j = j0; j < j1; j += S::STEP) {
       if (fetch)
         for (int t = 0; t < S::STEP; ++t) groups[0].fetch_ahead(j + t);
-      typename V::I dots[R][S::STEP][S::UNITS];
+      typename V::I dots[1][R][S::STEP][S::UNITS];
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
-        step_dots<R>(groups[g], x, i0, j, dots);
+        step_dots<R, 1>(groups + g, x, i0, j, dots);
         for (int t = 0; t < S::STEP; ++t)
           for (int h = 0; h < S::UNITS; ++h)
-            add_unit<R, S>(acc[g], groups[g].terms(j + t, h), x, i0, j + t, h, [&](int r) { return dots[r][t][h]; });
+            add_unit<R, S>(acc[g], groups[g].terms(j + t, h), x, i0, j + t, h,
+                           [&](int r) { return dots[0][r][t][h]; });
       }
+    }
+  } else if constexpr (S::CROSS) {
+    for (int64_t j = j0; j < j1; ++j) {
+      typename V::I dots[G][R][1][S::UNITS];
+      step_dots<R, G>(groups, x, i0, j, dots);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < S::UNITS; ++h)
+          add_unit<R, S>(acc[g], groups[g].terms(j, h), x, i0, j, h, [&](int r) { return dots[g][r][0][h]; });
     }
   } else {
     for (int64_t j = j0; j < j1; ++j) {
@@ -923,6 +949,13 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
                  bool fetch) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
   const int64_t height = tile_height<S>(m);
+  if constexpr (S::CROSS) {
+    for (int64_t i = 0; i < m; i += height)
+      by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
+        panel_tile<decltype(rows)::value, GROUPS>(groups, x, i, y, ldy, j0, j1, false);
+      });
+    return;
+  }
   for (int64_t i = 0; i < m; i += height)
     for (int g = 0; g < GROUPS; ++g)
       by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
@@ -939,7 +972,8 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
 // buffer L1 holds beside the tiles' activations), and every tile reads them there. Up to ONE_PASS_ROWS rows (a
 // few chats' decode step, or one chat's with a draft) take every lane group in one pass, block by block: with a
 // pass per group, the later groups re-read the panel from the cache while no fetch ran ahead, and the step waited
-// on memory and on the arithmetic in turn. More rows would spill both groups' accumulators.
+// on memory and on the arithmetic in turn. More rows would spill both groups' accumulators; buffered passes at
+// the AVX2 level without VNNI take both groups, a few rows at a time (Buffered::CROSS).
 template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
