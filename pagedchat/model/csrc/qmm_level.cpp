@@ -634,6 +634,15 @@ void tile(const uint8_t* row, const Activations& x, int64_t i0, float* y, int64_
 // gives every row's partial dot in its own lane: a block's sum stays in integer adds, and each conversion, scale
 // and offset serves a lane per weight row where the per-row tiles spend them on one.
 
+// A growing int16 sum of G maddubs results, held in a register at each step. Left free, GCC sums a unit's
+// products as a tree and parks them on the stack, which AVX2's sixteen registers pay for in spills
+// (docs/bench.md#many-rows-at-avx2-both-lane-groups-in-a-pass); with AVX-512's thirty-two, and for sums of two,
+// the pin was slower. The integers are the same either way.
+template <int G>
+__attribute__((always_inline)) inline void hold(PanelIsa::I& sum) {
+  if constexpr (G > 2 && PanelIsa::ROWS < PANEL_ROWS) __asm__("" : "+x"(sum));
+}
+
 // The dot of a unit's N code vectors with its activations (code vector d meets the 4 codes at q + 4d), in int32
 // lanes. Without VNNI, G maddubs results are summed in int16 before widening, G the most whose sum cannot
 // overflow (each maddubs lane is at most 2 * 127 times the largest code); signed codes move their signs onto
@@ -651,6 +660,7 @@ inline PanelIsa::I unit_dot(const PanelIsa::I* w, const int8_t* q) {
       const V::I b = V::bcast4(q + 4 * d);
       const V::I p = SIGNED_DOTS ? V::maddubs(V::abs8(w[d]), V::sign8(b, w[d])) : V::maddubs(w[d], b);
       pairs = d == g ? p : V::add16(pairs, p);
+      hold<G>(pairs);
     }
     total = V::widen(total, pairs);
   }
@@ -868,9 +878,7 @@ __attribute__((always_inline)) inline void step_dots(const S* groups, const Acti
         for (int g = 0; g < G; ++g) {
           const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[g][t]), V::sign8(b, w[g][t])) : V::maddubs(w[g][t], b);
           pairs[g][r][t] = e % S::G == 0 ? p : V::add16(pairs[g][r][t], p);
-          // Each long int16 sum held in a register as it grows: left free, GCC sums a unit's products as a tree
-          // and parks them on the stack (the same integers either way).
-          if constexpr (S::G > 2) __asm__("" : "+x"(pairs[g][r][t]));
+          hold<S::G>(pairs[g][r][t]);
           if (e % S::G == S::G - 1)
             dots[g][r][t][h] = V::widen(e < S::G ? V::izero() : dots[g][r][t][h], pairs[g][r][t]);
         }
