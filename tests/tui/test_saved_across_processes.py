@@ -122,7 +122,10 @@ def test_two_instances_on_one_chat_keep_both_turns(launch, config):
     users = sorted(m.content for m in messages if m.role == "user")
     assert users == ["from the first window", "from the second window", "hi"]
     assert [m.content for m in messages[:2]] == ["hi", "hey"]
-    assert len(messages) == 6 and all(m.content for m in messages)
+    # A random model's reply may be empty (its first pick an end token, by how the two turns raced), so the
+    # replies are checked by their finish, not their text.
+    replies = [m for m in messages if m.role == "assistant"]
+    assert len(messages) == 6 and all(m.finish_reason in ("length", "stop") for m in replies[1:])
 
 
 def set_immutable(on: bool, paths) -> bool:
