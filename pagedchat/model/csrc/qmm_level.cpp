@@ -951,24 +951,18 @@ int64_t tile_height(int64_t m) {
 }
 
 // Every tile of activation rows (tile_height) against a panel's lane groups (one source each, Packed or
-// Buffered), over blocks [j0, j1), each pass taking the groups in turn; the first pass fetches ahead where asked.
+// Buffered), over blocks [j0, j1), each pass taking the groups in turn (all at once where Buffered::CROSS); the
+// first pass fetches ahead where asked.
 template <class S>
 void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int64_t ldy, int64_t j0, int64_t j1,
                  bool fetch) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, PASS = S::CROSS ? GROUPS : 1;  // groups a pass takes
   const int64_t height = tile_height<S>(m);
-  if constexpr (S::CROSS) {
-    for (int64_t i = 0; i < m; i += height)
-      by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
-        panel_tile<decltype(rows)::value, GROUPS>(groups, x, i, y, ldy, j0, j1, false);
-      });
-    return;
-  }
   for (int64_t i = 0; i < m; i += height)
-    for (int g = 0; g < GROUPS; ++g)
+    for (int g = 0; g < GROUPS; g += PASS)
       by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
-        panel_tile<decltype(rows)::value, 1>(groups + g, x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
-                                             fetch && i == 0 && g == 0);
+        panel_tile<decltype(rows)::value, PASS>(groups + g, x, i, y + PanelIsa::ROWS * g, ldy, j0, j1,
+                                                fetch && i == 0 && g == 0);
       });
 }
 
