@@ -692,10 +692,12 @@ struct Packed {
   const uint8_t* file_block(int64_t j) const { return panel + B::BYTES * (j / PER); }
   // Block j's share of the panel's bytes, AHEAD bytes further on (docs/bench.md#panels-fetched-ahead-one-call-a-layer).
   // A step's weights and pages outgrow the caches, so every call streams its panels from memory, and the hardware's
-  // prefetchers, which start over at each 4 KiB page, do not run far enough ahead of the first pass.
+  // prefetchers, which start over at each 4 KiB page, do not run far enough ahead of the first pass. The lines go
+  // to L2, not L1: a fetch into L1 holds one of the core's few L1 miss buffers for its whole trip from memory, and
+  // one chat streamed faster on Zen 4 with the lines in L2 (docs/bench.md#panels-fetched-into-l2).
   void fetch_ahead(int64_t j) const {
     const uint8_t* at = panel + B::BYTES * j / PER + AHEAD;
-    for (int64_t l = 0; l < (B::BYTES / PER + 63) / 64; ++l) __builtin_prefetch(at + 64 * l);
+    for (int64_t l = 0; l < (B::BYTES / PER + 63) / 64; ++l) __builtin_prefetch(at + 64 * l, 0, 1);
   }
   V::I chunk(const uint8_t* at, int64_t c) const { return V::loadu(at + 64 * c + lanes); }
   V::F halves(const uint8_t* at) const { return V::halves(at + lanes / 2); }
