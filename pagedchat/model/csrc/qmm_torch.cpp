@@ -533,7 +533,12 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // The ops before a decode layer's matmuls, each fused with the quantization of its output (quantize_made): the
 // same functions on the same rows, so the same numbers as norm, silu_mul and matmul_cat one after another.
 
-// norm(x) * w quantized; where y is given, x += y in place first (torch's float add, a + b rounded once).
+// x += y for rows [b0, b1) of h floats: torch's float add, a + b rounded once.
+void add_rows(float* xs, const float* ys, int64_t h, int64_t b0, int64_t b1) {
+  for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
+}
+
+// norm(x) * w quantized; where y is given, x += y in place first (add_rows).
 Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double eps, const qmm::Level& lv) {
   const int64_t h = x.size(1);
   check_norm_weight(w, h);
@@ -542,8 +547,7 @@ Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double
   const float *ys = y != nullptr ? y->data_ptr<float>() : nullptr, *ws = w.data_ptr<float>();
   float* os = out.data_ptr<float>();
   return quantize_made(os, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1) {
-    if (ys != nullptr)
-      for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
+    if (ys != nullptr) add_rows(xs, ys, h, b0, b1);
     lv.norm(xs, ws, h, float(eps), b0, b1, os);
   });
 }
@@ -584,7 +588,13 @@ void decode_layer(at::Tensor& x, at::TensorList weights, at::IntArrayRef types, 
   const auto attn = attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, level);
   const auto o = times(quantize_rows(attn.view({x.size(0), -1}), lv), 1);
   const auto gate_up = times(normed(x, &o, weights[1], eps, lv), 2);
-  x.add_(times(silu_quantized(gate_up, lv), 3));
+  // The residual add in a loop of the library's: at one row, torch's add_ took longer than the step's norm there
+  // (docs/bench.md#one-chats-layer-where-the-time-goes).
+  const auto down = times(silu_quantized(gate_up, lv), 3);
+  float* xs = x.data_ptr<float>();
+  const float* ds = down.data_ptr<float>();
+  const int64_t h = x.size(1);
+  at::parallel_for(0, x.size(0), row_grain(h), [&](int64_t b0, int64_t b1) { add_rows(xs, ds, h, b0, b1); });
 }
 
 }  // namespace
