@@ -42,6 +42,11 @@ class StatusBar(Horizontal):
         yield ProgressBar(total=None, show_eta=False, id="load-progress")
 
     @property
+    def whole(self) -> bool:
+        """Both of its widgets are there."""
+        return bool(self.query("#status")) and bool(self.query("#load-progress"))
+
+    @property
     def line(self) -> Label:
         return self.query_one("#status", Label)
 
@@ -96,9 +101,9 @@ class BackendLink:
 
     def _status(self) -> StatusBar | None:
         """None once the app is closing: a load that ends during shutdown finds no widgets left, or a bar whose
-        own widgets are already gone (shutdown removes them before it)."""
+        own widgets are gone or going (shutdown removes them one by one, before the bar)."""
         bars = self.app.query(StatusBar)
-        return bars.first() if bars and bars.first().children else None
+        return bars.first() if bars and bars.first().whole else None
 
     def start(self) -> None:
         self.error = None

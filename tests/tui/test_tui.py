@@ -19,6 +19,7 @@ import pytest
 from pagedchat.engine.records import PageState
 from pagedchat.text import visible_controls
 from pagedchat.tui.app import PagedChatApp, binding_catalogue
+from pagedchat.tui.bridge import LoadProgress
 from pagedchat.tui.chat_ops import export_chat
 from pagedchat.tui.commands import AppCommands
 from pagedchat.tui.chat_widgets import PromptInput
@@ -568,6 +569,18 @@ async def test_closed_chat_can_be_reopened(config):
         await reopen[0].run()
         await wait_for(pilot, lambda: app.active_session and app.active_session.id == first.id, "the reopened tab")
         assert [s.record.title for s in app.chats.ordered()][-1] == "Keep me"
+
+
+async def test_load_progress_while_the_status_bar_goes(config):
+    """Shutdown removes the status bar's widgets one by one: a load's progress that arrives between them (a test
+    or a user closing the app while the model still loads) is dropped, not an error that ends the app."""
+    app = PagedChatApp(config)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.sessions, "a chat")
+        await app.query_one("#status").remove()
+        app.post_message(LoadProgress("loading weights", 0.5))
+        await pilot.pause()
+        assert app.is_running and app.query("#load-progress")
 
 
 async def test_the_palette_offers_the_chat_commands(config):
