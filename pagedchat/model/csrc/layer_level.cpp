@@ -211,8 +211,13 @@ struct Chunk {
 // p, then b0 + 1's, and so on, so that a page the sequences share (a common system prompt's) is read from memory
 // once and from L1 by the others. fn(b, base, t0, t1, at) for each, base the offset of the page's row 0 for that
 // head, [t0, t1) the keys it holds of b's range, `at` the first one's index in that range; per sequence the
-// pages come in order. The next index's pages of `ahead` are fetched into the cache while fn works on these: the
-// pages lie anywhere in the pool, where the hardware's prefetchers cannot guess them.
+// pages come in order.
+//
+// Just before fn takes a sequence's page, that sequence's next page of `ahead` is fetched: the pages lie anywhere
+// in the pool, where the hardware's prefetchers cannot guess them. It goes to L2, not L1, since fn needs it only
+// after the chunk's other sequences have had their turn. Fetching a whole index's pages into L1 at once, as this
+// did before, left the arithmetic waiting on memory once the caches no longer held the pages
+// (docs/bench.md#decode-attention-pages-fetched-into-l2).
 template <typename E, typename Fn>
 inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn) {
   const int64_t bs = a.block_size, w = width<E>(a.head_dim), row = a.kv_heads * w;
@@ -222,26 +227,22 @@ inline void for_pages(const AttendArgs& a, const Chunk& c, const E* ahead, Fn fn
     const int64_t n = (a.context_lens[b] + bs - 1) / bs;
     pages = n > pages ? n : pages;
   }
-  for (int64_t p = 0; p < pages; ++p) {
-    int64_t fetched = -1;  // sequences side by side often share the next page: fetch it once
-    for (int64_t b = c.b0; b < c.b1; ++b) {
-      const int64_t len = a.context_lens[b];
-      if ((p + 1) * bs >= len || p + 1 < first_key(len, a.window) / bs) continue;
-      const int64_t page = a.block_tables[b * a.table_stride + p + 1];
-      if (page == fetched) continue;
-      fetched = page;
-      const char* next = reinterpret_cast<const char*>(ahead + (page * bs * row + c.h * w));
-      for (int64_t t = 0; t < bs; ++t)
-        for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + t * row * int64_t(sizeof(E)) + 64 * l);
-    }
+  int64_t fetched = -1;  // sequences side by side often share their next page: fetch it once
+  for (int64_t p = 0; p < pages; ++p)
     for (int64_t b = c.b0; b < c.b1; ++b) {
       const int64_t len = a.context_lens[b], first = first_key(len, a.window);
+      const int64_t next = p + 1 < first / bs || (p + 1) * bs >= len ? -1 : a.block_tables[b * a.table_stride + p + 1];
+      if (next >= 0 && next != fetched) {
+        fetched = next;
+        const char* lines0 = reinterpret_cast<const char*>(ahead + (next * bs * row + c.h * w));
+        for (int64_t t = 0; t < bs; ++t)
+          for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(lines0 + t * row * int64_t(sizeof(E)) + 64 * l, 0, 1);
+      }
       if (p < first / bs || p * bs >= len) continue;
       const int64_t t0 = p * bs < first ? first - p * bs : 0, t1 = (p + 1) * bs > len ? len - p * bs : bs;
       fn(b, int64_t(a.block_tables[b * a.table_stride + p]) * bs * row + c.h * w, t0, t1,
          p * bs + t0 - first);
     }
-  }
 }
 
 // The query heads of one KV head's group share its keys and values: each page is read from memory once for all
