@@ -188,29 +188,34 @@ std::unique_ptr<uint8_t[]> scratch_for(int64_t k) {
   return std::unique_ptr<uint8_t[]>(new uint8_t[qmm::scratch_bytes(k)]);
 }
 
-// Activation rows quantized once for every weight they meet (qmm.h's Activations), with the tensors that hold
-// them.
+// Activation rows quantized once for every weight they meet (qmm.h's Activations), held in one allocation: a
+// decode layer quantizes four times, and at one row a tensor apiece for the codes, the scales, the sums and the
+// rows an op makes just before was a visible part of the layer's call (docs/bench.md#a-decode-layers-allocations).
 struct Quantized {
-  at::Tensor q, d32, s16, s32;
+  at::Tensor buffer;
   qmm::Activations acts;
 };
 
 // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
 int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, (1 << 12) / k); }
 
-// m rows of k floats at xs quantized, each task first making its rows there (make(b0, b1): a norm's or
-// silu_mul's output, in decode_layer), so that the op before a matmul and its quantization share one parallel
-// loop and the rows are still in the core's cache when quantized.
+// m rows of k floats quantized, each task first making its rows (make(b0, b1, rows): a norm's or silu_mul's
+// output, in decode_layer), so that the op before a matmul and its quantization share one parallel loop and the
+// rows are still in the core's cache when quantized. The rows are xs where given, else made into the buffer.
 template <typename Make>
 Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorOptions& options,
                         const qmm::Level& lv, const Make& make) {
-  Quantized a{at::empty({k / 32, m, 32}, options.dtype(at::kChar)), at::empty({k / 32, m}, options),
-              at::empty({k / 16, m}, options), at::empty({k / 32, m}, options), {}};
-  int8_t* qs = a.q.data_ptr<int8_t>();
-  float *ds = a.d32.data_ptr<float>(), *ss = a.s16.data_ptr<float>(), *s2 = a.s32.data_ptr<float>();
+  const auto at64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t floats = at64(4 * (k / 32 + k / 16 + k / 32) * m), made = xs == nullptr ? at64(4 * m * k) : 0;
+  Quantized a{at::empty({floats + made + m * k}, options.dtype(at::kByte)), {}};
+  uint8_t* base = a.buffer.data_ptr<uint8_t>();
+  float* ds = reinterpret_cast<float*>(base);
+  float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m;
+  float* rows = xs == nullptr ? reinterpret_cast<float*>(base + floats) : const_cast<float*>(xs);
+  int8_t* qs = reinterpret_cast<int8_t*>(base + floats + made);
   at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
-    make(b0, b1);
-    lv.quantize(xs, b0, b1, m, k, qs, ds, ss, s2);
+    make(b0, b1, rows);
+    lv.quantize(rows, b0, b1, m, k, qs, ds, ss, s2);
   });
   a.acts = qmm::Activations{qs, ds, ss, s2, k, m};
   return a;
@@ -218,7 +223,8 @@ Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorO
 
 // x: contiguous float32 [m, k], m > 0.
 Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
-  return quantize_made(x.data_ptr<float>(), x.size(0), x.size(1), x.options(), lv, [](int64_t, int64_t) {});
+  return quantize_made(x.data_ptr<float>(), x.size(0), x.size(1), x.options(), lv,
+                       [](int64_t, int64_t, float*) {});
 }
 
 // Tasks take whole units of UNIT weight rows, so the levels' panels of 8 or 16 rows always start at the same
@@ -542,24 +548,20 @@ void add_rows(float* xs, const float* ys, int64_t h, int64_t b0, int64_t b1) {
 Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double eps, const qmm::Level& lv) {
   const int64_t h = x.size(1);
   check_norm_weight(w, h);
-  const auto out = at::empty_like(x);
   float* xs = x.data_ptr<float>();
   const float *ys = y != nullptr ? y->data_ptr<float>() : nullptr, *ws = w.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  return quantize_made(os, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1) {
+  return quantize_made(nullptr, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1, float* out) {
     if (ys != nullptr) add_rows(xs, ys, h, b0, b1);
-    lv.norm(xs, ws, h, float(eps), b0, b1, os);
+    lv.norm(xs, ws, h, float(eps), b0, b1, out);
   });
 }
 
 // silu(gate) * up quantized, for gate_up [rows, 2 n].
 Quantized silu_quantized(const at::Tensor& gate_up, const qmm::Level& lv) {
   const int64_t n = gate_up.size(1) / 2;
-  const auto out = at::empty({gate_up.size(0), n}, gate_up.options());
   const float* gs = gate_up.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  return quantize_made(os, gate_up.size(0), n, gate_up.options(), lv,
-                       [&](int64_t b0, int64_t b1) { lv.silu_mul(gs, n, b0, b1, os); });
+  return quantize_made(nullptr, gate_up.size(0), n, gate_up.options(), lv,
+                       [&](int64_t b0, int64_t b1, float* out) { lv.silu_mul(gs, n, b0, b1, out); });
 }
 
 // One decoder layer of a decode step, in llama's order, as one call (model/llama.py's fused layers): the same
