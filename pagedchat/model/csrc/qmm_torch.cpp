@@ -199,9 +199,9 @@ struct Quantized {
 // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
 int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, (1 << 12) / k); }
 
-// m rows of k floats quantized, each task first making its rows (make(b0, b1, rows): a norm's or silu_mul's
-// output, in decode_layer), so that the op before a matmul and its quantization share one parallel loop and the
-// rows are still in the core's cache when quantized. The rows are xs where given, else made into the buffer.
+// m rows of k floats quantized: xs where given; else each task first makes its rows in the buffer (make(b0, b1,
+// rows): a norm's or silu_mul's output, in decode_layer), so that the op before a matmul and its quantization
+// share one parallel loop and the rows are still in the core's cache when quantized.
 template <typename Make>
 Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorOptions& options,
                         const qmm::Level& lv, const Make& make) {
@@ -211,11 +211,11 @@ Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorO
   uint8_t* base = a.buffer.data_ptr<uint8_t>();
   float* ds = reinterpret_cast<float*>(base);
   float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m;
-  float* rows = xs == nullptr ? reinterpret_cast<float*>(base + floats) : const_cast<float*>(xs);
+  float* rows = made > 0 ? reinterpret_cast<float*>(base + floats) : nullptr;
   int8_t* qs = reinterpret_cast<int8_t*>(base + floats + made);
   at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
-    make(b0, b1, rows);
-    lv.quantize(rows, b0, b1, m, k, qs, ds, ss, s2);
+    if (rows != nullptr) make(b0, b1, rows);
+    lv.quantize(rows != nullptr ? rows : xs, b0, b1, m, k, qs, ds, ss, s2);
   });
   a.acts = qmm::Activations{qs, ds, ss, s2, k, m};
   return a;
