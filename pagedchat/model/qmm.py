@@ -2,10 +2,11 @@
 
 Every quantized type of a typical download (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's
 blocks, reordered at load into panels of 16 rows (pack; csrc/qmm.h), so the weights take the file's size in
-memory. Each call quantizes its activation rows to int8 per 32 inputs and takes integer dot products against the
-blocks, as llama.cpp's CPU kernels do (docs/kernels.md#quantized-weights-on-the-cpu). The same
-library holds the rest of a decode step's kernels on the CPU (csrc/layer_level.cpp): attention straight from the
-pages, and a float32 step's norms, rotary turn with the cache write, and silu(gate) * up.
+memory. Each call quantizes its activation rows to int8 per 32 inputs (per 256 for K types on the AVX2 level:
+activation_group) and takes integer dot products against the blocks, as llama.cpp's CPU kernels do
+(docs/kernels.md#quantized-weights-on-the-cpu). The same library holds the rest of a decode step's kernels on the
+CPU (csrc/layer_level.cpp): attention straight from the pages, and a float32 step's norms, rotary turn with the
+cache write, and silu(gate) * up.
 
 One library holds several instruction-set levels, the same sources compiled with each one's flags, and the
 level is picked at run time from what the CPU runs: AMX (AVX-512 VNNI with AMX tiles for batches of 16 rows and
@@ -337,6 +338,13 @@ def matmul_cat(x: torch.Tensor, weights: list[torch.Tensor], kinds: list[str]) -
     """x [M, K] @ [W_0; W_1; ...].T, each W packed (pack) and of its own kind: the outputs side by side, x
     quantized once for all of them. Each output equals matmul's of its weight alone."""
     return torch.ops.pagedchat_qmm.matmul_cat(x, weights, [TYPES[k] for k in kinds], _state.index)
+
+
+def activation_group(kinds: list[str], k: int) -> int:
+    """The inputs per int8 scale of activation rows k wide that meet weights of these kinds: 256 where every one is
+    a K type and the level sums Q4_K and Q5_K with integer sub-block scales (llama.cpp's q8_K: the AVX2 level),
+    else 32."""
+    return torch.ops.pagedchat_qmm.activation_group([TYPES[k_] for k_ in kinds], k, _state.index)
 
 
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], parts: list[int], eps: float,

@@ -53,15 +53,16 @@ def widths(kind: str) -> tuple[int, ...]:
     return (96, 576) if gguf.GGML_QUANT_SIZES[T[kind]][0] == 32 else (256, 768)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activations, computed here in numpy: per 32 inputs d = max |x| / 127 and q = x / d rounded
-    half away from zero (as ggml rounds), both in float32. Returns q [m, k] and d [m, k / 32]."""
-    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+def quantize_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activations, computed here in numpy: per group inputs (32, or 256: qmm.activation_group) d =
+    max |x| / 127 and q = x / d rounded half away from zero (as ggml rounds), both in float32. Returns q [m, k] and
+    each block of 32's d, [m, k / 32]."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, group)
     d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     v = (xb * inv[..., None]).astype(np.float32)
     q = np.trunc(v + np.where(v < 0, np.float32(-0.5), np.float32(0.5))).astype(np.float32)
-    return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d).double()
+    return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d.repeat(group // 32, -1)).double()
 
 
 def reference(x: torch.Tensor, blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +70,7 @@ def reference(x: torch.Tensor, blocks: np.ndarray, kind: str) -> tuple[torch.Ten
     Also the sum of the terms' magnitudes, the scale of float32's summation error."""
     n = blocks.shape[0]
     w = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(n, -1)).double()
-    q, d = quantize_activations(x)
+    q, d = quantize_activations(x, qmm.activation_group([kind], x.shape[1]))
     terms = (q.view(q.shape[0], 1, -1, 32) * w.view(1, n, -1, 32)).sum(-1) * d[:, None, :]  # [m, n, blocks]
     return terms.sum(-1), (q.abs().view(q.shape[0], 1, -1, 32) * w.abs().view(1, n, -1, 32)).sum(-1).mul(
         d[:, None, :]).sum(-1)
@@ -131,14 +132,21 @@ def test_amx_gives_the_avx512_vnni_levels_bits_at_every_row_count(kind, kernels)
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_weights_of_several_types_side_by_side_are_each_ones_matmul(level):
     """matmul_cat quantizes the activations once for every weight: each output bit for bit its weight's matmul
-    alone (q and k beside a v of another type, as a Q4_K_M file has them)."""
-    kinds = ["Q5_0", "Q8_0", "Q4_K", "Q6_K"]
-    weights = [qmm.pack(torch.from_numpy(random_blocks(kind, n, 256, seed=n)), kind)
-               for kind, n in zip(kinds, (48, 16, 32, 19))]
-    for rows in (1, 9):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        alone = torch.cat([qmm.matmul(x, w, kind) for w, kind in zip(weights, kinds)], dim=1)
-        assert torch.equal(qmm.matmul_cat(x, weights, kinds), alone)
+    alone, where that weight alone takes the same activation group (q and k beside a v of another type, as a
+    Q4_K_M file has them; K types only, which the AVX2 level quantizes per 256, and K types beside others, which
+    every level quantizes per 32)."""
+    for kinds in (["Q5_0", "Q8_0", "Q4_K", "Q6_K"], ["Q4_K", "Q6_K", "Q5_K"]):
+        weights = [qmm.pack(torch.from_numpy(random_blocks(kind, n, 512, seed=n)), kind)
+                   for kind, n in zip(kinds, (48, 16, 32, 19))]
+        group = qmm.activation_group(kinds, 512)
+        same = [qmm.activation_group([kind], 512) == group for kind in kinds]
+        assert group == (256 if level == "avx2" and len(kinds) == 3 else 32)
+        for rows in (1, 9):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            together = qmm.matmul_cat(x, weights, kinds).split([w.shape[0] for w in weights], dim=1)
+            for part, w, kind, alike in zip(together, weights, kinds, same):
+                if alike:
+                    assert torch.equal(part, qmm.matmul(x, w, kind)), kind
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)

@@ -24,6 +24,16 @@
 namespace qmm {
 namespace {
 
+// Whether this level sums Q4_K and Q5_K with integer sub-block scales against rows quantized per 256
+// (int_scales_rows): AVX2 without VNNI, whose widening madd takes the scales for free. The VNNI levels would pay a
+// multiply per block and row for them, and the AMX level must keep their bits; AVX-512 without VNNI ran slower in
+// the tiles tried (docs/bench.md#the-k-types-at-avx2-integer-sub-block-scales).
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#define QMM_INTEGER_K_SCALES 1
+#else
+#define QMM_INTEGER_K_SCALES 0
+#endif
+
 inline uint32_t u32(const uint8_t* p) {
   uint32_t v;
   __builtin_memcpy(&v, p, 4);
@@ -255,43 +265,63 @@ inline b32 narrow(const i8 c[4]) {
 #endif
 }
 
-// One block of 32 inputs: its codes into qb, the block's scale returned, the codes' sums per 16 in sums.
-__attribute__((always_inline)) inline float quantize_block(const float* xb, int8_t* qb, int sums[2]) {
-  f8 v[4], most = f8{};
-  for (int l = 0; l < 4; ++l) {
-    v[l] = load(xb + 8 * l);
-    const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(v[l]) & 0x7FFFFFFFu);
+// The largest magnitude of n inputs (a multiple of 32).
+__attribute__((always_inline)) inline float largest(const float* x, int64_t n) {
+  f8 most = f8{};
+  for (int64_t l = 0; l < n; l += 8) {
+    const f8 a = reinterpret_cast<f8>(reinterpret_cast<u8>(load(x + l)) & 0x7FFFFFFFu);
     most = a > most ? a : most;
   }
-  const float amax = top(most);
-  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  return top(most);
+}
+
+// One block of 32 inputs coded at the scale d = amax / 127 (id its inverse, 0 where d is): the codes into qb,
+// their sums per 16 into sums.
+__attribute__((always_inline)) inline void code_block(const float* xb, float id, int8_t* qb, int sums[2]) {
   i8 c[4];
   for (int l = 0; l < 4; ++l) {
-    const f8 scaled = v[l] * id;
+    const f8 scaled = load(xb + 8 * l) * id;
     c[l] = __builtin_convertvector(scaled + (scaled < 0 ? f8{} - 0.5f : f8{} + 0.5f), i8);
   }
   const b32 bytes = narrow(c);
   __builtin_memcpy(qb, &bytes, sizeof bytes);
   sums[0] = total(c[0] + c[1]);
   sums[1] = total(c[2] + c[3]);
-  return d;
 }
 
-void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int8_t* q, float* d32, float* s16,
-              float* s32) {
+// Row i's inputs [32 j0, 32 j1), one group, coded at one scale d: the codes, d per block and its sums.
+__attribute__((always_inline)) inline void code_group(const float* x, int64_t i, int64_t j0, int64_t j1, int64_t m,
+                                                      int64_t k, int8_t* q, float* d32, float* s16, float* s32,
+                                                      int* sums32) {
+  const float d = largest(x + i * k + 32 * j0, 32 * (j1 - j0)) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  for (int64_t j = j0; j < j1; ++j) {
+    int sums[2];
+    code_block(x + i * k + 32 * j, id, q + CODES_STRIDE * (j * m + i), sums);
+    d32[j * m + i] = d;
+    s16[(2 * j) * m + i] = d * float(sums[0]);
+    s16[(2 * j + 1) * m + i] = d * float(sums[1]);
+    s32[j * m + i] = d * float(sums[0] + sums[1]);
+    sums32[j - j0] = sums[0] + sums[1];
+  }
+}
+
+void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int64_t group, int8_t* q, float* d32,
+              float* s16, float* s32, float* d256, int32_t* sums2) {
   // Sixteen rows block by block: the sums are stored by column, so rows side by side fill a line between them,
   // where one row at a time stored each sum into a line of its own.
   constexpr int64_t ROWS = 16;
+  const int64_t blocks = group / 32;
   for (int64_t r0 = i0; r0 < i1; r0 += ROWS) {
     const int64_t r1 = r0 + ROWS < i1 ? r0 + ROWS : i1;
-    for (int64_t j = 0; j < k / 32; ++j) {
+    for (int64_t j = 0; j < k / 32; j += blocks) {
       for (int64_t i = r0; i < r1; ++i) {
-        int sums[2];
-        const float d = quantize_block(x + i * k + 32 * j, q + CODES_STRIDE * (j * m + i), sums);
-        d32[j * m + i] = d;
-        s16[(2 * j) * m + i] = d * float(sums[0]);
-        s16[(2 * j + 1) * m + i] = d * float(sums[1]);
-        s32[j * m + i] = d * float(sums[0] + sums[1]);
+        int sums32[8];
+        code_group(x, i, j, j + blocks, m, k, q, d32, s16, s32, sums32);
+        if (group != 256) continue;
+        d256[j / 8 * m + i] = d32[j * m + i];
+        for (int p = 0; p < 4; ++p)
+          sums2[(j / 2 + p) * m + i] =
+              int32_t(uint32_t(uint16_t(sums32[2 * p])) | (uint32_t(uint16_t(sums32[2 * p + 1])) << 16));
       }
     }
   }
@@ -573,6 +603,8 @@ struct PanelIsa {
   static I maddubs(I u, I q) { return _mm256_maddubs_epi16(u, q); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I widen(I sum, I pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+  static I widen_by(I sum, I pairs, I scales) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, scales)); }
+  static I bcast32(const int32_t* p) { return _mm256_set1_epi32(*p); }
   static I abs8(I w) { return _mm256_sign_epi8(w, w); }
   static I sign8(I q, I w) { return _mm256_sign_epi8(q, w); }  // q, negated where w < 0 (0 where w is)
   static I izero() { return _mm256_setzero_si256(); }
@@ -672,6 +704,7 @@ inline PanelIsa::I unit_dot(const PanelIsa::I* w, const int8_t* q) {
 // away, with its scale and offset terms.
 template <int T>
 struct Packed {
+  static constexpr int type = T;
   static constexpr int64_t AHEAD = 8192;
   using V = PanelIsa;
   using B = PanelBlock<T>;
@@ -968,6 +1001,141 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
       });
 }
 
+#if QMM_INTEGER_K_SCALES
+
+// Q4_K and Q5_K against rows quantized per 256 (Activations::group), at QMM_INTEGER_K_SCALES: llama.cpp's
+// arithmetic for the K types. The widening madd takes each block's 6-bit scale where it took ones, so a block's
+// products, scaled, add up in int32 over the 256; the minimums meet the activations' sums per 32 in madd pairs;
+// and the float part comes once per 256 inputs and row, where the per-32 arithmetic spends four operations on
+// every block and row (docs/bench.md#batched-matmuls-against-their-arithmetics-bound-measured-nothing-changed).
+// The integers are exact whatever the loop's shape, and the float part is the same operations in the same order
+// for every row count: a row's result does not depend on the rows beside it.
+
+// A super-block's scales for int_scales_tile, a row per lane: each block's 6-bit scale in both int16 halves (madd
+// multiplies pairs), and the minimums of blocks 2p and 2p + 1 as an int16 pair.
+struct SuperScales {
+  PanelIsa::I scale[8], mins[4];
+};
+
+template <class S>
+__attribute__((always_inline)) inline void super_scales(const S& group, int64_t j0, SuperScales* out) {
+  using V = PanelIsa;
+  V::I first;
+  for (int t = 0; t < 8; ++t) {
+    V::I sc, mn;
+    group.k4_scale_min(j0 + t, &sc, &mn);
+    out->scale[t] = V::or_(sc, V::sll32(sc, 16));
+    if (t % 2 == 0) {
+      first = mn;
+    } else {
+      out->mins[t / 2] = V::or_(first, V::sll32(mn, 16));
+    }
+  }
+}
+
+// R activation rows from i0 against G lane groups of a panel (panel_tile's y) over blocks [j0, j1), whole
+// super-blocks, the sums carried on from y's where j0 > 0. STEP blocks at a time (S::STEP: the panel's own codes,
+// whose pairs of blocks share their loads; 1: a buffer's), code vector by code vector, so that each activation
+// broadcast serves every lane group.
+template <int R, int G, int STEP, class S>
+void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0,
+                     int64_t j1, bool fetch) {
+  using V = PanelIsa;
+  using B = PanelBlock<S::type>;
+  constexpr int GS = S::G;  // maddubs results summed in int16 before widening
+  const int64_t m = x.m;
+  for (int64_t s0 = j0; s0 < j1; s0 += 8) {
+    SuperScales scales[G];
+    for (int g = 0; g < G; ++g) super_scales(groups[g], s0, &scales[g]);
+    V::I sums[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) sums[g][r] = V::izero();
+    for (int64_t j = s0; j < s0 + 8; j += STEP) {
+      if (fetch)
+        for (int t = 0; t < STEP; ++t) groups[0].fetch_ahead(j + t);
+      V::I pairs[G][R][STEP];
+#pragma GCC unroll 8
+      for (int d = 0; d < 8; ++d) {
+        V::I w[G][S::STEP];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) groups[g].code_step(j, d, w[g]);
+#pragma GCC unroll 2
+        for (int t = 0; t < STEP; ++t)
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const V::I b = V::bcast4(codes_at(x, i0 + r, j + t) + 4 * d);
+#pragma GCC unroll 4
+            for (int g = 0; g < G; ++g) {
+              const V::I p = V::maddubs(w[g][t], b);
+              pairs[g][r][t] = d % GS == 0 ? p : V::add16(pairs[g][r][t], p);
+              hold<GS>(pairs[g][r][t]);
+              if (d % GS == GS - 1)
+                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g].scale[j - s0 + t]);
+            }
+          }
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* b = groups[g].file_block(s0);
+      const V::F d = groups[g].halves(b + B::D_AT), dmin = V::mul(groups[g].halves(b + B::M_AT), V::set1(-1.f));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        V::I offsets = V::izero();
+        for (int p = 0; p < 4; ++p)
+          offsets = V::widen_by(offsets, scales[g].mins[p], V::bcast32(x.sums2 + (s0 / 2 + p) * m + i0 + r));
+        const V::F scale = V::bcastf(x.d256 + s0 / 8 * m + i0 + r);
+        float* out = y + (i0 + r) * ldy + V::ROWS * g;
+        V::F acc = s0 == 0 ? V::zero() : V::loadf(out);
+        acc = V::fmadd(V::cvt(sums[g][r]), V::mul(d, scale), acc);
+        acc = V::fmadd(V::cvt(offsets), V::mul(dmin, scale), acc);
+        V::store(out, acc);
+      }
+    }
+  }
+}
+
+// int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (split as tile_height
+// does), every lane group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile
+// fetching ahead and the second finding the panel in the cache; more decode them once a span into a buffer, as
+// packed_rows does, for every tile to read.
+template <int T>
+void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
+                     float* y, int64_t ldy) {
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4, PACKED_ROWS = 8;
+  constexpr int64_t SPAN = 32;  // blocks of 32: whole super-blocks
+  const int64_t nb = x.k / 32, tiles = (m + TILE - 1) / TILE, height = (m + tiles - 1) / tiles;
+  const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
+  if (m <= PACKED_ROWS) {
+    for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+      Packed<T> groups[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
+      for (int64_t i = 0; i < m; i += height)
+        by_rows<TILE>(m - i < height ? m - i : height, [&](auto rows) {
+          int_scales_tile<decltype(rows)::value, GROUPS, Packed<T>::STEP>(groups, x, i, y + n, ldy, 0, nb, i == 0);
+        });
+    }
+    return;
+  }
+  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
+      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
+      Buffered<T> groups[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) {
+        groups[g] = Buffered<T>{packed(n, g), buffer[g], j0};
+        groups[g].fill(j1, g == 0);
+      }
+      for (int64_t i = 0; i < m; i += height)
+        by_rows<TILE>(m - i < height ? m - i : height, [&](auto rows) {
+          int_scales_tile<decltype(rows)::value, GROUPS, 1>(groups, x, i, y + n, ldy, j0, j1, false);
+        });
+    }
+  }
+}
+
+#endif
+
 // Weight rows [n0, n1) of a packed weight, whole panels, each as PANEL_ROWS / PanelIsa::ROWS lane groups, against
 // every activation row, a tile of rows (tile_height) a pass. A pass takes each lane group in turn, so that the
 // panel's outputs of those rows are written whole at once: a line of them written by one group and completed by
@@ -984,6 +1152,11 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, ONE_PASS_ROWS = 4;
   constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
   const int64_t nb = x.k / 32;
+#if QMM_INTEGER_K_SCALES
+  if constexpr (T == Q4_K || T == Q5_K) {
+    if (x.group == 256) return int_scales_rows<T>(w, row_bytes, n0, n1, x, m, y, ldy);
+  }
+#endif
   const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
   if (m <= Packed<T>::TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
     for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
@@ -1217,6 +1390,6 @@ constexpr decltype(Level::matmul_panels) PANELS = nullptr;
 
 extern const Level QMM_SYMBOL = {quantize,          matmul,          PANELS,
                                  dequantize,        QMM_LOCAL(attend), QMM_LOCAL(norm), QMM_LOCAL(silu_mul),
-                                 QMM_LOCAL(rope_write), QMM_LOCAL(argmax)};
+                                 QMM_LOCAL(rope_write), QMM_LOCAL(argmax), QMM_INTEGER_K_SCALES ? 256 : 32};
 
 }  // namespace qmm

@@ -199,31 +199,40 @@ struct Quantized {
 // Rows a task quantizes: a few thousand inputs, enough that waking a thread pays.
 int64_t quantize_grain(int64_t k) { return std::max<int64_t>(1, (1 << 12) / k); }
 
-// m rows of k floats quantized: xs where given; else each task first makes its rows in the buffer (make(b0, b1,
-// rows): a norm's or silu_mul's output, in decode_layer), so that the op before a matmul and its quantization
-// share one parallel loop and the rows are still in the core's cache when quantized.
+// The activations' group for rows that meet the weights of these types (qmm.h's Activations).
+int64_t group_for(const qmm::Level& lv, at::IntArrayRef types, int64_t k) {
+  const bool all_k = std::all_of(types.begin(), types.end(), [](int64_t t) { return qmm::k_type(int(t)); });
+  return all_k && k % lv.k_group == 0 ? lv.k_group : 32;
+}
+
+// m rows of k floats quantized, a scale per group inputs: xs where given; else each task first makes its rows in
+// the buffer (make(b0, b1, rows): a norm's or silu_mul's output, in decode_layer), so that the op before a matmul
+// and its quantization share one parallel loop and the rows are still in the core's cache when quantized.
 template <typename Make>
-Quantized quantize_made(const float* xs, int64_t m, int64_t k, const at::TensorOptions& options,
+Quantized quantize_made(const float* xs, int64_t m, int64_t k, int64_t group, const at::TensorOptions& options,
                         const qmm::Level& lv, const Make& make) {
   const auto at64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
-  const int64_t floats = at64(4 * (k / 32 + k / 16 + k / 32) * m), made = xs == nullptr ? at64(4 * m * k) : 0;
+  const int64_t wide = group == 256 ? k / 256 + k / 64 : 0;  // d256 and sums2
+  const int64_t floats = at64(4 * (k / 32 + k / 16 + k / 32 + wide) * m), made = xs == nullptr ? at64(4 * m * k) : 0;
   Quantized a{at::empty({floats + made + m * k}, options.dtype(at::kByte)), {}};
   uint8_t* base = a.buffer.data_ptr<uint8_t>();
   float* ds = reinterpret_cast<float*>(base);
-  float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m;
+  float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m, *d256 = s2 + k / 32 * m;
+  auto* sums2 = reinterpret_cast<int32_t*>(d256 + k / 256 * m);
   float* rows = made > 0 ? reinterpret_cast<float*>(base + floats) : nullptr;
   int8_t* qs = reinterpret_cast<int8_t*>(base + floats + made);
   at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
     if (rows != nullptr) make(b0, b1, rows);
-    lv.quantize(rows != nullptr ? rows : xs, b0, b1, m, k, qs, ds, ss, s2);
+    lv.quantize(rows != nullptr ? rows : xs, b0, b1, m, k, group, qs, ds, ss, s2, d256, sums2);
   });
-  a.acts = qmm::Activations{qs, ds, ss, s2, k, m};
+  a.acts = qmm::Activations{qs, ds, ss, s2, k, m, group, group == 256 ? d256 : nullptr,
+                            group == 256 ? sums2 : nullptr};
   return a;
 }
 
-// x: contiguous float32 [m, k], m > 0.
-Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv) {
-  return quantize_made(x.data_ptr<float>(), x.size(0), x.size(1), x.options(), lv,
+// x: contiguous float32 [m, k], m > 0, quantized for weights of these types.
+Quantized quantize_rows(const at::Tensor& x, const qmm::Level& lv, at::IntArrayRef types) {
+  return quantize_made(x.data_ptr<float>(), x.size(0), x.size(1), group_for(lv, types, x.size(1)), x.options(), lv,
                        [](int64_t, int64_t, float*) {});
 }
 
@@ -319,9 +328,14 @@ at::Tensor matmul_cat(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef
   const int64_t n = check_parts(ws, types, x_in.size(1));
   const qmm::Level& lv = level_at(level);
   const auto x = x_in.to(at::kFloat).contiguous();
-  auto y = x.size(0) > 0 && n > 0 ? project(quantize_rows(x, lv), ws, types, lv, x.options())
+  auto y = x.size(0) > 0 && n > 0 ? project(quantize_rows(x, lv, types), ws, types, lv, x.options())
                                   : at::empty({x.size(0), n}, x.options());
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// The inputs per activation scale of rows that meet weights of these types, k inputs wide, at this level.
+int64_t activation_group(at::IntArrayRef types, int64_t k, int64_t level) {
+  return group_for(level_at(level), types, k);
 }
 
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t level) {
@@ -544,23 +558,25 @@ void add_rows(float* xs, const float* ys, int64_t h, int64_t b0, int64_t b1) {
   for (int64_t i = b0 * h; i < b1 * h; ++i) xs[i] += ys[i];
 }
 
-// norm(x) * w quantized; where y is given, x += y in place first (add_rows).
-Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double eps, const qmm::Level& lv) {
+// norm(x) * w quantized for weights of these types; where y is given, x += y in place first (add_rows).
+Quantized normed(at::Tensor& x, const at::Tensor* y, const at::Tensor& w, double eps, const qmm::Level& lv,
+                 at::IntArrayRef types) {
   const int64_t h = x.size(1);
   check_norm_weight(w, h);
   float* xs = x.data_ptr<float>();
   const float *ys = y != nullptr ? y->data_ptr<float>() : nullptr, *ws = w.data_ptr<float>();
-  return quantize_made(nullptr, x.size(0), h, x.options(), lv, [&](int64_t b0, int64_t b1, float* out) {
+  return quantize_made(nullptr, x.size(0), h, group_for(lv, types, h), x.options(), lv,
+                       [&](int64_t b0, int64_t b1, float* out) {
     if (ys != nullptr) add_rows(xs, ys, h, b0, b1);
     lv.norm(xs, ws, h, float(eps), b0, b1, out);
   });
 }
 
-// silu(gate) * up quantized, for gate_up [rows, 2 n].
-Quantized silu_quantized(const at::Tensor& gate_up, const qmm::Level& lv) {
+// silu(gate) * up quantized for weights of these types, for gate_up [rows, 2 n].
+Quantized silu_quantized(const at::Tensor& gate_up, const qmm::Level& lv, at::IntArrayRef types) {
   const int64_t n = gate_up.size(1) / 2;
   const float* gs = gate_up.data_ptr<float>();
-  return quantize_made(nullptr, gate_up.size(0), n, gate_up.options(), lv,
+  return quantize_made(nullptr, gate_up.size(0), n, group_for(lv, types, n), gate_up.options(), lv,
                        [&](int64_t b0, int64_t b1, float* out) { lv.silu_mul(gs, n, b0, b1, out); });
 }
 
@@ -577,22 +593,23 @@ void decode_layer(at::Tensor& x, at::TensorList weights, at::IntArrayRef types, 
               "parts; types: one per part; parts: the counts of qkv, o, gate_up and down");
   check_rows(x, "x");
   const qmm::Level& lv = level_at(level);
-  size_t at_part = 0;
+  size_t first[5] = {0};  // each projection's first part
+  for (size_t i = 0; i < 4; ++i) {
+    TORCH_CHECK(parts[i] > 0 && first[i] + size_t(parts[i]) <= types.size(), "parts do not add up to the weights");
+    first[i + 1] = first[i] + size_t(parts[i]);
+  }
+  const auto types_of = [&](int64_t which) { return types.slice(first[which], size_t(parts[which])); };
   const auto times = [&](const Quantized& a, int64_t which) {
-    const size_t count = size_t(parts[which]);
-    TORCH_CHECK(count > 0 && at_part + count <= types.size(), "parts do not add up to the weights");
-    const auto y = project(a, weights.slice(2 + at_part, count), types.slice(at_part, count), lv, x.options());
-    at_part += count;
-    return y;
+    return project(a, weights.slice(2 + first[which], size_t(parts[which])), types_of(which), lv, x.options());
   };
-  const auto q = rope_write(times(normed(x, nullptr, weights[0], eps, lv), 0), cos, sin, slots, k_cache, v_cache,
-                            heads, kv_heads, level);
+  const auto q = rope_write(times(normed(x, nullptr, weights[0], eps, lv, types_of(0)), 0), cos, sin, slots, k_cache,
+                            v_cache, heads, kv_heads, level);
   const auto attn = attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, level);
-  const auto o = times(quantize_rows(attn.view({x.size(0), -1}), lv), 1);
-  const auto gate_up = times(normed(x, &o, weights[1], eps, lv), 2);
+  const auto o = times(quantize_rows(attn.view({x.size(0), -1}), lv, types_of(1)), 1);
+  const auto gate_up = times(normed(x, &o, weights[1], eps, lv, types_of(2)), 2);
   // The residual add in a loop of the library's: at one row, torch's add_ took longer than the step's norm there
   // (docs/bench.md#one-chats-layer-where-the-time-goes).
-  const auto down = times(silu_quantized(gate_up, lv), 3);
+  const auto down = times(silu_quantized(gate_up, lv, types_of(3)), 3);
   float* xs = x.data_ptr<float>();
   const float* ds = down.data_ptr<float>();
   const int64_t h = x.size(1);
@@ -605,6 +622,7 @@ TORCH_LIBRARY(pagedchat_qmm, m) {
   m.def("levels() -> str[]", &levels);
   m.def("matmul(Tensor x, Tensor w, int type, int level) -> Tensor", &matmul);
   m.def("matmul_cat(Tensor x, Tensor[] ws, int[] types, int level) -> Tensor", &matmul_cat);
+  m.def("activation_group(int[] types, int k, int level) -> int", &activation_group);
   m.def("pack(Tensor blocks, int type) -> Tensor", &pack);
   m.def("unpack(Tensor w, int type, Tensor ids) -> Tensor", &unpack);
   m.def("dequantize(Tensor w, int type, int level) -> Tensor", &dequantize);
