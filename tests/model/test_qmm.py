@@ -65,12 +65,14 @@ def quantize_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor
     return torch.from_numpy(q.reshape(x.shape)).double(), torch.from_numpy(d.repeat(group // 32, -1)).double()
 
 
-def reference(x: torch.Tensor, blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(x: torch.Tensor, blocks: np.ndarray, kind: str,
+              group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ W.T in float64 on the same int8 activations: sum over blocks of d * (q . w), W gguf's dequantization.
-    Also the sum of the terms' magnitudes, the scale of float32's summation error."""
+    Also the sum of the terms' magnitudes, the scale of float32's summation error. group: the activations' (by
+    default the one this kind's matmul alone takes)."""
     n = blocks.shape[0]
     w = torch.from_numpy(gguf.quants.dequantize(blocks, T[kind]).reshape(n, -1)).double()
-    q, d = quantize_activations(x, qmm.activation_group([kind], x.shape[1]))
+    q, d = quantize_activations(x, group or qmm.activation_group([kind], x.shape[1]))
     terms = (q.view(q.shape[0], 1, -1, 32) * w.view(1, n, -1, 32)).sum(-1) * d[:, None, :]  # [m, n, blocks]
     return terms.sum(-1), (q.abs().view(q.shape[0], 1, -1, 32) * w.abs().view(1, n, -1, 32)).sum(-1).mul(
         d[:, None, :]).sum(-1)
@@ -134,19 +136,21 @@ def test_weights_of_several_types_side_by_side_are_each_ones_matmul(level):
     """matmul_cat quantizes the activations once for every weight: each output bit for bit its weight's matmul
     alone, where that weight alone takes the same activation group (q and k beside a v of another type, as a
     Q4_K_M file has them; K types only, which the AVX2 level quantizes per 256, and K types beside others, which
-    every level quantizes per 32)."""
+    every level quantizes per 32). Where it does not, the output is still its weight times the call's activations."""
     for kinds in (["Q5_0", "Q8_0", "Q4_K", "Q6_K"], ["Q4_K", "Q6_K", "Q5_K"]):
-        weights = [qmm.pack(torch.from_numpy(random_blocks(kind, n, 512, seed=n)), kind)
-                   for kind, n in zip(kinds, (48, 16, 32, 19))]
+        blocks = [random_blocks(kind, n, 512, seed=n) for kind, n in zip(kinds, (48, 16, 32, 19))]
+        weights = [qmm.pack(torch.from_numpy(b), kind) for b, kind in zip(blocks, kinds)]
         group = qmm.activation_group(kinds, 512)
-        same = [qmm.activation_group([kind], 512) == group for kind in kinds]
         assert group == (256 if level == "avx2" and len(kinds) == 3 else 32)
         for rows in (1, 9):
             x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
             together = qmm.matmul_cat(x, weights, kinds).split([w.shape[0] for w in weights], dim=1)
-            for part, w, kind, alike in zip(together, weights, kinds, same):
-                if alike:
+            for part, b, w, kind in zip(together, blocks, weights, kinds):
+                if qmm.activation_group([kind], 512) == group:
                     assert torch.equal(part, qmm.matmul(x, w, kind)), kind
+                else:
+                    want, scale = reference(x, b, kind, group)
+                    assert ((part.double() - want).abs() <= 1e-5 * scale + 1e-30).all(), kind
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
