@@ -977,12 +977,41 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
     for (int r = 0; r < R; ++r) V::store(y + (i0 + r) * ldy + V::ROWS * g, acc[g][r]);
 }
 
-// The activation rows a tile takes: m split into as few tiles of at most S::TILE rows as can be, all but the last
+// The activation rows a tile takes: m split into as few tiles of at most tile rows as can be, all but the last
 // of one height (16 rows as 16, 20 as 10 and 10, not 16 and 4, a tile's decoding shared by few rows).
-template <class S>
-int64_t tile_height(int64_t m) {
-  const int64_t tiles = (m + S::TILE - 1) / S::TILE;
+int64_t tile_height(int64_t m, int64_t tile) {
+  const int64_t tiles = (m + tile - 1) / tile;
   return (m + tiles - 1) / tiles;
+}
+
+// The lane groups of the panel at weight row n of a packed weight, each reading the panel's codes as it goes.
+template <int T>
+void panel_groups(const uint8_t* w, int64_t row_bytes, int64_t n, Packed<T>* groups) {
+  for (int g = 0; g < PANEL_ROWS / PanelIsa::ROWS; ++g)
+    groups[g] = Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g};
+}
+
+// Every whole panel of weight rows [n0, n1), SPAN blocks of 32 at a time (whole file blocks of every type), its
+// lane groups' codes decoded once into a stack buffer that L1 holds beside the tiles' activations, the first
+// group's fill fetching ahead: f(groups, n, j0, j1) for each span, the groups reading the buffer.
+template <int T, class F>
+void buffered_spans(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, const F& f) {
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
+  constexpr int64_t SPAN = 32;
+  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
+  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
+    Packed<T> panel[GROUPS];
+    panel_groups(w, row_bytes, n, panel);
+    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
+      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
+      Buffered<T> groups[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) {
+        groups[g] = Buffered<T>{panel[g], buffer[g], j0};
+        groups[g].fill(j1, g == 0);
+      }
+      f(static_cast<const Buffered<T>*>(groups), n, j0, j1);
+    }
+  }
 }
 
 // Every tile of activation rows (tile_height) against a panel's lane groups (one source each, Packed or
@@ -992,7 +1021,7 @@ template <class S>
 void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int64_t ldy, int64_t j0, int64_t j1,
                  bool fetch) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, PASS = S::CROSS ? GROUPS : 1;  // groups a pass takes
-  const int64_t height = tile_height<S>(m);
+  const int64_t height = tile_height(m, S::TILE);
   for (int64_t i = 0; i < m; i += height)
     for (int g = 0; g < GROUPS; g += PASS)
       by_rows<S::TILE>(m - i < height ? m - i : height, [&](auto rows) {
@@ -1034,15 +1063,15 @@ __attribute__((always_inline)) inline void super_scales(const S& group, int64_t 
 }
 
 // R activation rows from i0 against G lane groups of a panel (panel_tile's y) over blocks [j0, j1), whole
-// super-blocks, the sums carried on from y's where j0 > 0. STEP blocks at a time (S::STEP: the panel's own codes,
-// whose pairs of blocks share their loads; 1: a buffer's), code vector by code vector, so that each activation
+// super-blocks, the sums carried on from y's where j0 > 0. S::STEP blocks at a time (the panel's own codes, whose
+// pairs of blocks share their loads; a buffer's one by one), code vector by code vector, so that each activation
 // broadcast serves every lane group.
-template <int R, int G, int STEP, class S>
+template <int R, int G, class S>
 void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0,
                      int64_t j1, bool fetch) {
   using V = PanelIsa;
   using B = PanelBlock<S::type>;
-  constexpr int GS = S::G;  // maddubs results summed in int16 before widening
+  constexpr int GS = S::G, STEP = S::STEP;  // maddubs results summed in int16 before widening; blocks a step
   const int64_t m = x.m;
   for (int64_t s0 = j0; s0 < j1; s0 += 8) {
     SuperScales scales[G];
@@ -1056,7 +1085,7 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
       V::I pairs[G][R][STEP];
 #pragma GCC unroll 8
       for (int d = 0; d < 8; ++d) {
-        V::I w[G][S::STEP];
+        V::I w[G][STEP];
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) groups[g].code_step(j, d, w[g]);
 #pragma GCC unroll 2
@@ -1095,43 +1124,32 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
   }
 }
 
-// int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (split as tile_height
-// does), every lane group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile
-// fetching ahead and the second finding the panel in the cache; more decode them once a span into a buffer, as
-// packed_rows does, for every tile to read.
+// int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (tile_height), every lane
+// group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile fetching ahead and
+// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does. A span is
+// 32 blocks, whole super-blocks.
 template <int T>
 void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                      float* y, int64_t ldy) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4, PACKED_ROWS = 8;
-  constexpr int64_t SPAN = 32;  // blocks of 32: whole super-blocks
-  const int64_t nb = x.k / 32, tiles = (m + TILE - 1) / TILE, height = (m + tiles - 1) / tiles;
-  const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
+  const int64_t nb = x.k / 32, height = tile_height(m, TILE);
+  const auto tiles = [&](const auto* groups, int64_t n, int64_t j0, int64_t j1, bool fetch) {
+    for (int64_t i = 0; i < m; i += height)
+      by_rows<TILE>(m - i < height ? m - i : height, [&](auto rows) {
+        int_scales_tile<decltype(rows)::value, GROUPS>(groups, x, i, y + n, ldy, j0, j1, fetch && i == 0);
+      });
+  };
   if (m <= PACKED_ROWS) {
     for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
       Packed<T> groups[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
-      for (int64_t i = 0; i < m; i += height)
-        by_rows<TILE>(m - i < height ? m - i : height, [&](auto rows) {
-          int_scales_tile<decltype(rows)::value, GROUPS, Packed<T>::STEP>(groups, x, i, y + n, ldy, 0, nb, i == 0);
-        });
+      panel_groups(w, row_bytes, n, groups);
+      tiles(groups, n, 0, nb, true);
     }
     return;
   }
-  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
-  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
-    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
-      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
-      Buffered<T> groups[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) {
-        groups[g] = Buffered<T>{packed(n, g), buffer[g], j0};
-        groups[g].fill(j1, g == 0);
-      }
-      for (int64_t i = 0; i < m; i += height)
-        by_rows<TILE>(m - i < height ? m - i : height, [&](auto rows) {
-          int_scales_tile<decltype(rows)::value, GROUPS, 1>(groups, x, i, y + n, ldy, j0, j1, false);
-        });
-    }
-  }
+  buffered_spans<T>(w, row_bytes, n0, n1, nb, [&](const Buffered<T>* groups, int64_t n, int64_t j0, int64_t j1) {
+    tiles(groups, n, j0, j1, false);
+  });
 }
 
 #endif
@@ -1150,18 +1168,16 @@ template <int T>
 void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                  float* y, int64_t ldy) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, ONE_PASS_ROWS = 4;
-  constexpr int64_t SPAN = 32;  // blocks of 32: whole file blocks of every type
   const int64_t nb = x.k / 32;
 #if QMM_INTEGER_K_SCALES
   if constexpr (T == Q4_K || T == Q5_K) {
     if (x.group == 256) return int_scales_rows<T>(w, row_bytes, n0, n1, x, m, y, ldy);
   }
 #endif
-  const auto packed = [&](int64_t n, int g) { return Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g}; };
   if (m <= Packed<T>::TILE || T == Q8_0) {  // the first pass fetches ahead; the later ones find the panel in L1
     for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
       Packed<T> groups[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) groups[g] = packed(n, g);
+      panel_groups(w, row_bytes, n, groups);
       if (m <= ONE_PASS_ROWS) {
         by_rows<ONE_PASS_ROWS>(m, [&](auto rows) {
           panel_tile<decltype(rows)::value, GROUPS>(groups, x, 0, y + n, ldy, 0, nb, true);
@@ -1172,18 +1188,9 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
     }
     return;
   }
-  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
-  for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
-    for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
-      const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
-      Buffered<T> groups[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) {
-        groups[g] = Buffered<T>{packed(n, g), buffer[g], j0};
-        groups[g].fill(j1, g == 0);
-      }
-      tile_passes(groups, x, m, y + n, ldy, j0, j1, false);
-    }
-  }
+  buffered_spans<T>(w, row_bytes, n0, n1, nb, [&](const Buffered<T>* groups, int64_t n, int64_t j0, int64_t j1) {
+    tile_passes(groups, x, m, y + n, ldy, j0, j1, false);
+  });
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
