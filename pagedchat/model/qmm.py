@@ -342,7 +342,7 @@ def matmul_cat(x: torch.Tensor, weights: list[torch.Tensor], kinds: list[str]) -
 
 def activation_group(kinds: list[str], k: int) -> int:
     """The inputs per int8 scale of activation rows k wide that meet weights of these kinds: 256 where every one is
-    a K type and the level sums Q4_K and Q5_K with integer sub-block scales (llama.cpp's q8_K: the AVX2 level),
+    a K type and the level sums the K types with integer sub-block scales (llama.cpp's q8_K: the AVX2 level),
     else 32."""
     return torch.ops.pagedchat_qmm.activation_group([TYPES[k_] for k_ in kinds], k, _state.index)
 

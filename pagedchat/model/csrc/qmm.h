@@ -119,7 +119,8 @@ struct PanelBlock {
 // Rows that meet only K-type weights may be quantized per 256 inputs instead (group 256, llama.cpp's q8_K), on the
 // levels whose panels apply those types' sub-block scales in integers (Level::k_group): one scale per 256, which
 // d32 then repeats for each of its blocks, so that every kernel reads such rows as it reads the others. The
-// panels that sum in integers read d256 and sums2, the codes' sums of blocks 2p and 2p + 1 as an int16 pair.
+// panels that sum in integers read d256 and the codes' sums as int16 pairs: sums2 those of blocks 2p and 2p + 1
+// (against Q4_K and Q5_K's minimums), sums16 those of block j's two halves (against Q6_K's scales).
 struct Activations {
   const int8_t* q;    // [k / 32][m][32]
   const float* d32;   // [k / 32][m]
@@ -128,7 +129,8 @@ struct Activations {
   int64_t k, m;
   int64_t group;         // inputs per scale: 32, or 256
   const float* d256;     // [k / 256][m], group 256 only
-  const int32_t* sums2;  // [k / 64][m], group 256 only
+  const int32_t* sums2;   // [k / 64][m], group 256 only
+  const int32_t* sums16;  // [k / 32][m], group 256 only
 };
 
 namespace {
@@ -199,10 +201,10 @@ inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(
 
 // A level's entry points. Its name and CPU check are its row of QMM_LEVELS, in qmm_torch.cpp.
 struct Level {
-  // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays, a scale per group inputs (d256 and sums2 only
-  // for group 256).
+  // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays, a scale per group inputs (d256, sums2 and
+  // sums16 only for group 256).
   void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int64_t group, int8_t* q,
-                   float* d32, float* s16, float* s32, float* d256, int32_t* sums2);
+                   float* d32, float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16);
   // y[i * ldy + n] = x_i . W_n for weight rows n in [n0, n1) and every activation row i. scratch holds
   // scratch_bytes(k) bytes: one weight row decoded (the portable level; the SIMD levels need none).
   void (*matmul)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,
@@ -227,7 +229,7 @@ struct Level {
   // Rows [r0, r1) of x [rows][n]: each row's first index of its largest value, a NaN above every number (the
   // index torch's max gives).
   void (*argmax)(const float* x, int64_t n, int64_t r0, int64_t r1, int64_t* out);
-  // The activations' group for rows that meet only K-type weights: 256 where the panels sum Q4_K and Q5_K with
+  // The activations' group for rows that meet only K-type weights: 256 where the panels sum the K types with
   // integer sub-block scales, else 32.
   int64_t k_group;
 };

@@ -24,7 +24,7 @@
 namespace qmm {
 namespace {
 
-// Whether this level sums Q4_K and Q5_K with integer sub-block scales against rows quantized per 256
+// Whether this level sums the K types with integer sub-block scales against rows quantized per 256
 // (int_scales_rows): AVX2 without VNNI, whose widening madd takes the scales for free. The VNNI levels would pay a
 // multiply per block and row for them, and the AMX level must keep their bits; AVX-512 without VNNI ran slower in
 // the tiles tried (docs/bench.md#the-k-types-at-avx2-integer-sub-block-scales).
@@ -289,24 +289,29 @@ __attribute__((always_inline)) inline void code_block(const float* xb, float id,
   sums[1] = total(c[2] + c[3]);
 }
 
-// Row i's inputs [32 j0, 32 j1), one group, coded at one scale d: the codes, d per block and its sums.
+// Row i's inputs [32 j0, 32 j1), one group, coded at one scale d: the codes, d per block and its sums, and the
+// codes' sums of each block's halves (halves[j - j0]).
 __attribute__((always_inline)) inline void code_group(const float* x, int64_t i, int64_t j0, int64_t j1, int64_t m,
                                                       int64_t k, int8_t* q, float* d32, float* s16, float* s32,
-                                                      int* sums32) {
+                                                      int (*halves)[2]) {
   const float d = largest(x + i * k + 32 * j0, 32 * (j1 - j0)) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
   for (int64_t j = j0; j < j1; ++j) {
-    int sums[2];
+    int* sums = halves[j - j0];
     code_block(x + i * k + 32 * j, id, q + CODES_STRIDE * (j * m + i), sums);
     d32[j * m + i] = d;
     s16[(2 * j) * m + i] = d * float(sums[0]);
     s16[(2 * j + 1) * m + i] = d * float(sums[1]);
     s32[j * m + i] = d * float(sums[0] + sums[1]);
-    sums32[j - j0] = sums[0] + sums[1];
   }
 }
 
+// Two codes' sums (each at most 32 codes') as the int16 pair a madd reads, the first in the low half.
+inline int32_t int16_pair(int low, int high) {
+  return int32_t(uint32_t(uint16_t(low)) | (uint32_t(uint16_t(high)) << 16));
+}
+
 void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int64_t group, int8_t* q, float* d32,
-              float* s16, float* s32, float* d256, int32_t* sums2) {
+              float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16) {
   // Sixteen rows block by block: the sums are stored by column, so rows side by side fill a line between them,
   // where one row at a time stored each sum into a line of its own.
   constexpr int64_t ROWS = 16;
@@ -315,13 +320,16 @@ void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int6
     const int64_t r1 = r0 + ROWS < i1 ? r0 + ROWS : i1;
     for (int64_t j = 0; j < k / 32; j += blocks) {
       for (int64_t i = r0; i < r1; ++i) {
-        int sums32[8];
-        code_group(x, i, j, j + blocks, m, k, q, d32, s16, s32, sums32);
+        int halves[8][2];
+        code_group(x, i, j, j + blocks, m, k, q, d32, s16, s32, halves);
         if (group != 256) continue;
         d256[j / 8 * m + i] = d32[j * m + i];
-        for (int p = 0; p < 4; ++p)
-          sums2[(j / 2 + p) * m + i] =
-              int32_t(uint32_t(uint16_t(sums32[2 * p])) | (uint32_t(uint16_t(sums32[2 * p + 1])) << 16));
+        for (int p = 0; p < 4; ++p) {
+          const int* a = halves[2 * p];
+          const int* b = halves[2 * p + 1];
+          sums2[(j / 2 + p) * m + i] = int16_pair(a[0] + a[1], b[0] + b[1]);
+        }
+        for (int t = 0; t < 8; ++t) sums16[(j + t) * m + i] = int16_pair(halves[t][0], halves[t][1]);
       }
     }
   }
@@ -605,6 +613,16 @@ struct PanelIsa {
   static I widen(I sum, I pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
   static I widen_by(I sum, I pairs, I scales) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, scales)); }
   static I bcast32(const int32_t* p) { return _mm256_set1_epi32(*p); }
+  // Each 32-bit lane's signed bytes lo and hi (0 to 3) as an int16 pair, lo's in the low half: each moved into
+  // its half's high byte, then shifted down with its sign.
+  static I int16_pair(I v, int lo, int hi) {
+    const auto pick = [&](int k) {
+      return int(0x80u | uint32_t(4 * k + lo) << 8 | 0x80u << 16 | uint32_t(4 * k + hi) << 24);
+    };
+    const I control = _mm256_setr_epi32(pick(0), pick(1), pick(2), pick(3), pick(0), pick(1), pick(2), pick(3));
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(v, control), 8);
+  }
+  static I times16(I v, int f) { return _mm256_mullo_epi16(v, _mm256_set1_epi16(short(f))); }
   static I abs8(I w) { return _mm256_sign_epi8(w, w); }
   static I sign8(I q, I w) { return _mm256_sign_epi8(q, w); }  // q, negated where w < 0 (0 where w is)
   static I izero() { return _mm256_setzero_si256(); }
@@ -825,14 +843,15 @@ struct Packed {
   static V::I dot(const V::I* w, const int8_t* q) { return unit_dot<N, G, SIGNED_DOTS>(w, q); }
 };
 
-// A lane group's blocks [j0, j1) decoded (Packed's codes and terms, as they are) into a buffer, for a call with
-// more than one tile of activation rows: each tile then reads them where each decoded them again. Its code and
-// terms are Packed's, so every sum is the same bits whichever a tile reads.
-template <int T>
+// A lane group's blocks [j0, j1) decoded (Packed's codes and, where TERMS, its terms, as they are) into a buffer,
+// for a call with more than one tile of activation rows: each tile then reads them where each decoded them again.
+// Its code and terms are Packed's, so every sum is the same bits whichever a tile reads. The tiles that apply the
+// scales in integers (int_scales_tile) read no terms.
+template <int T, bool TERMS = true>
 struct Buffered : Packed<T> {
   using V = PanelIsa;
   using P = Packed<T>;
-  static constexpr int64_t VECTORS = 8 + 2 * P::UNITS;  // a block's: its code vectors, then (a, c) per unit
+  static constexpr int64_t VECTORS = 8 + (TERMS ? 2 * P::UNITS : 0);  // a block's: its code vectors, (a, c) per unit
   static constexpr int64_t BYTES = VECTORS * int64_t(sizeof(V::I));
   uint8_t* buffer;
   int64_t j0;
@@ -855,11 +874,13 @@ struct Buffered : Packed<T> {
         P::code_step(j, d, w);
         for (int t = 0; t < P::STEP; ++t) V::storei(at(j + t, d), w[t]);
       }
-      for (int t = 0; t < P::STEP; ++t) {
-        for (int h = 0; h < P::UNITS; ++h) {
-          const typename P::Terms terms = P::terms(j + t, h);
-          V::store(reinterpret_cast<float*>(at(j + t, 8 + 2 * h)), terms.a);
-          V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
+      if constexpr (TERMS) {
+        for (int t = 0; t < P::STEP; ++t) {
+          for (int h = 0; h < P::UNITS; ++h) {
+            const typename P::Terms terms = P::terms(j + t, h);
+            V::store(reinterpret_cast<float*>(at(j + t, 8 + 2 * h)), terms.a);
+            V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
+          }
         }
       }
     }
@@ -992,24 +1013,25 @@ void panel_groups(const uint8_t* w, int64_t row_bytes, int64_t n, Packed<T>* gro
 }
 
 // Every whole panel of weight rows [n0, n1), SPAN blocks of 32 at a time (whole file blocks of every type), its
-// lane groups' codes decoded once into a stack buffer that L1 holds beside the tiles' activations, the first
-// group's fill fetching ahead: f(groups, n, j0, j1) for each span, the groups reading the buffer.
-template <int T, class F>
+// lane groups' codes decoded once into a stack buffer (Buf, a Buffered) that L1 holds beside the tiles'
+// activations, the first group's fill fetching ahead: f(groups, n, j0, j1) for each span, the groups reading the
+// buffer.
+template <class Buf, class F>
 void buffered_spans(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, const F& f) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
   constexpr int64_t SPAN = 32;
-  alignas(64) uint8_t buffer[GROUPS][SPAN * Buffered<T>::BYTES];
+  alignas(64) uint8_t buffer[GROUPS][SPAN * Buf::BYTES];
   for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
-    Packed<T> panel[GROUPS];
+    Packed<Buf::type> panel[GROUPS];
     panel_groups(w, row_bytes, n, panel);
     for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
       const int64_t j1 = j0 + SPAN < nb ? j0 + SPAN : nb;
-      Buffered<T> groups[GROUPS];
+      Buf groups[GROUPS];
       for (int g = 0; g < GROUPS; ++g) {
-        groups[g] = Buffered<T>{panel[g], buffer[g], j0};
+        groups[g] = Buf{panel[g], buffer[g], j0};
         groups[g].fill(j1, g == 0);
       }
-      f(static_cast<const Buffered<T>*>(groups), n, j0, j1);
+      f(static_cast<const Buf*>(groups), n, j0, j1);
     }
   }
 }
@@ -1032,49 +1054,67 @@ void tile_passes(const S* groups, const Activations& x, int64_t m, float* y, int
 
 #if QMM_INTEGER_K_SCALES
 
-// Q4_K and Q5_K against rows quantized per 256 (Activations::group), at QMM_INTEGER_K_SCALES: llama.cpp's
-// arithmetic for the K types. The widening madd takes each block's 6-bit scale where it took ones, so a block's
-// products, scaled, add up in int32 over the 256; the minimums meet the activations' sums per 32 in madd pairs;
+// The K types against rows quantized per 256 (Activations::group), at QMM_INTEGER_K_SCALES: llama.cpp's
+// arithmetic for them. The widening madd takes each scale unit's scale where it took ones, so a super-block's
+// products, scaled, add up in int32 over the 256; the offsets meet the activations' integer sums in madd pairs;
 // and the float part comes once per 256 inputs and row, where the per-32 arithmetic spends four operations on
-// every block and row (docs/bench.md#batched-matmuls-against-their-arithmetics-bound-measured-nothing-changed).
+// every unit and row (docs/bench.md#batched-matmuls-against-their-arithmetics-bound-measured-nothing-changed).
 // The integers are exact whatever the loop's shape, and the float part is the same operations in the same order
 // for every row count: a row's result does not depend on the rows beside it.
 
-// A super-block's scales for int_scales_tile, a row per lane: each block's 6-bit scale in both int16 halves (madd
-// multiplies pairs), and the minimums of blocks 2p and 2p + 1 as an int16 pair.
+// A super-block's scales for int_scales_tile, a row per lane: each scale unit's (a block of 32 for Q4_K and
+// Q5_K, 16 inputs for Q6_K) in both int16 halves (madd multiplies pairs), and the offsets' factors as int16
+// pairs, against the activations' sums as pairs: Q4_K and Q5_K's minimums of blocks 2p and 2p + 1 (sums2, summed
+// apart: dmin is not d), Q6_K's two scales of block p times its offset, -32 (sums16, added to the products).
+template <int T>
 struct SuperScales {
-  PanelIsa::I scale[8], mins[4];
+  static constexpr int UNITS = T == Q6_K ? 16 : 8, PAIRS = T == Q6_K ? 8 : 4;
+  PanelIsa::I unit[UNITS], pair[PAIRS];
 };
 
 template <class S>
-__attribute__((always_inline)) inline void super_scales(const S& group, int64_t j0, SuperScales* out) {
+__attribute__((always_inline)) inline void super_scales(const S& group, int64_t j0, SuperScales<S::type>* out) {
   using V = PanelIsa;
-  V::I first;
-  for (int t = 0; t < 8; ++t) {
-    V::I sc, mn;
-    group.k4_scale_min(j0 + t, &sc, &mn);
-    out->scale[t] = V::or_(sc, V::sll32(sc, 16));
-    if (t % 2 == 0) {
-      first = mn;
-    } else {
-      out->mins[t / 2] = V::or_(first, V::sll32(mn, 16));
+  if constexpr (S::type == Q6_K) {
+    const uint8_t* b = group.file_block(j0) + PanelBlock<Q6_K>::SCALES_AT;
+    for (int c = 0; c < 4; ++c) {  // chunk c: the signed scales of units 4c..4c + 3, blocks 2c and 2c + 1
+      const V::I bytes = group.chunk(b, c);
+      for (int e = 0; e < 4; ++e) out->unit[4 * c + e] = V::int16_pair(bytes, e, e);
+      for (int e = 0; e < 2; ++e) out->pair[2 * c + e] = V::times16(V::int16_pair(bytes, 2 * e, 2 * e + 1), -32);
+    }
+  } else {
+    V::I first;
+    for (int t = 0; t < 8; ++t) {
+      V::I sc, mn;
+      group.k4_scale_min(j0 + t, &sc, &mn);
+      out->unit[t] = V::or_(sc, V::sll32(sc, 16));
+      if (t % 2 == 0) {
+        first = mn;
+      } else {
+        out->pair[t / 2] = V::or_(first, V::sll32(mn, 16));
+      }
     }
   }
 }
 
 // R activation rows from i0 against G lane groups of a panel (panel_tile's y) over blocks [j0, j1), whole
-// super-blocks, the sums carried on from y's where j0 > 0. S::STEP blocks at a time (the panel's own codes, whose
-// pairs of blocks share their loads; a buffer's one by one), code vector by code vector, so that each activation
-// broadcast serves every lane group.
+// super-blocks, the sums carried on from y's where j0 > 0. STEP blocks at a time (the panel's own codes, whose
+// blocks that share loads come together, but for Q6_K's four past one row, whose sums would outgrow the
+// registers; a buffer's one by one), code vector by code vector, so that each activation broadcast serves every
+// lane group.
 template <int R, int G, class S>
 void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0,
                      int64_t j1, bool fetch) {
   using V = PanelIsa;
   using B = PanelBlock<S::type>;
-  constexpr int GS = S::G, STEP = S::STEP;  // maddubs results summed in int16 before widening; blocks a step
+  using Scales = SuperScales<S::type>;
+  constexpr bool SIX = S::type == Q6_K;
+  constexpr int GS = S::G, N = S::N;  // maddubs results summed in int16 before widening; code vectors per unit
+  constexpr int STEP = SIX && R > 1 ? 1 : S::STEP;
   const int64_t m = x.m;
+  const int32_t* pair_sums = SIX ? x.sums16 : x.sums2;  // a super-block's Scales::PAIRS rows of them
   for (int64_t s0 = j0; s0 < j1; s0 += 8) {
-    SuperScales scales[G];
+    Scales scales[G];
     for (int g = 0; g < G; ++g) super_scales(groups[g], s0, &scales[g]);
     V::I sums[G][R];
     for (int g = 0; g < G; ++g)
@@ -1087,8 +1127,14 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
       for (int d = 0; d < 8; ++d) {
         V::I w[G][STEP];
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) groups[g].code_step(j, d, w[g]);
-#pragma GCC unroll 2
+        for (int g = 0; g < G; ++g) {
+          if constexpr (STEP == S::STEP) {
+            groups[g].code_step(j, d, w[g]);
+          } else {
+            w[g][0] = groups[g].code(j, d);
+          }
+        }
+#pragma GCC unroll 4
         for (int t = 0; t < STEP; ++t)
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
@@ -1099,7 +1145,7 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
               pairs[g][r][t] = d % GS == 0 ? p : V::add16(pairs[g][r][t], p);
               hold<GS>(pairs[g][r][t]);
               if (d % GS == GS - 1)
-                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g].scale[j - s0 + t]);
+                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g].unit[S::UNITS * (j - s0 + t) + d / N]);
             }
           }
       }
@@ -1107,17 +1153,23 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       const uint8_t* b = groups[g].file_block(s0);
-      const V::F d = groups[g].halves(b + B::D_AT), dmin = V::mul(groups[g].halves(b + B::M_AT), V::set1(-1.f));
+      const V::F d = groups[g].halves(b + B::D_AT);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        V::I offsets = V::izero();
-        for (int p = 0; p < 4; ++p)
-          offsets = V::widen_by(offsets, scales[g].mins[p], V::bcast32(x.sums2 + (s0 / 2 + p) * m + i0 + r));
+        V::I offsets = SIX ? sums[g][r] : V::izero();
+        for (int p = 0; p < Scales::PAIRS; ++p)
+          offsets = V::widen_by(offsets, scales[g].pair[p],
+                                V::bcast32(pair_sums + (s0 / 8 * Scales::PAIRS + p) * m + i0 + r));
         const V::F scale = V::bcastf(x.d256 + s0 / 8 * m + i0 + r);
         float* out = y + (i0 + r) * ldy + V::ROWS * g;
         V::F acc = s0 == 0 ? V::zero() : V::loadf(out);
-        acc = V::fmadd(V::cvt(sums[g][r]), V::mul(d, scale), acc);
-        acc = V::fmadd(V::cvt(offsets), V::mul(dmin, scale), acc);
+        if constexpr (SIX) {
+          acc = V::fmadd(V::cvt(offsets), V::mul(d, scale), acc);
+        } else {
+          const V::F dmin = V::mul(groups[g].halves(b + B::M_AT), V::set1(-1.f));
+          acc = V::fmadd(V::cvt(sums[g][r]), V::mul(d, scale), acc);
+          acc = V::fmadd(V::cvt(offsets), V::mul(dmin, scale), acc);
+        }
         V::store(out, acc);
       }
     }
@@ -1126,8 +1178,8 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
 
 // int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (tile_height), every lane
 // group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile fetching ahead and
-// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does. A span is
-// 32 blocks, whole super-blocks.
+// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does, without the
+// float terms. A span is 32 blocks, whole super-blocks.
 template <int T>
 void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                      float* y, int64_t ldy) {
@@ -1147,7 +1199,8 @@ void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
     }
     return;
   }
-  buffered_spans<T>(w, row_bytes, n0, n1, nb, [&](const Buffered<T>* groups, int64_t n, int64_t j0, int64_t j1) {
+  using Codes = Buffered<T, false>;
+  buffered_spans<Codes>(w, row_bytes, n0, n1, nb, [&](const Codes* groups, int64_t n, int64_t j0, int64_t j1) {
     tiles(groups, n, j0, j1, false);
   });
 }
@@ -1170,7 +1223,7 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, ONE_PASS_ROWS = 4;
   const int64_t nb = x.k / 32;
 #if QMM_INTEGER_K_SCALES
-  if constexpr (T == Q4_K || T == Q5_K) {
+  if constexpr (PanelBlock<T>::K) {
     if (x.group == 256) return int_scales_rows<T>(w, row_bytes, n0, n1, x, m, y, ldy);
   }
 #endif
@@ -1188,9 +1241,10 @@ void packed_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, co
     }
     return;
   }
-  buffered_spans<T>(w, row_bytes, n0, n1, nb, [&](const Buffered<T>* groups, int64_t n, int64_t j0, int64_t j1) {
-    tile_passes(groups, x, m, y + n, ldy, j0, j1, false);
-  });
+  buffered_spans<Buffered<T>>(w, row_bytes, n0, n1, nb,
+                              [&](const Buffered<T>* groups, int64_t n, int64_t j0, int64_t j1) {
+                                tile_passes(groups, x, m, y + n, ldy, j0, j1, false);
+                              });
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
