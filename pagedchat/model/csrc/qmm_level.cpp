@@ -1179,11 +1179,12 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
 // int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (tile_height), every lane
 // group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile fetching ahead and
 // the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does, without the
-// float terms. A span is 32 blocks, whole super-blocks.
+// float terms. Q6_K's codes cost the most to decode, so a second tile of them already reads the buffer. A span is
+// 32 blocks, whole super-blocks.
 template <int T>
 void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                      float* y, int64_t ldy) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4, PACKED_ROWS = 8;
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4, PACKED_ROWS = T == Q6_K ? TILE : 2 * TILE;
   const int64_t nb = x.k / 32, height = tile_height(m, TILE);
   const auto tiles = [&](const auto* groups, int64_t n, int64_t j0, int64_t j1, bool fetch) {
     for (int64_t i = 0; i < m; i += height)
