@@ -615,7 +615,7 @@ struct PanelIsa {
   static I bcast32(const int32_t* p) { return _mm256_set1_epi32(*p); }
   // Each 32-bit lane's signed bytes lo and hi (0 to 3) as an int16 pair, lo's in the low half: each moved into
   // its half's high byte, then shifted down with its sign.
-  static I int16_pair(I v, int lo, int hi) {
+  static I signed_bytes_pair(I v, int lo, int hi) {
     const auto pick = [&](int k) {
       return int(0x80u | uint32_t(4 * k + lo) << 8 | 0x80u << 16 | uint32_t(4 * k + hi) << 24);
     };
@@ -1079,8 +1079,9 @@ __attribute__((always_inline)) inline void super_scales(const S& group, int64_t 
     const uint8_t* b = group.file_block(j0) + PanelBlock<Q6_K>::SCALES_AT;
     for (int c = 0; c < 4; ++c) {  // chunk c: the signed scales of units 4c..4c + 3, blocks 2c and 2c + 1
       const V::I bytes = group.chunk(b, c);
-      for (int e = 0; e < 4; ++e) out->unit[4 * c + e] = V::int16_pair(bytes, e, e);
-      for (int e = 0; e < 2; ++e) out->pair[2 * c + e] = V::times16(V::int16_pair(bytes, 2 * e, 2 * e + 1), -32);
+      for (int e = 0; e < 4; ++e) out->unit[4 * c + e] = V::signed_bytes_pair(bytes, e, e);
+      for (int e = 0; e < 2; ++e)
+        out->pair[2 * c + e] = V::times16(V::signed_bytes_pair(bytes, 2 * e, 2 * e + 1), -32);
     }
   } else {
     V::I first;
@@ -1154,6 +1155,8 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
     for (int g = 0; g < G; ++g) {
       const uint8_t* b = groups[g].file_block(s0);
       const V::F d = groups[g].halves(b + B::D_AT);
+      V::F dmin = V::zero();  // Q4_K and Q5_K's, negated; Q6_K has none
+      if constexpr (!SIX) dmin = V::mul(groups[g].halves(b + B::M_AT), V::set1(-1.f));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         V::I offsets = SIX ? sums[g][r] : V::izero();
@@ -1166,7 +1169,6 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
         if constexpr (SIX) {
           acc = V::fmadd(V::cvt(offsets), V::mul(d, scale), acc);
         } else {
-          const V::F dmin = V::mul(groups[g].halves(b + B::M_AT), V::set1(-1.f));
           acc = V::fmadd(V::cvt(sums[g][r]), V::mul(d, scale), acc);
           acc = V::fmadd(V::cvt(offsets), V::mul(dmin, scale), acc);
         }
