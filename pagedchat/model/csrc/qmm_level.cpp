@@ -25,9 +25,11 @@ namespace qmm {
 namespace {
 
 // Whether this level sums the K types with integer sub-block scales against rows quantized per 256
-// (int_scales_rows): AVX2 without VNNI, whose widening madd takes the scales for free. The VNNI levels would pay a
-// multiply per block and row for them, and the AMX level must keep their bits; AVX-512 without VNNI ran slower in
-// the tiles tried (docs/bench.md#the-k-types-at-avx2-integer-sub-block-scales).
+// (int_scales_rows): AVX2 without VNNI, whose widening madd takes the scales for free. The VNNI levels pay a
+// multiply per unit and row for them, and their 16-row tiles ran slower so
+// (docs/bench.md#the-k-types-at-avx-512-vnni-integer-scales-measured-and-not-kept); the AMX level must keep their
+// bits. AVX-512 without VNNI ran slower in the tiles tried
+// (docs/bench.md#the-k-types-at-avx2-integer-sub-block-scales).
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
 #define QMM_INTEGER_K_SCALES 1
 #else
