@@ -914,13 +914,15 @@ __attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const type
 }
 
 // The unit dots of blocks j..j + S::STEP - 1 with R activation rows and G lane groups (groups[g]), code vector by
-// code vector (code_step), each summed as unit_dot sums it without VNNI: dots[g][r][t][h] is S::dot of group g's
-// block j + t's unit h with row i0 + r, the same integers. Each activation broadcast serves every group.
+// code vector (code_step), each summed as unit_dot sums it: dots[g][r][t][h] is S::dot of group g's block j + t's
+// unit h with row i0 + r, the same integers. Each activation broadcast serves every group.
 template <int R, int G, class S>
 __attribute__((always_inline)) inline void step_dots(const S* groups, const Activations& x, int64_t i0, int64_t j,
                                                      PanelIsa::I (&dots)[G][R][S::STEP][S::UNITS]) {
   using V = PanelIsa;
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
   V::I pairs[G][R][S::STEP];  // maddubs results summed in int16, S::G at a time
+#endif
 #pragma GCC unroll 8
   for (int d = 0; d < 8; ++d) {
     const int h = d / S::N, e = d % S::N;
@@ -934,11 +936,15 @@ __attribute__((always_inline)) inline void step_dots(const S* groups, const Acti
         const V::I b = V::bcast4(codes_at(x, i0 + r, j + t) + 4 * d);
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+          dots[g][r][t][h] = V::dpbusd(e == 0 ? V::izero() : dots[g][r][t][h], w[g][t], b);
+#else
           const V::I p = S::SIGNED_DOTS ? V::maddubs(V::abs8(w[g][t]), V::sign8(b, w[g][t])) : V::maddubs(w[g][t], b);
           pairs[g][r][t] = e % S::G == 0 ? p : V::add16(pairs[g][r][t], p);
           hold<S::G>(pairs[g][r][t]);
           if (e % S::G == S::G - 1)
             dots[g][r][t][h] = V::widen(e < S::G ? V::izero() : dots[g][r][t][h], pairs[g][r][t]);
+#endif
         }
       }
   }
@@ -957,10 +963,11 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
     for (int r = 0; r < R; ++r) acc[g][r] = j0 > 0 ? V::loadf(y + (i0 + r) * ldy + V::ROWS * g) : V::zero();
   // Both loops over the lane groups are unrolled: left rolled, GCC keeps acc in memory, indexed by the group,
   // and every unit waits on its stores (docs/bench.md#few-rows-at-avx2-the-lane-groups-loop-unrolled).
-  // Few rows without VNNI, where the decoding's instructions show: the blocks that share fields take their dots
-  // together, in registers (a group's at a time; counting every group's, so that they fit). The VNNI levels read
-  // a row no faster this way (docs/bench.md).
-  if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= 8 && !PanelIsa::DPBUSD) {
+  // Few rows, where the decoding's instructions show: the blocks that share fields take their dots together, in
+  // registers (a group's at a time; counting every group's, so that they fit). With VNNI only Q6_K's, whose four
+  // blocks share their high bits, read a row faster this way
+  // (docs/bench.md#q6_k-at-avx-512-vnni-one-row-four-blocks-at-once).
+  if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= 8 && (!PanelIsa::DPBUSD || S::type == Q6_K)) {
     for (int64_t j = j0; j < j1; j += S::STEP) {
       if (fetch)
         for (int t = 0; t < S::STEP; ++t) groups[0].fetch_ahead(j + t);
