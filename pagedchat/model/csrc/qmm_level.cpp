@@ -964,10 +964,11 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
   // Both loops over the lane groups are unrolled: left rolled, GCC keeps acc in memory, indexed by the group,
   // and every unit waits on its stores (docs/bench.md#few-rows-at-avx2-the-lane-groups-loop-unrolled).
   // Few rows, where the decoding's instructions show: the blocks that share fields take their dots together, in
-  // registers (a group's at a time; counting every group's, so that they fit). With VNNI only Q6_K's, whose four
-  // blocks share their high bits, read a row faster this way
-  // (docs/bench.md#q6_k-at-avx-512-vnni-one-row-four-blocks-at-once).
-  if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= 8 && (!PanelIsa::DPBUSD || S::type == Q6_K)) {
+  // registers (a group's at a time; counting every group's, so that they fit: AVX-512 VNNI's need no int16 sums
+  // beside them, and two rows' fit). With VNNI only Q6_K's, whose four blocks share their high bits, read a row
+  // faster this way (docs/bench.md#q6_k-at-avx-512-vnni-one-and-two-rows-four-blocks-at-once).
+  constexpr int STEP_DOTS = PanelIsa::DPBUSD && PanelIsa::ROWS == PANEL_ROWS ? 16 : 8;
+  if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= STEP_DOTS && (!PanelIsa::DPBUSD || S::type == Q6_K)) {
     for (int64_t j = j0; j < j1; j += S::STEP) {
       if (fetch)
         for (int t = 0; t < S::STEP; ++t) groups[0].fetch_ahead(j + t);
