@@ -965,7 +965,7 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
   // and every unit waits on its stores (docs/bench.md#few-rows-at-avx2-the-lane-groups-loop-unrolled).
   // Few rows, where the decoding's instructions show: the blocks that share fields take their dots together, in
   // registers (a group's at a time; counting every group's, so that they fit: AVX-512 VNNI's need no int16 sums
-  // beside them, and two rows' fit). With VNNI only Q6_K's, whose four blocks share their high bits, read a row
+  // beside them, and two rows' fit). With VNNI only Q6_K's, whose four blocks share their high bits, read rows
   // faster this way (docs/bench.md#q6_k-at-avx-512-vnni-one-and-two-rows-four-blocks-at-once).
   constexpr int STEP_DOTS = PanelIsa::DPBUSD && PanelIsa::ROWS == PANEL_ROWS ? 16 : 8;
   if constexpr (S::STEP > 1 && G * R * S::STEP * S::UNITS <= STEP_DOTS && (!PanelIsa::DPBUSD || S::type == Q6_K)) {
