@@ -121,6 +121,9 @@ struct PanelBlock {
 // d32 then repeats for each of its blocks, so that every kernel reads such rows as it reads the others. The
 // panels that sum in integers read d256 and the codes' sums as int16 pairs: sums2 those of blocks 2p and 2p + 1
 // (against Q4_K and Q5_K's minimums), sums16 those of block j's two halves (against Q6_K's scales).
+//
+// At every group, o16 holds -32 times the codes' sums per 16 inputs: Q6_K's offset, -32 times a unit's scale, is
+// exact in integers, so the panels add it to a unit's dot before its one multiply-add.
 struct Activations {
   const int8_t* q;    // [k / 32][m][32]
   const float* d32;   // [k / 32][m]
@@ -131,6 +134,7 @@ struct Activations {
   const float* d256;     // [k / 256][m], group 256 only
   const int32_t* sums2;   // [k / 64][m], group 256 only
   const int32_t* sums16;  // [k / 32][m], group 256 only
+  const int32_t* o16;     // [k / 16][m]
 };
 
 namespace {
@@ -202,9 +206,9 @@ inline int64_t attend_scratch(const AttendArgs& a) { return (attend_scratch_row(
 // A level's entry points. Its name and CPU check are its row of QMM_LEVELS, in qmm_torch.cpp.
 struct Level {
   // Rows [i0, i1) of x [m][k] float32 -> the Activations arrays, a scale per group inputs (d256, sums2 and
-  // sums16 only for group 256).
+  // sums16 only for group 256, o16 for every group).
   void (*quantize)(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int64_t group, int8_t* q,
-                   float* d32, float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16);
+                   float* d32, float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16, int32_t* o16);
   // y[i * ldy + n] = x_i . W_n for weight rows n in [n0, n1) and every activation row i. scratch holds
   // scratch_bytes(k) bytes: one weight row decoded (the portable level; the SIMD levels need none).
   void (*matmul)(int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x,

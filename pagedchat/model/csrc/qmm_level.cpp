@@ -313,7 +313,7 @@ inline int32_t int16_pair(int low, int high) {
 }
 
 void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int64_t group, int8_t* q, float* d32,
-              float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16) {
+              float* s16, float* s32, float* d256, int32_t* sums2, int32_t* sums16, int32_t* o16) {
   // Sixteen rows block by block: the sums are stored by column, so rows side by side fill a line between them,
   // where one row at a time stored each sum into a line of its own.
   constexpr int64_t ROWS = 16;
@@ -324,6 +324,8 @@ void quantize(const float* x, int64_t i0, int64_t i1, int64_t m, int64_t k, int6
       for (int64_t i = r0; i < r1; ++i) {
         int halves[8][2];
         code_group(x, i, j, j + blocks, m, k, q, d32, s16, s32, halves);
+        for (int64_t t = 0; t < blocks; ++t)
+          for (int h = 0; h < 2; ++h) o16[(2 * (j + t) + h) * m + i] = -32 * halves[t][h];
         if (group != 256) continue;
         d256[j / 8 * m + i] = d32[j * m + i];
         for (int p = 0; p < 4; ++p) {
@@ -504,6 +506,8 @@ struct PanelIsa {
     return _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), izero(), q);
   }
   static I izero() { return _mm512_setzero_si512(); }
+  static I bcast32(const int32_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static F zero() { return _mm512_setzero_ps(); }
   static F bcastf(const float* p) { return _mm512_set1_ps(*p); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
@@ -615,6 +619,7 @@ struct PanelIsa {
   static I widen(I sum, I pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
   static I widen_by(I sum, I pairs, I scales) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, scales)); }
   static I bcast32(const int32_t* p) { return _mm256_set1_epi32(*p); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
   // Each 32-bit lane's signed bytes lo and hi (0 to 3) as an int16 pair, lo's in the low half: each moved into
   // its half's high byte, then shifted down with its sign.
   static I signed_bytes_pair(I v, int lo, int hi) {
@@ -736,7 +741,11 @@ struct Packed {
   // Without VNNI, Q8_0's codes keep their signs, which move onto the activations (codes made unsigned reach
   // 255, whose maddubs pairs overflow int16); with it they are made unsigned, offset by -128 d.
   static constexpr bool SIGNED_DOTS = T == Q8_0 && !V::DPBUSD;
-  static constexpr bool OFFSET = !SIGNED_DOTS;
+  // Q6_K's offset (c = -32 a) joins the dot in integers, as -32 times the unit's code sums (Activations::o16): a
+  // unit then costs one multiply-add where the offset took another, at a scale per 16 inputs
+  // (docs/bench.md#q6_k-offsets-in-integers).
+  static constexpr bool INT_OFFSET = T == Q6_K;
+  static constexpr bool OFFSET = !SIGNED_DOTS && !INT_OFFSET;
   // maddubs results summed in int16 (unit_dot): codes up to 15, 31, 63, and Q8_0's up to 128 in magnitude.
   static constexpr int G = (T == Q4_0 || T == Q4_1 || T == Q4_K) ? 8 : B::FIFTH || T == Q5_K ? 4 : T == Q6_K ? 2 : 1;
   const uint8_t* panel;
@@ -881,7 +890,7 @@ struct Buffered : Packed<T> {
           for (int h = 0; h < P::UNITS; ++h) {
             const typename P::Terms terms = P::terms(j + t, h);
             V::store(reinterpret_cast<float*>(at(j + t, 8 + 2 * h)), terms.a);
-            V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
+            if constexpr (P::OFFSET) V::store(reinterpret_cast<float*>(at(j + t, 9 + 2 * h)), terms.c);
           }
         }
       }
@@ -891,23 +900,28 @@ struct Buffered : Packed<T> {
   void code_step(int64_t j, int d, V::I* w) const { w[0] = code(j, d); }
   typename P::Terms terms(int64_t j, int h) const {
     return {V::loadf(reinterpret_cast<const float*>(at(j, 8 + 2 * h))),
-            V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h)))};
+            P::OFFSET ? V::loadf(reinterpret_cast<const float*>(at(j, 9 + 2 * h))) : V::zero()};
   }
 };
 
 // acc[r] += activation row i0 + r's dots with block j's unit h (dot(r), in int32 lanes) times their scales, then
-// the unit's offsets: the float part of every panel tile, the AMX tiles' too, so that their sums are the same bits.
+// the unit's offsets (Q6_K's added to the dots, in integers): the float part of every panel tile, the AMX tiles'
+// too, so that their sums are the same bits.
 template <int R, class S, class Dot>
 __attribute__((always_inline)) inline void add_unit(PanelIsa::F* acc, const typename S::Terms& terms,
                                                     const Activations& x, int64_t i0, int64_t j, int h,
                                                     const Dot& dot) {
   using V = PanelIsa;
   const int64_t m = x.m;
+  const int32_t* offsets = x.o16 + (2 * j + h) * m + i0;
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    acc[r] = V::fmadd(V::cvt(dot(r)), V::mul(terms.a, V::bcastf(scale_at(x, i0 + r, j))), acc[r]);
+  for (int r = 0; r < R; ++r) {
+    V::I dot_r = dot(r);
+    if constexpr (S::INT_OFFSET) dot_r = V::add32(dot_r, V::bcast32(offsets + r));
+    acc[r] = V::fmadd(V::cvt(dot_r), V::mul(terms.a, V::bcastf(scale_at(x, i0 + r, j))), acc[r]);
+  }
   if constexpr (S::OFFSET) {
-    const float* sums = S::UNITS == 2 ? x.s16 + (2 * j + h) * m : x.s32 + j * m;
+    const float* sums = x.s32 + j * m;  // a unit a block: Q6_K, whose units are halves, has INT_OFFSET
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = V::fmadd(terms.c, V::bcastf(sums + i0 + r), acc[r]);
   }
@@ -996,6 +1010,8 @@ void panel_tile(const S* groups, const Activations& x, int64_t i0, float* y, int
       if (fetch) groups[0].fetch_ahead(j);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g)
+        // Unrolled: rolled, GCC walked Q6_K's two units with a pointer per activation row, and spilled them.
+#pragma GCC unroll 2
         for (int h = 0; h < S::UNITS; ++h) {
           typename V::I w[S::N];  // the unit's code vectors, decoded once for the R rows
           for (int d = 0; d < S::N; ++d) w[d] = groups[g].code(j, S::N * h + d);

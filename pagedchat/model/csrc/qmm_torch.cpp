@@ -213,22 +213,25 @@ Quantized quantize_made(const float* xs, int64_t m, int64_t k, int64_t group, co
                         const qmm::Level& lv, const Make& make) {
   const auto at64 = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t wide = group == 256 ? k / 256 + k / 64 + k / 32 : 0;  // d256, sums2 and sums16
-  const int64_t floats = at64(4 * (k / 32 + k / 16 + k / 32 + wide) * m), made = xs == nullptr ? at64(4 * m * k) : 0;
+  const int64_t floats = at64(4 * (k / 32 + k / 16 + k / 32 + k / 16 + wide) * m);
+  const int64_t made = xs == nullptr ? at64(4 * m * k) : 0;
   Quantized a{at::empty({floats + made + m * k}, options.dtype(at::kByte)), {}};
   uint8_t* base = a.buffer.data_ptr<uint8_t>();
   float* ds = reinterpret_cast<float*>(base);
-  float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m, *d256 = s2 + k / 32 * m;
+  float *ss = ds + k / 32 * m, *s2 = ss + k / 16 * m;
+  int32_t* o16 = reinterpret_cast<int32_t*>(s2 + k / 32 * m);
+  auto* d256 = reinterpret_cast<float*>(o16 + k / 16 * m);
   auto* sums2 = reinterpret_cast<int32_t*>(d256 + k / 256 * m);
   int32_t* sums16 = sums2 + k / 64 * m;
   float* rows = made > 0 ? reinterpret_cast<float*>(base + floats) : nullptr;
   int8_t* qs = reinterpret_cast<int8_t*>(base + floats + made);
   at::parallel_for(0, m, quantize_grain(k), [&](int64_t b0, int64_t b1) {
     if (rows != nullptr) make(b0, b1, rows);
-    lv.quantize(rows != nullptr ? rows : xs, b0, b1, m, k, group, qs, ds, ss, s2, d256, sums2, sums16);
+    lv.quantize(rows != nullptr ? rows : xs, b0, b1, m, k, group, qs, ds, ss, s2, d256, sums2, sums16, o16);
   });
   const bool wide_sums = group == 256;
   a.acts = qmm::Activations{qs, ds, ss, s2, k, m, group, wide_sums ? d256 : nullptr, wide_sums ? sums2 : nullptr,
-                            wide_sums ? sums16 : nullptr};
+                            wide_sums ? sums16 : nullptr, o16};
   return a;
 }
 
