@@ -854,6 +854,9 @@ struct Packed {
   static V::I dot(const V::I* w, const int8_t* q) { return unit_dot<N, G, SIGNED_DOTS>(w, q); }
 };
 
+// The blocks of 32 a buffer of decoded codes holds: whole file blocks of every type.
+constexpr int64_t SPAN = 32;
+
 // A lane group's blocks [j0, j1) decoded (Packed's codes and, where TERMS, its terms, as they are) into a buffer,
 // for a call with more than one tile of activation rows: each tile then reads them where each decoded them again.
 // Its code and terms are Packed's, so every sum is the same bits whichever a tile reads. The tiles that apply the
@@ -863,7 +866,7 @@ struct Buffered : Packed<T> {
   using V = PanelIsa;
   using P = Packed<T>;
   static constexpr int64_t VECTORS = 8 + (TERMS ? 2 * P::UNITS : 0);  // a block's: its code vectors, (a, c) per unit
-  static constexpr int64_t BYTES = VECTORS * int64_t(sizeof(V::I));
+  static constexpr int64_t BYTES = VECTORS * int64_t(sizeof(V::I)), SPAN_BYTES = SPAN * BYTES;
   uint8_t* buffer;
   int64_t j0;
 
@@ -1038,15 +1041,13 @@ void panel_groups(const uint8_t* w, int64_t row_bytes, int64_t n, Packed<T>* gro
     groups[g] = Packed<T>{w + n * row_bytes, 4 * PanelIsa::ROWS * g};
 }
 
-// Every whole panel of weight rows [n0, n1), SPAN blocks of 32 at a time (whole file blocks of every type), its
-// lane groups' codes decoded once into a stack buffer (Buf, a Buffered) that L1 holds beside the tiles'
-// activations, the first group's fill fetching ahead: f(groups, n, j0, j1) for each span, the groups reading the
-// buffer.
+// Every whole panel of weight rows [n0, n1), SPAN blocks at a time, its lane groups' codes decoded once into a
+// stack buffer (Buf, a Buffered) that L1 holds beside the tiles' activations, the first group's fill fetching
+// ahead: f(groups, n, j0, j1) for each span, the groups reading the buffer.
 template <class Buf, class F>
 void buffered_spans(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, const F& f) {
   constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS;
-  constexpr int64_t SPAN = 32;
-  alignas(64) uint8_t buffer[GROUPS][SPAN * Buf::BYTES];
+  alignas(64) uint8_t buffer[GROUPS][Buf::SPAN_BYTES];
   for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
     Packed<Buf::type> panel[GROUPS];
     panel_groups(w, row_bytes, n, panel);
@@ -1111,6 +1112,7 @@ __attribute__((always_inline)) inline void super_scales(const S& group, int64_t 
     }
   } else {
     V::I first;
+#pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
       V::I sc, mn;
       group.k4_scale_min(j0 + t, &sc, &mn);
@@ -1122,6 +1124,39 @@ __attribute__((always_inline)) inline void super_scales(const S& group, int64_t 
       }
     }
   }
+}
+
+// A span's codes, as Buffered holds them without the float terms, and its super-blocks' scales after them: unpacked
+// once by fill for every tile of activation rows that reads the span, not once a tile
+// (docs/bench.md#the-k-types-scales-unpacked-once-a-span).
+template <int T>
+struct ScaledCodes : Buffered<T, false> {
+  using Codes = Buffered<T, false>;
+  static constexpr int64_t SPAN_BYTES = Codes::SPAN_BYTES + SPAN / 8 * int64_t(sizeof(SuperScales<T>));
+  ScaledCodes() = default;
+  ScaledCodes(const Packed<T>& panel, uint8_t* buffer, int64_t j0) : Codes{panel, buffer, j0} {}
+  // The super-block at block s0's scales, after the span's codes.
+  SuperScales<T>* supers(int64_t s0) const {
+    return reinterpret_cast<SuperScales<T>*>(this->buffer + Codes::SPAN_BYTES) + (s0 - this->j0) / 8;
+  }
+  void fill(int64_t j1, bool fetch) const {
+    Codes::fill(j1, fetch);
+    for (int64_t s0 = this->j0; s0 < j1; s0 += 8) super_scales(*this, s0, supers(s0));
+  }
+};
+
+// The scales of the super-block at block s0, for a tile: unpacked into own, or where a fill left them.
+template <int T>
+__attribute__((always_inline)) inline const SuperScales<T>* scales_of(const Packed<T>& group, int64_t s0,
+                                                                       SuperScales<T>* own) {
+  super_scales(group, s0, own);
+  return own;
+}
+
+template <int T>
+__attribute__((always_inline)) inline const SuperScales<T>* scales_of(const ScaledCodes<T>& group, int64_t s0,
+                                                                       SuperScales<T>*) {
+  return group.supers(s0);
 }
 
 // R activation rows from i0 against G lane groups of a panel (panel_tile's y) over blocks [j0, j1), whole
@@ -1141,14 +1176,18 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
   const int64_t m = x.m;
   const int32_t* pair_sums = SIX ? x.sums16 : x.sums2;  // a super-block's Scales::PAIRS rows of them
   for (int64_t s0 = j0; s0 < j1; s0 += 8) {
-    Scales scales[G];
-    for (int g = 0; g < G; ++g) super_scales(groups[g], s0, &scales[g]);
+    Scales own[G];
+    const Scales* scales[G];
+    for (int g = 0; g < G; ++g) scales[g] = scales_of(groups[g], s0, &own[g]);
     V::I sums[G][R];
     for (int g = 0; g < G; ++g)
       for (int r = 0; r < R; ++r) sums[g][r] = V::izero();
     for (int64_t j = s0; j < s0 + 8; j += STEP) {
       if (fetch)
         for (int t = 0; t < STEP; ++t) groups[0].fetch_ahead(j + t);
+      // Row i0 + r's codes of block j + t lie at CODES_STRIDE (m t + r) from q. Addressed from x row by row, the
+      // buffered tiles recomputed each address in the loop once their scales came through a pointer.
+      const int8_t* q = codes_at(x, i0, j);
       V::I pairs[G][R][STEP];
 #pragma GCC unroll 8
       for (int d = 0; d < 8; ++d) {
@@ -1165,14 +1204,14 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
         for (int t = 0; t < STEP; ++t)
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const V::I b = V::bcast4(codes_at(x, i0 + r, j + t) + 4 * d);
+            const V::I b = V::bcast4(q + CODES_STRIDE * (m * t + r) + 4 * d);
 #pragma GCC unroll 4
             for (int g = 0; g < G; ++g) {
               const V::I p = V::maddubs(w[g][t], b);
               pairs[g][r][t] = d % GS == 0 ? p : V::add16(pairs[g][r][t], p);
               hold<GS>(pairs[g][r][t]);
               if (d % GS == GS - 1)
-                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g].unit[S::UNITS * (j - s0 + t) + d / N]);
+                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g]->unit[S::UNITS * (j - s0 + t) + d / N]);
             }
           }
       }
@@ -1187,7 +1226,7 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
       for (int r = 0; r < R; ++r) {
         V::I offsets = SIX ? sums[g][r] : V::izero();
         for (int p = 0; p < Scales::PAIRS; ++p)
-          offsets = V::widen_by(offsets, scales[g].pair[p],
+          offsets = V::widen_by(offsets, scales[g]->pair[p],
                                 V::bcast32(pair_sums + (s0 / 8 * Scales::PAIRS + p) * m + i0 + r));
         const V::F scale = V::bcastf(x.d256 + s0 / 8 * m + i0 + r);
         float* out = y + (i0 + r) * ldy + V::ROWS * g;
@@ -1206,9 +1245,9 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
 
 // int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (tile_height), every lane
 // group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile fetching ahead and
-// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does, without the
-// float terms. Q6_K's codes cost the most to decode, so a second tile of them already reads the buffer. A span is
-// 32 blocks, whole super-blocks.
+// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does, with the
+// super-blocks' scales in place of the float terms (ScaledCodes). Q6_K's codes cost the most to decode, so a second
+// tile of them already reads the buffer. A span is whole super-blocks.
 template <int T>
 void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                      float* y, int64_t ldy) {
@@ -1228,7 +1267,7 @@ void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
     }
     return;
   }
-  using Codes = Buffered<T, false>;
+  using Codes = ScaledCodes<T>;
   buffered_spans<Codes>(w, row_bytes, n0, n1, nb, [&](const Codes* groups, int64_t n, int64_t j0, int64_t j1) {
     tiles(groups, n, j0, j1, false);
   });
@@ -1344,9 +1383,8 @@ template <int T>
 void amx_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
               float* y, int64_t ldy) {
   static_assert(PanelIsa::ROWS == PANEL_ROWS, "a panel is one lane group on AVX-512");
-  constexpr int64_t SPAN = 32;
   const int64_t nb = x.k / 32;
-  alignas(64) uint8_t buffer[SPAN * Buffered<T>::BYTES];
+  alignas(64) uint8_t buffer[Buffered<T>::SPAN_BYTES];
   int configured = 0;
   for (int64_t n = n0; n < n1; n += PANEL_ROWS) {
     for (int64_t j0 = 0; j0 < nb; j0 += SPAN) {
