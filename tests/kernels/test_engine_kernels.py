@@ -1,4 +1,5 @@
-"""The engine with the Triton kernels forced on (interpreted on the CPU) still matches transformers."""
+"""The engine with the Triton kernels forced on (interpreted on the CPU) still matches transformers. The engines
+run in processes of their own, which the conftest's float32 defaults do not reach, so they name their dtypes."""
 
 import os
 import subprocess
@@ -14,7 +15,8 @@ sys.path.insert(0, {tests!r})
 from pagedchat import Engine, SamplingParams
 from tiny_models import hf_greedy, load_reference, make_tiny_model
 folder = make_tiny_model({folder!r}, tie=False, heads=4, kv_heads=2, head_dim=16, layers=2, **{model!r})
-engine = Engine(str(folder), kv_cache_memory="2MiB", max_tokens_per_step=64)
+engine = Engine(str(folder), kv_cache_memory="2MiB", max_tokens_per_step=64, dtype="float32",
+                kv_cache_dtype="float32")
 assert engine.model.attention == "triton", "the Triton path was not chosen"
 ref = load_reference(folder)
 prompts = [engine.tokenizer.encode("paged blocks " * n)[:n] for n in (3, 17, 40)]
