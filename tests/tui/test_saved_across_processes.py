@@ -149,7 +149,8 @@ def test_an_unwritable_database_mid_reply_is_survived_and_the_reply_is_kept(laun
     if shutil.which("chattr") is None or not set_immutable(True, [config.data_dir]) \
             or not set_immutable(False, [config.data_dir]):
         pytest.skip("chattr +i is not available here (it needs root and a file system that has it)")
-    stuck = partial_reply(config.data_dir)
+    # Waited for, not read once: saved() takes a failed read for no rows, and one CI run read none here.
+    stuck = wait_until(lambda: partial_reply(config.data_dir), "the partial reply read back")
     try:
         assert not paths or set_immutable(True, paths)
         if frozen == "all":
