@@ -620,14 +620,18 @@ struct PanelIsa {
   static I widen_by(I sum, I pairs, I scales) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, scales)); }
   static I bcast32(const int32_t* p) { return _mm256_set1_epi32(*p); }
   static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
-  // Each 32-bit lane's signed bytes lo and hi (0 to 3) as an int16 pair, lo's in the low half: each moved into
-  // its half's high byte, then shifted down with its sign.
+  // Each 32-bit lane's bytes lo and hi (0 to 3) as an int16 pair, lo's in the low half: unsigned ones moved into
+  // their halves' low bytes, the high ones zeroed by the shuffle; signed ones into the high bytes, then shifted
+  // down with their signs.
+  template <bool SIGNED>
+  __attribute__((always_inline)) static I pair_control(int lo, int hi) {
+    const auto half = [](uint32_t at) { return SIGNED ? 0x80u | at << 8 : at | 0x80u << 8; };
+    const auto pick = [&](int k) { return int(half(4 * k + lo) | half(4 * k + hi) << 16); };
+    return _mm256_setr_epi32(pick(0), pick(1), pick(2), pick(3), pick(0), pick(1), pick(2), pick(3));
+  }
+  static I bytes_pair(I v, int lo, int hi) { return _mm256_shuffle_epi8(v, pair_control<false>(lo, hi)); }
   static I signed_bytes_pair(I v, int lo, int hi) {
-    const auto pick = [&](int k) {
-      return int(0x80u | uint32_t(4 * k + lo) << 8 | 0x80u << 16 | uint32_t(4 * k + hi) << 24);
-    };
-    const I control = _mm256_setr_epi32(pick(0), pick(1), pick(2), pick(3), pick(0), pick(1), pick(2), pick(3));
-    return _mm256_srai_epi16(_mm256_shuffle_epi8(v, control), 8);
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(v, pair_control<true>(lo, hi)), 8);
   }
   static I times16(I v, int f) { return _mm256_mullo_epi16(v, _mm256_set1_epi16(short(f))); }
   static I abs8(I w) { return _mm256_sign_epi8(w, w); }
@@ -1110,19 +1114,15 @@ __attribute__((always_inline)) inline void super_scales(const S& group, int64_t 
       for (int e = 0; e < 2; ++e)
         out->pair[2 * c + e] = V::times16(V::signed_bytes_pair(bytes, 2 * e, 2 * e + 1), -32);
     }
-  } else {
-    V::I first;
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      V::I sc, mn;
-      group.k4_scale_min(j0 + t, &sc, &mn);
-      out->unit[t] = V::or_(sc, V::sll32(sc, 16));
-      if (t % 2 == 0) {
-        first = mn;
-      } else {
-        out->pair[t / 2] = V::or_(first, V::sll32(mn, 16));
-      }
-    }
+  } else {  // get_scale_min_k4's fields, four a lane at once as bytes (blocks 0-3, then 4-7), then shuffled apart
+    const uint8_t* b = group.file_block(j0) + PanelBlock<S::type>::SCALES_AT;
+    const V::I q0 = group.chunk(b, 0), q1 = group.chunk(b, 1), q2 = group.chunk(b, 2);
+    const V::I sc[2] = {V::and32(q0, 0x3F3F3F3F),
+                        V::or_(V::and32(q2, 0x0F0F0F0F), V::and32(V::srl32(q0, 2), 0x30303030))};
+    const V::I mn[2] = {V::and32(q1, 0x3F3F3F3F),
+                        V::or_(V::and32(V::srl32(q2, 4), 0x0F0F0F0F), V::and32(V::srl32(q1, 2), 0x30303030))};
+    for (int t = 0; t < 8; ++t) out->unit[t] = V::bytes_pair(sc[t / 4], t % 4, t % 4);
+    for (int p = 0; p < 4; ++p) out->pair[p] = V::bytes_pair(mn[p / 2], 2 * (p % 2), 2 * (p % 2) + 1);
   }
 }
 
@@ -1160,19 +1160,22 @@ __attribute__((always_inline)) inline const SuperScales<T>* scales_of(const Scal
 }
 
 // R activation rows from i0 against G lane groups of a panel (panel_tile's y) over blocks [j0, j1), whole
-// super-blocks, the sums carried on from y's where j0 > 0. STEP blocks at a time (the panel's own codes, whose
-// blocks that share loads come together, but for Q6_K's four past one row, whose sums would outgrow the
-// registers; a buffer's one by one), code vector by code vector, so that each activation broadcast serves every
-// lane group.
+// super-blocks, the sums carried on from y's where j0 > 0, code vector by code vector, so that each activation
+// broadcast serves every lane group. Each height is a function of its own: inlined into int_scales_rows beside
+// the others, GCC spilled the tiles' int16 sums and addresses to the stack
+// (docs/bench.md#the-k-types-scales-in-one-shuffle-each-and-a-tile-a-function).
 template <int R, int G, class S>
-void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y, int64_t ldy, int64_t j0,
-                     int64_t j1, bool fetch) {
+__attribute__((noinline)) void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y,
+                                               int64_t ldy, int64_t j0, int64_t j1, bool fetch) {
   using V = PanelIsa;
   using B = PanelBlock<S::type>;
   using Scales = SuperScales<S::type>;
   constexpr bool SIX = S::type == Q6_K;
   constexpr int GS = S::G, N = S::N;  // maddubs results summed in int16 before widening; code vectors per unit
-  constexpr int STEP = SIX && R > 1 ? 1 : S::STEP;
+  // The blocks an iteration takes (those of the panel's own codes that share loads, but Q6_K's one past one row,
+  // which ran faster so; a buffer's one), and those a pass over the code vectors takes: every block at one row, one
+  // at more, whose int16 sums would otherwise outgrow AVX2's sixteen registers.
+  constexpr int STEP = SIX && R > 1 ? 1 : S::STEP, PASS = R == 1 ? STEP : 1;
   const int64_t m = x.m;
   const int32_t* pair_sums = SIX ? x.sums16 : x.sums2;  // a super-block's Scales::PAIRS rows of them
   for (int64_t s0 = j0; s0 < j1; s0 += 8) {
@@ -1185,35 +1188,39 @@ void int_scales_tile(const S* groups, const Activations& x, int64_t i0, float* y
     for (int64_t j = s0; j < s0 + 8; j += STEP) {
       if (fetch)
         for (int t = 0; t < STEP; ++t) groups[0].fetch_ahead(j + t);
-      // Row i0 + r's codes of block j + t lie at CODES_STRIDE (m t + r) from q. Addressed from x row by row, the
-      // buffered tiles recomputed each address in the loop once their scales came through a pointer.
-      const int8_t* q = codes_at(x, i0, j);
-      V::I pairs[G][R][STEP];
+#pragma GCC unroll 4
+      for (int t0 = 0; t0 < STEP; t0 += PASS) {
+        // Row i0 + r's codes of block j + t0 + t lie at CODES_STRIDE (m t + r) from q. Addressed from x row by row,
+        // the buffered tiles recomputed each address in the loop once their scales came through a pointer.
+        const int8_t* q = codes_at(x, i0, j + t0);
+        V::I pairs[G][R][PASS];
 #pragma GCC unroll 8
-      for (int d = 0; d < 8; ++d) {
-        V::I w[G][STEP];
+        for (int d = 0; d < 8; ++d) {
+          V::I w[G][STEP];  // GCC drops the codes of the blocks outside this pass
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) {
-          if constexpr (STEP == S::STEP) {
-            groups[g].code_step(j, d, w[g]);
-          } else {
-            w[g][0] = groups[g].code(j, d);
-          }
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < STEP; ++t)
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const V::I b = V::bcast4(q + CODES_STRIDE * (m * t + r) + 4 * d);
-#pragma GCC unroll 4
-            for (int g = 0; g < G; ++g) {
-              const V::I p = V::maddubs(w[g][t], b);
-              pairs[g][r][t] = d % GS == 0 ? p : V::add16(pairs[g][r][t], p);
-              hold<GS>(pairs[g][r][t]);
-              if (d % GS == GS - 1)
-                sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t], scales[g]->unit[S::UNITS * (j - s0 + t) + d / N]);
+          for (int g = 0; g < G; ++g) {
+            if constexpr (STEP == S::STEP) {
+              groups[g].code_step(j, d, w[g]);
+            } else {
+              w[g][0] = groups[g].code(j, d);
             }
           }
+#pragma GCC unroll 4
+          for (int t = 0; t < PASS; ++t)
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+              const V::I b = V::bcast4(q + CODES_STRIDE * (m * t + r) + 4 * d);
+#pragma GCC unroll 4
+              for (int g = 0; g < G; ++g) {
+                const V::I p = V::maddubs(w[g][t0 + t], b);
+                pairs[g][r][t] = d % GS == 0 ? p : V::add16(pairs[g][r][t], p);
+                hold<GS>(pairs[g][r][t]);
+                if (d % GS == GS - 1)
+                  sums[g][r] = V::widen_by(sums[g][r], pairs[g][r][t],
+                                           scales[g]->unit[S::UNITS * (j - s0 + t0 + t) + d / N]);
+              }
+            }
+        }
       }
     }
 #pragma GCC unroll 4
