@@ -163,7 +163,9 @@ class ChatTabs:
             await view.populate()
             focused = self.tabbed.app.focused
             if not isinstance(focused, MessageView) or focused not in view.views:
-                view.prompt.focus()
+                # At once: focus() waits behind the keys queued meanwhile (typed just after ctrl+n), and
+                # with nothing focused they would be lost.
+                view.prompt.screen.set_focus(view.prompt)
             view.show_fill()
         self.saver.state("active_chat", session.id)
         self.saver.flush()

@@ -149,3 +149,18 @@ async def test_a_message_refused_as_too_long_is_still_in_the_input_after_a_resta
     async with restarted.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: restarted.active_chat is not None, "the restored chat")
         assert restarted.active_chat.prompt.text == text
+
+
+def test_keys_typed_straight_after_ctrl_n_go_to_the_new_chat(launch, config):
+    """Typed in one burst with ctrl+n (a quick typist, a paste), they were lost: the new tab's input took focus
+    only after the keys that came while the tab opened, which found nothing focused."""
+    app = launch(SHORT)
+    app.send("first question")
+    mark = app.received
+    app.type("\x0esecond question")
+    wait_until(lambda: app.shows("second question", mark), "the keys in the new chat's input", timeout=20)
+    app.type("\r")
+    wait_until(lambda: len({m.chat_id for m in saved(config.data_dir) if m.role == "user"}) == 2,
+               "the second chat's message saved", nudge=lambda: app.type("\r"))
+    asked = [m.content for m in saved(config.data_dir) if m.role == "user"]
+    assert sorted(asked) == ["first question", "second question"], asked
