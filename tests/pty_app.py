@@ -76,9 +76,9 @@ class AppProcess(Terminal):
         return wait_until(find, "the app's engine process")
 
     def shows(self, text: str, since: int = 0) -> bool:
-        """The text was drawn, in one piece, after `since` (a len(output) taken earlier; output keeps its last
+        """The text was drawn, in one piece, after `since` (a `received` taken earlier; output keeps its last
         200,000 bytes, so this is for short waits)."""
-        return text.encode() in self.output[since:]
+        return self.shown_since(since, text)
 
     def send(self, text: str) -> None:
         """Type a message and press Enter until it shows up saved (the model may still be loading)."""

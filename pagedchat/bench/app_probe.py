@@ -136,14 +136,17 @@ class Terminal:
             os.close(self.fd)
             self.fd = -1
 
-    def wait_shown(self, mark: int, text: str, timeout: float) -> bool:
-        """Wait until the output from byte `mark` on (as counted by `received`) holds text; False on timeout.
-        Woken by each read, not polled: a poll would take CPU from the app it times."""
-        def shown() -> bool:
+    def shown_since(self, mark: int, text: str) -> bool:
+        """Whether the output from byte `mark` on (as counted by `received`, which the trimming of output leaves
+        alone) holds text."""
+        with self._arrived:
             return text.encode() in self.output[max(0, len(self.output) - (self.received - mark)):]
 
+    def wait_shown(self, mark: int, text: str, timeout: float) -> bool:
+        """Wait until the output from byte `mark` on holds text; False on timeout. Woken by each read, not polled:
+        a poll would take CPU from the app it times."""
         with self._arrived:
-            return self._arrived.wait_for(shown, timeout)
+            return self._arrived.wait_for(lambda: self.shown_since(mark, text), timeout)
 
     def screen_tail(self) -> str:
         return self.output[-2000:].decode(errors="replace")

@@ -48,14 +48,14 @@ def test_a_stopped_engine_is_said_and_holds_up_nothing(app):
     assert noticed < STALL_S + 1.5, noticed
 
     # A new chat's message while the engine is stopped: sent (saved at once), and the keys after it show.
-    mark = len(app.output)
+    mark = app.received
     app.type("\x0e")   # ctrl+n
     wait_until(lambda: app.shows("New chat", mark), "the new tab", timeout=10)
     app.type("second question")
     wait_until(lambda: app.shows("second question", mark), "the typed message", timeout=10)
     app.type("\r")
     time.sleep(0.3)
-    typed, mark = time.monotonic(), len(app.output)
+    typed, mark = time.monotonic(), app.received
     app.type("xyzzy")
     wait_until(lambda: app.shows("xyzzy", mark), "the key typed after Enter", timeout=10)
     echoed = time.monotonic() - typed
