@@ -13,6 +13,7 @@ quick, and turned into huge ones while the engine is idle (Collapser); elsewhere
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import mmap
@@ -30,6 +31,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; Python's mmap module does not 
 MADV_COLLAPSE = 25  # Linux 6.1 and later; nor this one
 THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 COLLAPSE_STEP = 8 * HUGE_PAGE  # one idle turn's share: a request that comes in waits for this much at most
+COLLAPSE_TRIES = 3  # transient refusals in a row (a page locked or in flight) before the kernel's thread takes over
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool}
@@ -101,10 +103,12 @@ class Collapser:
             if end > start:
                 self._ranges.append((t, start, end))
         self._lock = threading.Lock()
+        self._refused = 0  # transient refusals in a row
 
     def collapse_some(self, nbytes: int = COLLAPSE_STEP) -> bool:
-        """Collapse the next nbytes (whole huge pages). False when nothing is left. Where the kernel cannot (no
-        huge page free, say), the rest is advised for huge pages instead, for the kernel's own collapsing thread."""
+        """Collapse the next nbytes (whole huge pages). False when nothing is left. A transient refusal (EAGAIN)
+        leaves the range for the next call, a few times in a row; where the kernel cannot (no huge page free,
+        say), the rest is advised for huge pages instead, for the kernel's own collapsing thread."""
         with self._lock:
             if not self._ranges:
                 return False
@@ -114,9 +118,13 @@ class Collapser:
                 self._ranges[0] = (t, stop, end)
             else:
                 self._ranges.pop(0)
-        if _libc().madvise(start, stop - start, MADV_COLLAPSE) == 0:
-            return True
+        refusal = _collapse(start, stop - start)
         with self._lock:
+            self._refused = self._refused + 1 if refusal else 0
+            if refusal == 0 or (refusal == errno.EAGAIN and self._refused < COLLAPSE_TRIES):
+                if refusal:
+                    self._ranges.insert(0, (t, start, stop))
+                return True
             rest, self._ranges = [(t, start, stop), *self._ranges], []
         for _, a, b in rest:
             _libc().madvise(a, b - a, mmap.MADV_HUGEPAGE)
@@ -126,6 +134,11 @@ class Collapser:
         """Collapse whatever is left, now."""
         while self.collapse_some():
             pass
+
+
+def _collapse(start: int, nbytes: int) -> int:
+    """MADV_COLLAPSE over [start, start + nbytes): 0, or the errno the kernel refused it with."""
+    return 0 if _libc().madvise(start, nbytes, MADV_COLLAPSE) == 0 else ctypes.get_errno()
 
 
 @functools.cache
