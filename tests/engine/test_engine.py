@@ -244,17 +244,17 @@ paths_of_the_default_model = pytest.mark.parametrize("dtype,level,near_tie,kv", 
 @paths_of_the_default_model
 def test_default_model_matches_transformers(default_model, kernels, dtype, level, near_tie, kv):
     """SmolLM2-135M-Instruct, the app's default model, on real chat prompts, batched together."""
-    from gguf_reference import transformers_from_gguf
+    from gguf_reference import shared_greedy, shared_reference
 
     if level:
         kernels(level)
     max_tokens = 40 if dtype == "float32" else 24
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype, kv_cache_dtype=kv)
-    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
+    ref = shared_reference(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     prompts = [engine.encode_prompt(chat) for chat in DEFAULT_CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     for prompt, out in zip(prompts, outs):
-        expected = hf_greedy(ref, prompt, max_tokens, sorted(engine.eos_token_ids))
+        expected = shared_greedy(default_model, getattr(torch, dtype), prompt, max_tokens, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
     if level == "off":  # elsewhere the first token is a near-tie ("The" 25.33, "L'" 25.24 in float32) it may flip
         assert "Paris" in outs[0].text
@@ -266,7 +266,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
                                                                      kernels, dtype, level, near_tie, kv):
     """Chats that share a system prompt decode with its pages read once for all of them (the threshold is
     lowered so that three chats qualify); their tokens still equal transformers'."""
-    from gguf_reference import transformers_from_gguf
+    from gguf_reference import shared_greedy, shared_reference
 
     from pagedchat.model import attention
 
@@ -274,7 +274,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
         kernels(level)
     monkeypatch.setattr(attention, "SHARED_PREFIX_MIN_SAVED_KEYS", 0)
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype=dtype, kv_cache_dtype=kv)
-    ref = transformers_from_gguf(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
+    ref = shared_reference(default_model, getattr(torch, dtype))  # the model transformers makes of the GGUF
     system = ("You are the support assistant of a bicycle shop. Answer briefly and politely, quote prices in "
               "euros, and never promise delivery dates. Repairs take two to five working days. ") * 2
     questions = ["How much is a new chain?", "Can you fix a flat tyre today?", "Do you sell helmets?"]
@@ -284,7 +284,7 @@ def test_default_model_chats_on_one_system_prompt_match_transformers(default_mod
     engine.shutdown()
     assert shared_prefix_reads
     for prompt, out in zip(prompts, outs):
-        expected = hf_greedy(ref, prompt, 16, sorted(engine.eos_token_ids))
+        expected = shared_greedy(default_model, getattr(torch, dtype), prompt, 16, sorted(engine.eos_token_ids))
         assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=near_tie)
 
 

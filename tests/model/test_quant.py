@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_reference import transformers_from_gguf
+from gguf_reference import shared_greedy, shared_reference, transformers_from_gguf
 from kquants import q4_k_blocks
 from parity import NEAR_TIE, NEAR_TIE_BF16, assert_same_greedy
 from safetensors.torch import load_file
@@ -292,7 +292,7 @@ def test_default_model_dense_prefill_matches_transformers(default_model, monkeyp
     """The default model with every prefill chunk on the dense path: transformers' tokens up to near-ties."""
     monkeypatch.setattr(quant, "DENSE_MIN_ROWS", 8)
     engine = Engine(str(default_model), kv_cache_memory="128MiB", dtype="bfloat16")
-    ref = transformers_from_gguf(default_model, torch.bfloat16)
+    ref = shared_reference(default_model, torch.bfloat16)
     chats = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
              [{"role": "system", "content": "You are a terse assistant."},
               {"role": "user", "content": "Name three uses of a paperclip."}]]
@@ -301,5 +301,5 @@ def test_default_model_dense_prefill_matches_transformers(default_model, monkeyp
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))
     engine.shutdown()
     for prompt, out in zip(prompts, outs):
-        assert_same_greedy(ref, prompt, out.token_ids, hf_greedy(ref, prompt, 16, sorted(engine.eos_token_ids)),
-                           near_tie=NEAR_TIE_BF16)
+        expected = shared_greedy(default_model, torch.bfloat16, prompt, 16, sorted(engine.eos_token_ids))
+        assert_same_greedy(ref, prompt, out.token_ids, expected, near_tie=NEAR_TIE_BF16)
