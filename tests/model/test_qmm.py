@@ -251,18 +251,18 @@ def test_auto_is_the_cpus_best_level_as_unset_is(value, monkeypatch):
 
 @pytest.mark.slow  # compiles the library a second time (the session's build tests the sources)
 def test_a_library_built_for_lower_levels_runs_only_those(tmp_path):
-    """Built with AVX2 and portable only (what a build for an AVX2 machine holds), the library offers just
-    those, whatever this CPU has: in a fresh process, since a library cannot be unloaded."""
+    """Built with the portable level only (what a build for an older machine holds, and the quickest to
+    compile), the library offers just that, whatever this CPU has: in a fresh process, since a library cannot
+    be unloaded."""
     if qmm.unavailable() is not None:
         pytest.skip(qmm.unavailable())
-    wanted = tuple(lv for lv in qmm.levels_to_build() if lv.name in ("avx2", "portable"))
+    wanted = tuple(lv for lv in qmm.levels_to_build() if lv.name == "portable")
     target = tmp_path / "qmm-low.so"
     built = qmm.build(target, only=wanted)
-    assert built == [lv.name for lv in wanted]
+    assert built == ["portable"]
     code = f"import torch; torch.ops.load_library({str(target)!r}); print(list(torch.ops.pagedchat_qmm.levels()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    runnable_here = [name for name in built if name in qmm.runnable()]
-    assert out.strip() == str(runnable_here)
+    assert out.strip() == str(["portable"])
 
 
 def test_no_compiler_leaves_torchs_paths_with_the_reason(monkeypatch, caplog):
