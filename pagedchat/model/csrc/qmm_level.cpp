@@ -1252,13 +1252,16 @@ __attribute__((noinline)) void int_scales_tile(const S* groups, const Activation
 
 // int_scales_tile over weight rows [n0, n1), whole panels, in tiles of up to TILE rows (tile_height), every lane
 // group in each pass. Up to PACKED_ROWS rows read the panel's codes as they go, the first tile fetching ahead and
-// the second finding the panel in the cache; more read them from buffered_spans, as packed_rows does, with the
-// super-blocks' scales in place of the float terms (ScaledCodes). Q6_K's codes cost the most to decode, so a second
-// tile of them already reads the buffer. A span is whole super-blocks.
+// the others finding the panel in the cache; more read them from buffered_spans, as packed_rows does, with the
+// super-blocks' scales in place of the float terms (ScaledCodes). The codes' decoding decides where the buffer
+// starts to pay: Q6_K's costs the most, so a second tile of them already reads the buffer; Q4_K's, a mask and a
+// shift, stays cheaper than the buffer's stores and loads up to four tiles, a batched decode step of 16 chats. A
+// span is whole super-blocks.
 template <int T>
 void int_scales_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Activations& x, int64_t m,
                      float* y, int64_t ldy) {
-  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4, PACKED_ROWS = T == Q6_K ? TILE : 2 * TILE;
+  constexpr int GROUPS = PANEL_ROWS / PanelIsa::ROWS, TILE = 4;
+  constexpr int PACKED_ROWS = T == Q6_K ? TILE : T == Q4_K ? 4 * TILE : 2 * TILE;
   const int64_t nb = x.k / 32, height = tile_height(m, TILE);
   const auto tiles = [&](const auto* groups, int64_t n, int64_t j0, int64_t j1, bool fetch) {
     for (int64_t i = 0; i < m; i += height)
