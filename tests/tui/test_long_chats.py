@@ -99,9 +99,9 @@ async def test_a_chat_of_many_thousand_messages_opens_at_once_mounting_a_screenf
         assert rss_mb() - before < GROWTH_MB
 
 
-@pytest.mark.slow  # every page of 400 messages up and down: the other tests here load a page each way
+@pytest.mark.slow  # every page of 200 messages up and down: the other tests here load a page each way
 async def test_scrolling_to_the_top_loads_older_messages_in_place_and_back_down(tmp_path):
-    count = 400
+    count = 200
     app = long_chat_app(tmp_path, count)
     async with app.run_test(size=SIZE) as pilot:
         chat = await input_ready(pilot)
