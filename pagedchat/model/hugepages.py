@@ -72,7 +72,7 @@ def can_collapse() -> bool:
     scratch = anonymous(2 * HUGE_PAGE, huge=False)
     scratch.fill_(1)
     start, _ = _whole_huge_pages(scratch)
-    return _libc().madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0
+    return _collapse(start, HUGE_PAGE) == 0
 
 
 def _whole_huge_pages(t: torch.Tensor) -> tuple[int, int]:
@@ -121,9 +121,10 @@ class Collapser:
         refusal = _collapse(start, stop - start)
         with self._lock:
             self._refused = self._refused + 1 if refusal else 0
-            if refusal == 0 or (refusal == errno.EAGAIN and self._refused < COLLAPSE_TRIES):
-                if refusal:
-                    self._ranges.insert(0, (t, start, stop))
+            if refusal == 0:
+                return True
+            if refusal == errno.EAGAIN and self._refused < COLLAPSE_TRIES:
+                self._ranges.insert(0, (t, start, stop))
                 return True
             rest, self._ranges = [(t, start, stop), *self._ranges], []
         for _, a, b in rest:
