@@ -14,6 +14,7 @@ from pagedchat.tui.chat_widgets import MessageView
 from pagedchat.tui.message_list import MessageList
 from pagedchat.tui.conversation import ChatMessage
 from pagedchat.tui.streaming import SETTLE_LINES, settle_point
+from tui_support import wait_for
 
 TCSS = Path(chat_widgets.__file__).with_name("pagedchat.tcss")
 
@@ -209,7 +210,8 @@ async def test_each_flush_borrows_a_core_and_gives_it_back_once_its_text_is_draw
         for i in range(3):
             view.feed(f"part {i}. ", 3)
             text += f"part {i}. "
-            await pilot.pause(0.3)   # past the flush and its screen update
+            # Past the flush and its screen update: a fixed pause lost the race on a loaded CI machine.
+            await wait_for(pilot, lambda: cores.given_back > i, f"part {i}'s core given back")
             assert cores.borrowed == cores.given_back == i + 1
             assert cores.shown_at_give_back[-1] == text
 
