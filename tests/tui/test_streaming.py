@@ -119,9 +119,8 @@ async def test_a_hidden_reply_renders_nothing_until_shown_then_all_at_once_settl
             await pilot.pause(0.15)
         assert shown_text(view) == ""   # no Markdown work for a view nobody sees
         app.query_one("#pane").display = True
-        await pilot.pause(0.3)
-        assert shown_text(view) == text
-        assert live_text(view).count("\n") <= SETTLE_LINES   # the catch-up settled: a few lines drawn again
+        await wait_for(pilot, lambda: shown_text(view) == text and live_text(view).count("\n") <= SETTLE_LINES,
+                       "the catch-up drawn and settled")   # a few lines drawn again
 
 
 async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
@@ -133,8 +132,7 @@ async def test_a_reply_that_ends_hidden_shows_its_final_text_when_shown():
         await view.finish(text, None)
         assert shown_text(view) == ""
         app.query_one("#pane").display = True
-        await pilot.pause(0.3)
-        assert shown_text(view) == text
+        await wait_for(pilot, lambda: shown_text(view) == text, "the final text shown")
         assert not view.streaming
 
 
@@ -162,9 +160,9 @@ async def test_a_view_told_of_its_reply_before_it_composes_shows_each_word_once(
         take(message, view, "three ")   # the view is in the list, not yet composed
         await app.query_one(VerticalScroll).mount(view)
         take(message, view, "four")
-        await pilot.pause(0.3)   # past the flush
-        assert view.streaming and shown_text(view) == "one two three four"
-        assert "4 tokens" in str(view.query_one(".stats").content)
+        await wait_for(pilot, lambda: shown_text(view) == "one two three four"
+                       and "4 tokens" in str(view.query_one(".stats").content), "the flush, each word once")
+        assert view.streaming
 
 
 async def test_a_reply_that_ends_before_its_view_composes_shows_its_end():
