@@ -136,7 +136,7 @@ def test_native_decode_of_pages_of_another_dtype(each_level, kv_dtype, window):
         _assert_close(got, want)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (32, 8, 64), (10, 2, 36), (8, 1, 128)])
 def test_native_int8_decode_shapes(each_level, heads, kv_heads, head_dim):
     """int8 rows of head_dim + 4 bytes: heads that are not whole vectors, and the rows' scales, at every width."""
     got, want, _ = _run([(37, 1), (200, 1), (5, 1)], torch.float32, heads=heads, kv_heads=kv_heads,
@@ -144,9 +144,10 @@ def test_native_int8_decode_shapes(each_level, heads, kv_heads, head_dim):
     _assert_close(got, want)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 20), (9, 3, 64), (32, 8, 64), (10, 2, 36), (8, 1, 128)])
 def test_native_decode_shapes(each_level, heads, kv_heads, head_dim):
-    """Head sizes that are not a multiple of the kernel's lanes, one query head per KV head, and many."""
+    """Head sizes that are not a multiple of the kernel's lanes; one, three, four (a block of them), five and eight
+    query heads per KV head."""
     got, want, _ = _run([(37, 1), (200, 1), (5, 1)], torch.float32, heads=heads, kv_heads=kv_heads,
                         head_dim=head_dim, path="native")
     _assert_close(got, want)

@@ -112,15 +112,20 @@ __attribute__((always_inline)) inline f8 sums8(const f8* v) {
          SHUFFLE(y[0], y[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// A block of the work keeps every sum it holds in a vector register, so its size follows the level's registers:
-// AVX-512's 32 hold three heads' sums of eight keys, or of eight vectors of values; AVX2's 16 (and the portable
-// level's) three heads' of four.
+// A block of the work keeps every sum it holds in a vector register, so its size follows the level's registers
+// and the block's heads: AVX-512's 32 hold three heads' sums of eight keys, or of eight vectors of values, and four
+// heads' of four; AVX2's 16 (and the portable level's) three heads' of four and four heads' of two. A group of four
+// heads (Llama's 32 over 8) is then one block, which loads each key and value once.
+constexpr int HEADS = 4;  // query heads of a group in one block: each key or value loaded feeds all of them
 #if defined(__AVX512F__)
-constexpr int KEYS = 8, VECTORS = 8;
+constexpr int WIDE = 8;
 #else
-constexpr int KEYS = 4, VECTORS = 4;
+constexpr int WIDE = 4;
 #endif
-constexpr int HEADS = 3;  // query heads of a group in one block: each key or value loaded feeds all of them
+template <int M>
+constexpr int KEYS = M < HEADS ? WIDE : WIDE / 2;  // keys a block of M heads scores at once
+template <int M>
+constexpr int VECTORS = KEYS<M>;  // vectors of values a block of M heads sums at once
 
 template <int N>
 struct Count {
@@ -132,48 +137,38 @@ template <typename Fn>
 __attribute__((always_inline)) inline void by_heads(int64_t heads, Fn fn) {
   int64_t e = 0;
   for (; e + HEADS <= heads; e += HEADS) fn(Count<HEADS>{}, e);
+  if (heads - e == 3) fn(Count<3>{}, e);
   if (heads - e == 2) fn(Count<2>{}, e);
   if (heads - e == 1) fn(Count<1>{}, e);
 }
 
-// KEYS keys' scores for M query heads (q's rows, d apart) at once, s[m * stride + j] for head m and key j, each
-// the same sum as dot's: its own chain of multiply-adds, then sum's order (sums8 reduces eight at a time).
-template <int M, typename E>
+// K keys' scores for M query heads (q's rows, d apart) at once, s[m * stride + j] for head m and key j, each the
+// same sum as dot's: its own chain of multiply-adds, then sum's order (sums8 reduces eight at a time).
+template <int M, int K, typename E>
 __attribute__((always_inline)) inline void scores(const float* q, const E* k, int64_t row, int64_t d, float scale,
                                                   float* s, int64_t stride) {
-  f8 acc[M][KEYS];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < KEYS; ++j) acc[m][j] = splat(0.f);
+  f8 acc[M * K];  // head m's key j at m * K + j
+  for (int n = 0; n < M * K; ++n) acc[n] = splat(0.f);
   int64_t i = 0;
   for (; i + LANES <= d; i += LANES)
-    for (int j = 0; j < KEYS; ++j) {
+    for (int j = 0; j < K; ++j) {
       const f8 key = load(k + j * row + i);
-      for (int m = 0; m < M; ++m) acc[m][j] = fma8(load(q + m * d + i), key, acc[m][j]);
+      for (int m = 0; m < M; ++m) acc[m * K + j] = fma8(load(q + m * d + i), key, acc[m * K + j]);
     }
-  float r[M][KEYS];
-  if constexpr (KEYS == 8) {
-    for (int m = 0; m < M; ++m) store(r[m], sums8(acc[m]));
-  } else {  // two heads' four keys at a time
-    for (int m = 0; m < M; m += 2) {
-      f8 v[8];
-      for (int j = 0; j < 4; ++j) {
-        v[j] = acc[m][j];
-        v[j + 4] = m + 1 < M ? acc[m + 1][j] : splat(0.f);
-      }
-      float both[8];
-      store(both, sums8(v));
-      for (int j = 0; j < 4; ++j) {
-        r[m][j] = both[j];
-        if (m + 1 < M) r[m + 1][j] = both[j + 4];
-      }
-    }
+  float r[M * K];
+  for (int n0 = 0; n0 < M * K; n0 += 8) {  // eight sums at a time, the last eight padded with zeros
+    f8 v[8];
+    for (int n = 0; n < 8; ++n) v[n] = n0 + n < M * K ? acc[n0 + n] : splat(0.f);
+    float eight[8];
+    store(eight, sums8(v));
+    for (int n = 0; n < 8 && n0 + n < M * K; ++n) r[n0 + n] = eight[n];
   }
   for (; i < d; ++i)
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < KEYS; ++j) r[m][j] += q[m * d + i] * value(k + j * row, i);
+      for (int j = 0; j < K; ++j) r[m * K + j] += q[m * d + i] * value(k + j * row, i);
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < KEYS; ++j) {
-      float x = r[m][j];
+    for (int j = 0; j < K; ++j) {
+      float x = r[m * K + j];
       if constexpr (scaled<E>) x *= row_scale(k + j * row, d);
       s[m * stride + j] = x * scale;
     }
@@ -261,56 +256,54 @@ inline Group group_of(const AttendArgs& a, const Chunk& c, int64_t b, float* scr
           scratch + (b - c.b0) * attend_scratch(a)};
 }
 
-// out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of each sequence's group: V vectors
-// of out at a time for up to HEADS heads, each value vector loaded once for all of them, one chain of adds per
-// lane kept across the pages (held in out between them), so that independent sums hide each add's latency.
-template <int V, typename E>
-__attribute__((always_inline)) inline void add_values_of(const AttendArgs& a, const Chunk& c, float* scratch,
-                                                        const E* v, int64_t i0, int64_t i1) {
+// One block of add_values: V vectors of out from i for the M heads from e, over a page's keys [t0, t1).
+template <int M, int V, typename E>
+__attribute__((always_inline)) inline void add_values_block(const AttendArgs& a, const Group& g, const E* v,
+                                                            int64_t base, int64_t t0, int64_t t1, int64_t at,
+                                                            int64_t e, int64_t i) {
   const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
-  for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
-    const Group g = group_of(a, c, b, scratch);
-    // Every block of [i0, i1) while the page is in L1: one walk over the pages, however many blocks a head takes.
-    for (int64_t i = i0; i + V * LANES <= i1; i += V * LANES)
-      by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
-        constexpr int M = decltype(heads)::n;
-        float* oe = a.out + (g.first + e) * d + i;
-        const float* we = g.scratch + e * g.stride + at - t0;
-        f8 o[M][V];
-        for (int m = 0; m < M; ++m)
-          for (int j = 0; j < V; ++j) o[m][j] = load(oe + m * d + j * LANES);
-        for (int64_t t = t0; t < t1; ++t) {
-          const E* vt = v + base + i + t * row;
-          f8 wt[M];
-          for (int m = 0; m < M; ++m) {
-            float weight = we[m * g.stride + t];
-            if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
-            wt[m] = splat(weight);
-          }
-          for (int j = 0; j < V; ++j) {
-            const f8 x = load(vt + j * LANES);
-            for (int m = 0; m < M; ++m) o[m][j] = fma8(wt[m], x, o[m][j]);
-          }
-        }
-        for (int m = 0; m < M; ++m)
-          for (int j = 0; j < V; ++j) store(oe + m * d + j * LANES, o[m][j]);
-      });
-  });
+  float* oe = a.out + (g.first + e) * d + i;
+  const float* we = g.scratch + e * g.stride + at - t0;
+  f8 o[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < V; ++j) o[m][j] = load(oe + m * d + j * LANES);
+  for (int64_t t = t0; t < t1; ++t) {
+    const E* vt = v + base + i + t * row;
+    f8 wt[M];
+    for (int m = 0; m < M; ++m) {
+      float weight = we[m * g.stride + t];
+      if constexpr (scaled<E>) weight *= row_scale(vt - i, d);
+      wt[m] = splat(weight);
+    }
+    for (int j = 0; j < V; ++j) {
+      const f8 x = load(vt + j * LANES);
+      for (int m = 0; m < M; ++m) o[m][j] = fma8(wt[m], x, o[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < V; ++j) store(oe + m * d + j * LANES, o[m][j]);
 }
 
+// out_g = sum over the sequence's keys of w_g[key] * v[key] for each head g of each sequence's group: blocks of
+// VECTORS<M> vectors of out for M heads, each value vector loaded once for all of them, one chain of adds per
+// lane kept across the pages (held in out between them), so that independent sums hide each add's latency. Every
+// block, and the vectors and values past the blocks, while the page is in L1: one walk over the pages.
 template <typename E>
 inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, const E* v) {
-  const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d);
+  const int64_t d = a.head_dim, row = a.kv_heads * width<E>(d), vectors = d / LANES * LANES;
   for (int64_t b = c.b0; b < c.b1; ++b) {  // the sums start at 0, and are held in out between the pages
     const Group g = group_of(a, c, b, scratch);
     for (int64_t l = 0; l < g.size * d; ++l) a.out[g.first * d + l] = 0.f;
   }
-  const int64_t blocks = d / (VECTORS * LANES) * (VECTORS * LANES), vectors = d / LANES * LANES;
-  if (blocks > 0) add_values_of<VECTORS>(a, c, scratch, v, 0, blocks);
-  if (vectors > blocks) add_values_of<1>(a, c, scratch, v, blocks, vectors);
-  for (int64_t i = vectors; i < d; ++i) {
-    for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
-      const Group g = group_of(a, c, b, scratch);
+  for_pages(a, c, v, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
+    const Group g = group_of(a, c, b, scratch);
+    by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
+      constexpr int M = decltype(heads)::n, V = VECTORS<M>;
+      int64_t i = 0;
+      for (; i + V * LANES <= d; i += V * LANES) add_values_block<M, V>(a, g, v, base, t0, t1, at, e, i);
+      for (; i < vectors; i += LANES) add_values_block<M, 1>(a, g, v, base, t0, t1, at, e, i);
+    });
+    for (int64_t i = vectors; i < d; ++i)
       for (int64_t e = 0; e < g.size; ++e) {
         float o = a.out[(g.first + e) * d + i];
         for (int64_t t = t0; t < t1; ++t) {
@@ -320,8 +313,7 @@ inline void add_values(const AttendArgs& a, const Chunk& c, float* scratch, cons
         }
         a.out[(g.first + e) * d + i] = o;
       }
-    });
-  }
+  });
 }
 
 // One unit: a chunk of sequences with one KV head, each with every query head of its group, in three passes over
@@ -336,16 +328,18 @@ void attend_unit(const AttendArgs& a, const Chunk& c, float* scratch) {
   for_pages(a, c, keys, [&](int64_t b, int64_t base, int64_t t0, int64_t t1, int64_t at) {
     const Group g = group_of(a, c, b, scratch);
     const float* q = a.q + g.first * d;
-    // The keys' scores, then their weights, a row per head: KEYS keys at a time meet the group's heads, HEADS of
-    // them at once, while their lines are in L1.
+    // The keys' scores, then their weights, a row per head: KEYS<M> keys at a time meet a block of M of the
+    // group's heads, while their lines are in L1.
     float* s = g.scratch + at - t0;
-    int64_t t = t0;
-    for (; t + KEYS <= t1; t += KEYS)
-      by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
-        scores<decltype(heads)::n>(q + e * d, keys + base + t * row, row, d, a.scale, s + e * g.stride + t, g.stride);
-      });
-    for (; t < t1; ++t)
-      for (int64_t e = 0; e < g.size; ++e) s[e * g.stride + t] = dot(q + e * d, keys + base + t * row, d) * a.scale;
+    by_heads(g.size, [&](auto heads, int64_t e) __attribute__((always_inline)) {
+      constexpr int M = decltype(heads)::n, K = KEYS<M>;
+      int64_t t = t0;
+      for (; t + K <= t1; t += K)
+        scores<M, K>(q + e * d, keys + base + t * row, row, d, a.scale, s + e * g.stride + t, g.stride);
+      for (; t < t1; ++t)
+        for (int m = 0; m < M; ++m)
+          s[(e + m) * g.stride + t] = dot(q + (e + m) * d, keys + base + t * row, d) * a.scale;
+    });
   });
   for (int64_t b = c.b0; b < c.b1; ++b) {
     const Group g = group_of(a, c, b, scratch);
